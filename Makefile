@@ -1,0 +1,31 @@
+# The README's commands. `make demo` and `make test` create the virtual
+# environment themselves, so each is one command on a fresh machine.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+CTSEG  := $(VENV)/bin/ctseg
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: install test demo bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	bash scripts/demo.sh
+
+bench: $(STAMP)
+	$(CTSEG) bench --config configs/demo.toml --partitions 1,2,4,8,16 --partitioner halo,gspmd --json bench/bench.json
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ctseg cli data_prep tests
+
+clean:
+	rm -rf $(VENV) demo bench

@@ -1,0 +1,29 @@
+"""The Typer application that every command module registers itself on."""
+
+import typer
+
+import ctseg
+
+app = typer.Typer(
+    name="ctseg",
+    help="Liver and liver-tumour segmentation of CT scans with a spatially partitioned 3D U-Net.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"ctseg {ctseg.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", callback=_print_version, is_eager=True
+    ),
+) -> None:
+    """Liver and liver-tumour segmentation of CT scans with a spatially partitioned 3D U-Net."""

@@ -1,0 +1,21 @@
+"""Entry point of the `ctseg` console script."""
+
+import sys
+
+from rich.console import Console
+
+from cli import bench, evaluate, plan, predict, preprocess, synth, train  # noqa: F401  (registers)
+from cli.app import app
+from ctseg.errors import CtsegError
+
+
+def main() -> None:
+    try:
+        app()
+    except CtsegError as exc:
+        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {exc}")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""Experiment configuration: TOML files parsed into frozen dataclasses.
+
+A config has the sections ``data``, ``model``, ``mesh``, ``train`` and
+``predict``. Every field carries a one-sentence ``doc`` in its metadata; the
+README's configuration reference is generated from it (`reference_markdown`),
+and a test keeps the two in sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ctseg.errors import CtsegError
+
+
+def _f(default: Any, doc: str) -> Any:
+    if isinstance(default, (list, dict)):
+        raise TypeError("use tuples for sequence defaults: configs are frozen")
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    resolution: int = _f(128, "Side R of the cubic R³ grid every scan is resampled to.")
+    hu_window: tuple[float, float] = _f(
+        (-200.0, 250.0),
+        "Hounsfield window [low, high] clipped and scaled to [-1, 1] when a batch is made.",
+    )
+    val_fraction: float = _f(0.2, "Share of cases put in the validation split by `preprocess`.")
+    split_seed: int = _f(0, "Seed of the train/validation split made by `preprocess`.")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    base_filters: int = _f(32, "Filters of the first U-Net level; doubled at every level below.")
+    depth: int = _f(4, "Number of U-Net levels (resolutions), as in the TPU unet3d model.")
+    kernel_size: int = _f(3, "Side of the cubic convolution kernels (odd).")
+    dtype: Literal["float32", "bfloat16"] = _f(
+        "float32", "Compute dtype; parameters and normalisation statistics stay float32."
+    )
+    remat: bool = _f(False, "Recompute each level's activations in the backward pass (saves memory).")
+    bn_momentum: float = _f(0.9, "Momentum of the batch-norm running averages used at inference.")
+    bn_epsilon: float = _f(1e-5, "Epsilon added to the batch-norm variance.")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    spatial: tuple[int, int, int] = _f(
+        (1, 1, 1), "Partitions of each volume along x, y and z (e.g. [4, 4, 1] for 16-way)."
+    )
+    data: int = _f(1, "Data-parallel replicas; each holds a share of the batch.")
+    partitioner: Literal["halo", "gspmd"] = _f(
+        "halo",
+        "`halo`: explicit halo exchange in shard_map; `gspmd`: XLA partitions a plain jit.",
+    )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = _f(2000, "Optimiser steps to train for.")
+    batch_size: int = _f(1, "Volumes per step (global, across data replicas).")
+    learning_rate: float = _f(1e-3, "Peak learning rate of AdamW.")
+    warmup_steps: int = _f(50, "Linear warm-up steps before the cosine decay.")
+    weight_decay: float = _f(1e-4, "AdamW weight decay.")
+    grad_clip: float = _f(1.0, "Global gradient-norm clipping threshold.")
+    # 1/8/16 for background/liver/tumour come from the Mesh-TensorFlow LiTS U-Net.
+    class_weights: tuple[float, float, float] = _f(
+        (1.0, 8.0, 16.0), "Cross-entropy weights of background, liver and tumour."
+    )
+    dice_weight: float = _f(1.0, "Weight of the soft Dice term (liver and tumour) in the loss.")
+    flip: bool = _f(True, "Random flips along each axis.")
+    rotate90: bool = _f(False, "Random in-plane 90° rotations.")
+    intensity_scale: float = _f(0.1, "Random intensity scale is drawn from 1 ± this.")
+    intensity_shift: float = _f(0.1, "Random intensity shift is drawn from ± this (after scaling).")
+    checkpoint_every: int = _f(100, "Save a checkpoint every this many steps.")
+    eval_every: int = _f(100, "Validate every this many steps.")
+    keep_checkpoints: int = _f(3, "Keep this many latest checkpoints, plus the best.")
+    log_every: int = _f(10, "Write a metrics.jsonl entry every this many steps.")
+    seed: int = _f(0, "Seed of initialisation, batch order and augmentation.")
+
+
+@dataclass(frozen=True)
+class PredictConfig:
+    tile: int = _f(
+        -1, "Tile core size in voxels; 0 = whole volume; -1 = choose from available memory."
+    )
+    keep_largest_liver: bool = _f(True, "Keep only the largest connected liver component.")
+    tumour_inside_liver: bool = _f(True, "Drop tumour voxels outside the (post-processed) liver.")
+    save_probabilities: bool = _f(False, "Also write the class probabilities as a NIfTI.")
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
+
+    @property
+    def num_partitions(self) -> int:
+        x, y, z = self.mesh.spatial
+        return x * y * z
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_partitions * self.mesh.data
+
+    @property
+    def alignment(self) -> int:
+        """Every local block side must be a multiple of this (2^(depth-1))."""
+        return 2 ** (self.model.depth - 1)
+
+
+_SECTION_TYPES: dict[str, type] = typing.get_type_hints(Config)
+SECTIONS = tuple(_SECTION_TYPES)
+
+
+def _closest(name: str, allowed: list[str]) -> str:
+    match = difflib.get_close_matches(name, allowed, n=1)
+    hint = f"; did you mean '{match[0]}'?" if match else ""
+    return f"allowed: {', '.join(allowed)}{hint}"
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check `value` against the annotation `hint`; return it in the field's type."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise CtsegError(f"{key} = {value!r} is not allowed; choose one of {list(choices)}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise CtsegError(f"{key} must be a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise CtsegError(f"{key} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CtsegError(f"{key} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CtsegError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise CtsegError(f"{key} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config annotation {hint!r} for {key}")  # a bug, not user error
+
+
+def _build_section(name: str, values: dict[str, Any]) -> Any:
+    cls = _SECTION_TYPES[name]
+    hints = typing.get_type_hints(cls, include_extras=True)
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in allowed:
+            raise CtsegError(f"unknown config key '{name}.{key}'; {_closest(key, allowed)}")
+        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Build and validate a Config from nested plain values (as TOML gives them)."""
+    sections = {}
+    for name, values in raw.items():
+        if name not in SECTIONS:
+            raise CtsegError(f"unknown config section '{name}'; {_closest(name, list(SECTIONS))}")
+        if not isinstance(values, dict):
+            raise CtsegError(f"config section '{name}' must be a table")
+        sections[name] = _build_section(name, values)
+    config = Config(**sections)
+    validate(config)
+    return config
+
+
+def to_dict(config: Config) -> dict[str, dict[str, Any]]:
+    return {
+        section: {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+        for section, values in dataclasses.asdict(config).items()
+    }
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    if "=" not in item:
+        raise CtsegError(f"--set expects section.key=value, got '{item}'")
+    dotted, text = item.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2:
+        raise CtsegError(f"--set expects section.key=value, got '{item}'")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word such as `gspmd` is a string
+    return parts[0], parts[1], value
+
+
+def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load a TOML config (or the defaults) and apply `--set section.key=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise CtsegError(f"config file not found: {path}")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise CtsegError(f"{path} is not valid TOML: {exc}") from None
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        if section not in SECTIONS:
+            raise CtsegError(f"unknown config section '{section}'; {_closest(section, list(SECTIONS))}")
+        raw.setdefault(section, {})[key] = value
+    return from_dict(raw)
+
+
+def validate(config: Config) -> None:
+    """Check the relations between fields; raise CtsegError naming the key."""
+    m, d, t = config.model, config.data, config.train
+    if d.resolution < 1:
+        raise CtsegError(f"data.resolution must be positive, got {d.resolution}")
+    if d.hu_window[0] >= d.hu_window[1]:
+        raise CtsegError(f"data.hu_window must be [low, high] with low < high, got {list(d.hu_window)}")
+    if not 0.0 <= d.val_fraction < 1.0:
+        raise CtsegError(f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
+    if m.depth < 1:
+        raise CtsegError(f"model.depth must be at least 1, got {m.depth}")
+    if m.base_filters < 1:
+        raise CtsegError(f"model.base_filters must be positive, got {m.base_filters}")
+    if m.kernel_size < 1 or m.kernel_size % 2 == 0:
+        raise CtsegError(f"model.kernel_size must be odd and positive, got {m.kernel_size}")
+    if any(p < 1 for p in config.mesh.spatial) or config.mesh.data < 1:
+        raise CtsegError("mesh.spatial and mesh.data must be positive")
+    for axis, parts in zip("xyz", config.mesh.spatial):
+        step = parts * config.alignment
+        if d.resolution % step:
+            raise CtsegError(
+                f"mesh.spatial = {list(config.mesh.spatial)} does not fit data.resolution = "
+                f"{d.resolution}: along {axis}, {d.resolution} / {parts} partitions must be "
+                f"divisible by 2^(model.depth-1) = {config.alignment} so that every U-Net level "
+                f"pools evenly; use a resolution that is a multiple of {step}"
+            )
+    if t.batch_size % config.mesh.data:
+        raise CtsegError(
+            f"train.batch_size = {t.batch_size} must be divisible by mesh.data = {config.mesh.data}"
+        )
+    for key in ("steps", "checkpoint_every", "eval_every", "keep_checkpoints", "log_every"):
+        if getattr(t, key) < 1:
+            raise CtsegError(f"train.{key} must be at least 1, got {getattr(t, key)}")
+    if config.predict.tile > 0 and config.predict.tile % config.alignment:
+        raise CtsegError(
+            f"predict.tile = {config.predict.tile} must be a multiple of 2^(model.depth-1) = "
+            f"{config.alignment}"
+        )
+
+
+def to_toml(config: Config) -> str:
+    """The fully resolved config as TOML text (written into every run directory)."""
+    lines = []
+    for section, values in to_dict(config).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return " \\| ".join(f'"{c}"' for c in typing.get_args(hint))
+    if origin is tuple:
+        return "[" + ", ".join(_type_name(a) for a in typing.get_args(hint)) + "]"
+    if isinstance(hint, types.GenericAlias):
+        return str(hint)
+    return hint.__name__
+
+
+def reference_markdown() -> str:
+    """The configuration reference table, as it appears in the README."""
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    defaults = to_dict(Config())
+    for section, cls in _SECTION_TYPES.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = _toml_value(defaults[section][f.name])
+            rows.append(
+                f"| `{section}.{f.name}` | {_type_name(hints[f.name])} | `{default}` | "
+                f"{f.metadata['doc']} |"
+            )
+    return "\n".join(rows)
