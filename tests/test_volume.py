@@ -1,0 +1,196 @@
+"""Scans keep their geometry: canonical reading, exact write-back, NRRD/MHA/DICOM, errors."""
+
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import SimpleITK as sitk
+
+from ctseg.errors import CtsegError
+from ctseg.volume import find_scans, read_scan, write_labels, write_volume
+
+SHAPE = (6, 7, 5)
+
+
+def _rotation_z(degrees: float) -> np.ndarray:
+    t = np.deg2rad(degrees)
+    return np.array([[np.cos(t), -np.sin(t), 0], [np.sin(t), np.cos(t), 0], [0, 0, 1]])
+
+
+def _affine(linear: np.ndarray, offset=(10.0, -20.0, 30.0)) -> np.ndarray:
+    affine = np.eye(4)
+    affine[:3, :3] = linear
+    affine[:3, 3] = offset
+    return affine
+
+
+AFFINES = {
+    "RAS": _affine(np.diag([0.8, 0.8, 2.5])),
+    "LPS": _affine(np.diag([-0.7, -0.7, 3.0])),
+    # Oblique, with the first two voxel axes swapped, so reorientation permutes axes.
+    "oblique": _affine(_rotation_z(20) @ np.array([[0, -0.9, 0], [0.6, 0, 0], [0, 0, -2.0]])),
+}
+
+
+def _write_nifti(path: Path, data: np.ndarray, affine: np.ndarray, sform: bool = True) -> Path:
+    image = nib.Nifti1Image(data, affine)
+    if not sform:  # a qform-only header: the affine comes from the quaternion
+        image.set_sform(None, code=0)
+        image.set_qform(affine, code=1)
+    nib.save(image, path)
+    return path
+
+
+def _volume(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(-1000, 1000, SHAPE).astype(np.int16)
+
+
+@pytest.mark.parametrize("sform", [True, False])
+@pytest.mark.parametrize("orientation", sorted(AFFINES))
+def test_nifti_labels_overlay_exactly(tmp_path, orientation, sform):
+    path = _write_nifti(tmp_path / "scan.nii.gz", _volume(), AFFINES[orientation], sform)
+    stored = nib.load(path)
+    scan = read_scan(path)
+
+    canonical = nib.as_closest_canonical(stored)
+    np.testing.assert_array_equal(scan.array, canonical.get_fdata())
+    np.testing.assert_allclose(scan.affine, canonical.affine)
+    assert scan.name == "scan" and scan.original_shape == SHAPE
+
+    labels = np.zeros(scan.array.shape, np.uint8)
+    marked = np.array([1, 2, 3])
+    labels[tuple(marked)] = 2
+    write_labels(scan, labels, tmp_path / "labels.nii.gz")
+
+    written = nib.load(tmp_path / "labels.nii.gz")
+    assert written.shape == SHAPE
+    np.testing.assert_array_equal(written.affine, stored.affine)
+    assert written.get_data_dtype() == np.uint8
+    assert written.dataobj.slope == 1 and written.dataobj.inter == 0
+    voxel = np.argwhere(np.asarray(written.dataobj) == 2)
+    assert len(voxel) == 1
+    world_written = written.affine @ np.append(voxel[0], 1)
+    world_marked = scan.affine @ np.append(marked, 1)
+    np.testing.assert_allclose(world_written, world_marked, atol=1e-4)
+
+
+def test_write_volume_keeps_channels(tmp_path):
+    scan = read_scan(_write_nifti(tmp_path / "s.nii", _volume(), AFFINES["oblique"]))
+    probabilities = np.random.default_rng(1).random((*scan.array.shape, 3)).astype(np.float32)
+    write_volume(scan, probabilities, tmp_path / "p.nii.gz", np.float32)
+    written = nib.load(tmp_path / "p.nii.gz")
+    assert written.shape == (*SHAPE, 3)
+    canonical = nib.as_closest_canonical(written).get_fdata()
+    np.testing.assert_allclose(canonical, probabilities)
+
+
+def _itk_image(data: np.ndarray) -> sitk.Image:
+    image = sitk.GetImageFromArray(data.transpose(2, 1, 0))  # ITK wants [z, y, x]
+    image.SetSpacing((0.7, 0.9, 2.0))
+    image.SetOrigin((-5.0, 12.0, 40.0))
+    image.SetDirection(tuple(_rotation_z(15).ravel()))
+    return image
+
+
+def _assert_itk_geometry(scan, image: sitk.Image, data: np.ndarray) -> None:
+    """Each original voxel maps to ITK's physical point (LPS flipped to RAS), and the
+    canonical voxel at that point holds the same value."""
+    for index in [(0, 0, 0), (5, 1, 4), (2, 6, 3)]:
+        lps = np.array(image.TransformIndexToPhysicalPoint(index))
+        ras = scan.original_affine @ np.append(index, 1)
+        np.testing.assert_allclose(ras[:3], lps * [-1, -1, 1], atol=1e-4)
+        canonical_index = np.rint(np.linalg.solve(scan.affine, ras)[:3]).astype(int)
+        assert scan.array[tuple(canonical_index)] == data[index]
+
+
+@pytest.mark.parametrize("suffix", [".nrrd", ".mha"])
+def test_itk_file_round_trip(tmp_path, suffix):
+    data = _volume(2)
+    image = _itk_image(data)
+    sitk.WriteImage(image, str(tmp_path / f"scan{suffix}"))
+    scan = read_scan(tmp_path / f"scan{suffix}")
+    assert scan.header is None and scan.name == "scan"
+    _assert_itk_geometry(scan, image, data)
+
+    write_labels(scan, (scan.array > 0).astype(np.uint8), tmp_path / "labels.nii.gz")
+    written = nib.load(tmp_path / "labels.nii.gz")
+    np.testing.assert_allclose(written.affine, scan.original_affine, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(written.dataobj), data > 0)
+
+
+def _write_dicom_series(folder: Path, image: sitk.Image) -> None:
+    folder.mkdir()
+    direction = image.GetDirection()
+    writer = sitk.ImageFileWriter()
+    writer.KeepOriginalImageUIDOn()
+    for z in range(image.GetDepth()):
+        slice_ = image[:, :, z]
+        slice_.SetMetaData("0020|000e", "1.2.826.0.1.3680043.2.1125.1.99")  # series UID
+        slice_.SetMetaData("0008|0060", "CT")
+        slice_.SetMetaData("0020|0037", "\\".join(map(str, direction[0:7:3] + direction[1:8:3])))
+        point = image.TransformIndexToPhysicalPoint((0, 0, z))
+        slice_.SetMetaData("0020|0032", "\\".join(map(str, point)))
+        slice_.SetMetaData("0020|0013", str(z + 1))
+        writer.SetFileName(str(folder / f"slice{z:03d}.dcm"))
+        writer.Execute(slice_)
+
+
+def test_dicom_series(tmp_path):
+    data = _volume(3)
+    image = _itk_image(data)
+    _write_dicom_series(tmp_path / "series", image)
+    scan = read_scan(tmp_path / "series")
+    assert scan.name == "series"
+    _assert_itk_geometry(scan, image, data)
+    np.testing.assert_allclose(sorted(scan.spacing), sorted(image.GetSpacing()), atol=1e-4)
+    assert find_scans([tmp_path]) == [tmp_path / "series"]
+
+
+def test_find_scans_expands_folders(tmp_path):
+    for name in ("b.nii.gz", "a.nrrd", "notes.txt"):
+        (tmp_path / name).write_bytes(b"")
+    assert find_scans([tmp_path, tmp_path / "a.nrrd"]) == [
+        tmp_path / "a.nrrd",
+        tmp_path / "b.nii.gz",
+    ]
+    with pytest.raises(CtsegError, match="not found"):
+        find_scans([tmp_path / "missing"])
+    with pytest.raises(CtsegError, match="not a supported scan"):
+        find_scans([tmp_path / "notes.txt"])
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(CtsegError, match="scan not found: .*nope.nii.gz"):
+        read_scan(tmp_path / "nope.nii.gz")
+
+
+@pytest.mark.parametrize("name", ["junk.nii.gz", "junk.nii", "junk.nrrd"])
+def test_corrupt_file(tmp_path, name):
+    (tmp_path / name).write_bytes(np.random.default_rng(0).bytes(2000))
+    with pytest.raises(CtsegError, match=f"cannot read .*{name}") as info:
+        read_scan(tmp_path / name)
+    assert "\n" not in str(info.value)
+
+
+def test_four_d(tmp_path):
+    path = _write_nifti(tmp_path / "4d.nii.gz", np.zeros((4, 4, 4, 2), np.int16), np.eye(4))
+    with pytest.raises(CtsegError, match=r"is 4-D \(shape \(4, 4, 4, 2\)\); ctseg expects one 3-D"):
+        read_scan(path)
+    squeezable = _write_nifti(tmp_path / "1.nii.gz", np.zeros((4, 4, 4, 1), np.int16), np.eye(4))
+    assert read_scan(squeezable).array.shape == (4, 4, 4)
+
+
+def test_nan_voxels(tmp_path):
+    data = np.zeros(SHAPE, np.float32)
+    data[1, 1, 1] = np.nan
+    with pytest.raises(CtsegError, match="NaN"):
+        read_scan(_write_nifti(tmp_path / "nan.nii.gz", data, np.eye(4)))
+
+
+def test_scaling_is_applied(tmp_path):
+    image = nib.Nifti1Image(np.full(SHAPE, 24, np.int16), np.eye(4))
+    image.header.set_slope_inter(1.0, -1024.0)
+    nib.save(image, tmp_path / "ct.nii.gz")
+    scan = read_scan(tmp_path / "ct.nii.gz")
+    assert scan.array.dtype == np.float32 and np.all(scan.array == -1000)
