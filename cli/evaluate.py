@@ -1,10 +1,173 @@
-"""`ctseg evaluate`."""
+"""`ctseg evaluate`: metrics of predicted label maps against references."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from cli.app import app
 from ctseg.errors import CtsegError
+from ctseg.evaluate import evaluate_folders, write_reports
+
+console = Console(highlight=False)
 
 
-@app.command(hidden=False)
-def evaluate() -> None:
-    """Not implemented yet."""
-    raise CtsegError("`ctseg evaluate` is not implemented yet")
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _case_table(cases: list[dict]) -> Table:
+    table = Table(title="Per case")
+    table.add_column("case")
+    for heading in (
+        "liver Dice",
+        "tumour Dice",
+        "liver ASSD mm",
+        "liver HD95 mm",
+        "lesions det/ref",
+    ):
+        table.add_column(heading, justify="right")
+    for case in cases:
+        detection = case["detection"]
+        table.add_row(
+            escape(case["case"]),
+            _fmt(case["liver"]["dice"]),
+            _fmt(case["tumor"]["dice"]),
+            _fmt(case["liver"]["assd"], 2),
+            _fmt(case["liver"]["hd95"], 2),
+            f"{detection['n_detected']}/{detection['n_ref']}",
+        )
+    return table
+
+
+def _summary_table(summary: dict) -> Table:
+    table = Table(title=f"Summary over {summary['n_cases']} case(s)")
+    table.add_column("metric")
+    table.add_column("liver", justify="right")
+    table.add_column("tumour", justify="right")
+    liver, tumour = summary["liver"], summary["tumor"]
+    rows = [
+        ("Dice, mean per case", "dice_per_case", 3),
+        ("Dice, global", "dice_global", 3),
+        ("VOE", "voe", 3),
+        ("RVD", "rvd", 3),
+        ("ASSD mm", "assd", 2),
+        ("HD95 mm", "hd95", 2),
+        ("MSSD mm", "mssd", 2),
+    ]
+    for label, key, digits in rows:
+        table.add_row(label, _fmt(liver[key], digits), _fmt(tumour[key], digits))
+    table.add_row("detection precision", "", _fmt(tumour["detection_precision"]))
+    table.add_row("detection recall", "", _fmt(tumour["detection_recall"]))
+    table.add_row("burden error", "", _fmt(tumour["burden_error"], 4))
+    return table
+
+
+def _run_with_progress(pred: Path, ref: Path) -> dict:
+    columns = (
+        TextColumn("evaluating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("", total=None)
+
+        def report(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total, description=name)
+
+        return evaluate_folders(pred, ref, progress=report)
+
+
+def _check_form(
+    run_dir: Path | None, pred: Path | None, ref: Path | None, run_options: dict
+) -> None:
+    """Exactly one of the two forms: RUN_DIR, or --pred with --ref."""
+    if run_dir is not None and (pred is not None or ref is not None):
+        raise CtsegError("give either RUN_DIR or --pred/--ref, not both")
+    if run_dir is None:
+        given = [f"--{name}" for name, value in run_options.items() if value is not None]
+        if given:
+            raise CtsegError(f"{', '.join(given)} only apply with RUN_DIR")
+        if pred is None or ref is None:
+            raise CtsegError("give --pred PRED_DIR and --ref REF_DIR (or a RUN_DIR with --data)")
+
+
+@app.command()
+def evaluate(
+    run_dir: Annotated[
+        Path | None,
+        typer.Argument(
+            help="Run directory whose model predicts the split to evaluate.",
+            metavar="RUN_DIR",
+            show_default=False,
+        ),
+    ] = None,
+    data: Annotated[
+        Path | None, typer.Option(help="Prepared store holding the split (RUN_DIR form).")
+    ] = None,
+    split: Annotated[
+        str | None, typer.Option(help="Split of the prepared store to evaluate (default: val).")
+    ] = None,
+    checkpoint: Annotated[
+        str | None,
+        typer.Option(help="Checkpoint to load: best, latest or a step number (default: best)."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Folder for the predictions and reports (default: RUN_DIR/eval)."),
+    ] = None,
+    pred: Annotated[
+        Path | None,
+        typer.Option(help="Folder of predicted label maps (.nii / .nii.gz).", metavar="PRED_DIR"),
+    ] = None,
+    ref: Annotated[
+        Path | None,
+        typer.Option(help="Folder of reference label maps (.nii / .nii.gz).", metavar="REF_DIR"),
+    ] = None,
+    json_path: Annotated[
+        Path | None,
+        typer.Option("--json", help="Write the full report (cases, summary, errors) as JSON here."),
+    ] = None,
+    csv_path: Annotated[
+        Path | None, typer.Option("--csv", help="Write one CSV row of metrics per case here.")
+    ] = None,
+) -> None:
+    """Compare label maps with references: Dice, VOE, RVD, ASSD, HD95, MSSD, lesion detection.
+
+    Either --pred/--ref folders of NIfTI label maps (0 background, 1 liver, 2
+    tumour; paired by file name), or a RUN_DIR whose model predicts a split.
+    Exits 1 when any case could not be evaluated.
+    """
+    run_options = {"data": data, "split": split, "checkpoint": checkpoint, "out": out}
+    _check_form(run_dir, pred, ref, run_options)
+    if run_dir is not None:
+        raise CtsegError(
+            "evaluating a run directory needs the inference engine, which is not implemented yet; "
+            "use --pred/--ref"
+        )
+    result = _run_with_progress(pred, ref)
+    write_reports(result, json_path=json_path, csv_path=csv_path)
+
+    if result["cases"]:
+        console.print(_case_table(result["cases"]))
+        console.print(_summary_table(result["summary"]))
+    unpaired = result["unpaired"]
+    if unpaired["pred"] or unpaired["ref"]:
+        console.print(
+            escape(
+                f"unpaired predictions: {', '.join(unpaired['pred']) or 'none'}; "
+                f"unpaired references: {', '.join(unpaired['ref']) or 'none'}"
+            )
+        )
+    for error in result["errors"]:
+        console.print(
+            f"[bold red]case {escape(error['case'])} failed:[/] {escape(error['message'])}"
+        )
+    if result["errors"]:
+        raise typer.Exit(1)

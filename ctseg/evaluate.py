@@ -1,0 +1,245 @@
+"""Evaluate folders of predicted label maps against reference label maps (NIfTI).
+
+Label maps are compared in their own file geometry: a prediction must have
+its reference's shape and affine, so no resampling or reorientation happens
+here. Problems with one case (unreadable file, other geometry, labels outside
+0–2) are recorded in the result's ``errors`` and the other cases still count.
+
+`evaluate_arrays` is the in-memory core, so that a caller that predicts on the
+fly (the RUN_DIR form of ``ctseg evaluate``) can reuse it without files.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import nibabel as nib
+import numpy as np
+
+from ctseg import metrics
+from ctseg.atomic import write_text
+from ctseg.errors import CtsegError
+
+AFFINE_TOLERANCE_MM = 1e-3
+NIFTI_SUFFIXES = (".nii.gz", ".nii")
+CSV_SECTIONS = ("liver", "tumor", "detection", "burden")
+
+Progress = Callable[[int, int, str], None]  # (cases done, cases in total, current case name)
+
+
+class CasePair(NamedTuple):
+    case: str  # the reference file name without extension, e.g. "segmentation-3"
+    pred: Path
+    ref: Path
+
+
+# ---------------------------------------------------------------- pairing
+
+
+def nifti_stem(path: Path) -> str | None:
+    """The file name without .nii / .nii.gz, or None for other files."""
+    for suffix in NIFTI_SUFFIXES:
+        if path.name.endswith(suffix) and len(path.name) > len(suffix):
+            return path.name[: -len(suffix)]
+    return None
+
+
+def _natural_key(name: str) -> list:
+    """Sort "segmentation-2" before "segmentation-10"."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _nifti_files(folder: Path, role: str) -> dict[str, Path]:
+    """NIfTI files of `folder` by stem; two files with one stem (.nii and .nii.gz) are an error."""
+    if not folder.is_dir():
+        raise CtsegError(f"{role} folder {folder} does not exist or is not a folder")
+    files: dict[str, Path] = {}
+    for path in sorted(folder.iterdir()):
+        stem = nifti_stem(path)
+        if stem is None or path.name.startswith(".") or not path.is_file():
+            continue
+        if stem in files:
+            raise CtsegError(f"{role} folder holds both {files[stem].name} and {path.name}")
+        files[stem] = path
+    return files
+
+
+def reference_candidates(pred_stem: str) -> list[str]:
+    """Reference stems a prediction may belong to, most specific first.
+
+    `x` ↔ `x`; LiTS `test-segmentation-N` ↔ `segmentation-N`; and what
+    `ctseg predict` writes, `<scan>_seg` ↔ `<scan>`, where a LiTS scan name
+    `volume-N` (or `test-volume-N`) stands for its `segmentation-N`.
+    """
+    candidates = [pred_stem]
+    if match := re.fullmatch(r"test-segmentation-(\d+)", pred_stem):
+        candidates.append(f"segmentation-{match[1]}")
+    if pred_stem.endswith("_seg"):
+        scan = pred_stem[: -len("_seg")]
+        candidates.append(scan)
+        if match := re.fullmatch(r"(test-)?volume-(\d+)", scan):
+            candidates.append(f"{match[1] or ''}segmentation-{match[2]}")
+    return candidates
+
+
+def pair_files(pred_dir: Path, ref_dir: Path) -> tuple[list[CasePair], list[str], list[str]]:
+    """Match prediction files to reference files by name (see `reference_candidates`).
+
+    Returns the pairs (sorted by case name) and the file names left unpaired in
+    each folder. Two predictions claiming one reference are an error.
+    """
+    preds = _nifti_files(Path(pred_dir), "prediction")
+    refs = _nifti_files(Path(ref_dir), "reference")
+    claimed: dict[str, Path] = {}
+    unpaired_pred = []
+    for stem, pred_path in preds.items():
+        ref_stem = next((c for c in reference_candidates(stem) if c in refs), None)
+        if ref_stem is None:
+            unpaired_pred.append(pred_path.name)
+        elif ref_stem in claimed:
+            raise CtsegError(
+                f"{claimed[ref_stem].name} and {pred_path.name} both match reference "
+                f"{refs[ref_stem].name}; keep one of them"
+            )
+        else:
+            claimed[ref_stem] = pred_path
+    pairs = [CasePair(stem, claimed[stem], refs[stem]) for stem in claimed]
+    pairs.sort(key=lambda pair: _natural_key(pair.case))
+    unpaired_ref = [refs[stem].name for stem in refs if stem not in claimed]
+    return pairs, sorted(unpaired_pred, key=_natural_key), sorted(unpaired_ref, key=_natural_key)
+
+
+# ---------------------------------------------------------------- one case
+
+
+def check_labels(labels: np.ndarray, role: str) -> np.ndarray:
+    """The label map as uint8, or CtsegError if it holds anything but 0, 1, 2."""
+    if labels.size and (labels.min() < 0 or labels.max() > metrics.TUMOR):
+        raise CtsegError(f"{role} has labels outside 0–2 (min {labels.min()}, max {labels.max()})")
+    # LiTS stores some segmentations as floats; only whole numbers are labels.
+    if not np.issubdtype(labels.dtype, np.integer) and not np.array_equal(labels, np.rint(labels)):
+        raise CtsegError(f"{role} has non-integer label values")
+    return labels.astype(np.uint8)
+
+
+def evaluate_arrays(
+    name: str, pred_labels: np.ndarray, ref_labels: np.ndarray, spacing: Sequence[float]
+) -> dict:
+    """The case record of the JSON report for two label maps on one grid (spacing in mm)."""
+    if pred_labels.shape != ref_labels.shape:
+        raise CtsegError(
+            f"prediction shape {pred_labels.shape} differs from reference shape {ref_labels.shape}"
+        )
+    pred = check_labels(pred_labels, "prediction")
+    ref = check_labels(ref_labels, "reference")
+    return {"case": name, **metrics.case_metrics(pred, ref, spacing)}
+
+
+def _load_nifti(path: Path) -> nib.Nifti1Image:
+    try:
+        image = nib.load(path)
+    except (OSError, EOFError, ValueError, nib.filebasedimages.ImageFileError) as exc:
+        raise CtsegError(f"could not read {path.name}: {exc}") from exc
+    if len(image.shape) != 3:
+        raise CtsegError(f"{path.name} is not a 3-D image (shape {image.shape})")
+    return image
+
+
+def _read_labels(image: nib.Nifti1Image, path: Path) -> np.ndarray:
+    try:
+        return np.asanyarray(image.dataobj)
+    except (OSError, EOFError, ValueError, zlib.error) as exc:  # truncated or corrupt voxel data
+        raise CtsegError(f"could not read the voxels of {path.name}: {exc}") from exc
+
+
+def evaluate_pair(pair: CasePair) -> dict:
+    """Read one prediction/reference pair, check their geometry, and evaluate it."""
+    pred_image, ref_image = _load_nifti(pair.pred), _load_nifti(pair.ref)
+    if pred_image.shape != ref_image.shape:
+        raise CtsegError(
+            f"prediction shape {pred_image.shape} differs from reference shape {ref_image.shape}"
+        )
+    if not np.allclose(pred_image.affine, ref_image.affine, rtol=0, atol=AFFINE_TOLERANCE_MM):
+        raise CtsegError("prediction affine differs from the reference affine (other geometry)")
+    spacing = tuple(float(z) for z in ref_image.header.get_zooms()[:3])
+    return evaluate_arrays(
+        pair.case, _read_labels(pred_image, pair.pred), _read_labels(ref_image, pair.ref), spacing
+    )
+
+
+# ---------------------------------------------------------------- many cases
+
+
+def evaluate_pairs(pairs: Sequence[CasePair], progress: Progress | None = None) -> dict:
+    """Evaluate every pair; a case that fails is listed under "errors" and the rest go on.
+
+    Returns ``{"cases", "summary", "errors", "unpaired"}`` (unpaired lists empty;
+    `evaluate_folders` fills them).
+    """
+    cases, errors = [], []
+    for done, pair in enumerate(pairs):
+        if progress is not None:
+            progress(done, len(pairs), pair.case)
+        try:
+            cases.append(evaluate_pair(pair))
+        except CtsegError as exc:
+            errors.append({"case": pair.case, "message": str(exc)})
+    if progress is not None:
+        progress(len(pairs), len(pairs), "")
+    return {
+        "cases": cases,
+        "summary": metrics.summarize(cases),
+        "errors": errors,
+        "unpaired": {"pred": [], "ref": []},
+    }
+
+
+def evaluate_folders(pred_dir: Path, ref_dir: Path, progress: Progress | None = None) -> dict:
+    """Pair the two folders' files and evaluate them; no pair at all is an error."""
+    pairs, unpaired_pred, unpaired_ref = pair_files(pred_dir, ref_dir)
+    if not pairs:
+        raise CtsegError(f"no prediction in {pred_dir} matches a reference in {ref_dir}")
+    result = evaluate_pairs(pairs, progress)
+    result["unpaired"] = {"pred": unpaired_pred, "ref": unpaired_ref}
+    return result
+
+
+# ---------------------------------------------------------------- reports
+
+
+def case_row(case: dict) -> dict[str, Any]:
+    """One flat CSV row: "case", then "<section>_<metric>" for every per-case value."""
+    row: dict[str, Any] = {"case": case["case"]}
+    for section in CSV_SECTIONS:
+        for key, value in case[section].items():
+            row[f"{section}_{key}"] = value
+    return row
+
+
+def cases_csv(cases: Sequence[dict]) -> str:
+    """The per-case table as CSV text; undefined values are empty cells."""
+    rows = [case_row(case) for case in cases]
+    columns = list(rows[0]) if rows else ["case"]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)  # DictWriter writes None as an empty cell
+    return buffer.getvalue()
+
+
+def write_reports(
+    result: dict, json_path: Path | None = None, csv_path: Path | None = None
+) -> None:
+    """Write the JSON report and/or the per-case CSV, each atomically."""
+    if json_path is not None:
+        # allow_nan=False: a NaN would be a bug in the metrics (they use None), so fail loudly.
+        write_text(json_path, json.dumps(result, indent=2, allow_nan=False) + "\n")
+    if csv_path is not None:
+        write_text(csv_path, cases_csv(result["cases"]))
