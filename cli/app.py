@@ -23,7 +23,11 @@ def _print_version(value: bool) -> None:
 @app.callback()
 def root(
     version: bool = typer.Option(
-        False, "--version", help="Print the version and exit.", callback=_print_version, is_eager=True
+        False,
+        "--version",
+        help="Print the version and exit.",
+        callback=_print_version,
+        is_eager=True,
     ),
 ) -> None:
     """Liver and liver-tumour segmentation of CT scans with a spatially partitioned 3D U-Net."""

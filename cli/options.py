@@ -1,18 +1,20 @@
 """Options shared by several commands, and the helpers that turn them into library calls."""
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from ctseg import config as cfg
 
 ConfigOption = Annotated[
-    Optional[Path],
-    typer.Option("--config", "-c", help="TOML experiment config (see configs/); defaults if omitted."),
+    Path | None,
+    typer.Option(
+        "--config", "-c", help="TOML experiment config (see configs/); defaults if omitted."
+    ),
 ]
 SetOption = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option(
         "--set",
         help="Override one config value, e.g. --set data.resolution=32 (repeatable).",
@@ -20,16 +22,16 @@ SetOption = Annotated[
     ),
 ]
 CoordinatorOption = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(help="Multi-host: address host:port of process 0 (jax.distributed)."),
 ]
 NumProcessesOption = Annotated[
-    Optional[int], typer.Option(help="Multi-host: total number of processes.")
+    int | None, typer.Option(help="Multi-host: total number of processes.")
 ]
 ProcessIdOption = Annotated[
-    Optional[int], typer.Option(help="Multi-host: index of this process, 0 … num-processes-1.")
+    int | None, typer.Option(help="Multi-host: index of this process, 0 … num-processes-1.")
 ]
 
 
-def load_config(path: Optional[Path], overrides: Optional[list[str]]) -> cfg.Config:
+def load_config(path: Path | None, overrides: list[str] | None) -> cfg.Config:
     return cfg.load(path, overrides or ())

@@ -25,7 +25,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Keep the suffix so that libraries which choose a format by extension still work.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix="".join(path.suffixes), dir=path.parent)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{path.name}.", suffix="".join(path.suffixes), dir=path.parent
+    )
     os.close(fd)
     tmp_path = Path(tmp)
     try:

@@ -45,7 +45,9 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = _f(
         "float32", "Compute dtype; parameters and normalisation statistics stay float32."
     )
-    remat: bool = _f(False, "Recompute each level's activations in the backward pass (saves memory).")
+    remat: bool = _f(
+        False, "Recompute each level's activations in the backward pass (saves memory)."
+    )
     bn_momentum: float = _f(0.9, "Momentum of the batch-norm running averages used at inference.")
     bn_epsilon: float = _f(1e-5, "Epsilon added to the batch-norm variance.")
 
@@ -222,7 +224,9 @@ def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -
     for item in overrides:
         section, key, value = _parse_override(item)
         if section not in SECTIONS:
-            raise CtsegError(f"unknown config section '{section}'; {_closest(section, list(SECTIONS))}")
+            raise CtsegError(
+                f"unknown config section '{section}'; {_closest(section, list(SECTIONS))}"
+            )
         raw.setdefault(section, {})[key] = value
     return from_dict(raw)
 
@@ -233,7 +237,9 @@ def validate(config: Config) -> None:
     if d.resolution < 1:
         raise CtsegError(f"data.resolution must be positive, got {d.resolution}")
     if d.hu_window[0] >= d.hu_window[1]:
-        raise CtsegError(f"data.hu_window must be [low, high] with low < high, got {list(d.hu_window)}")
+        raise CtsegError(
+            f"data.hu_window must be [low, high] with low < high, got {list(d.hu_window)}"
+        )
     if not 0.0 <= d.val_fraction < 1.0:
         raise CtsegError(f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
     if m.depth < 1:
