@@ -13,7 +13,7 @@ def main() -> None:
     try:
         app()
     except CtsegError as exc:
-        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {exc}")
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {exc}")
         sys.exit(2)
 
 

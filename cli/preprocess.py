@@ -1,28 +1,38 @@
-"""`ctseg preprocess`: raw LiTS / MSD folder -> prepared store."""
+"""`ctseg preprocess`: raw LiTS / MSD / plain-scan folder -> prepared store."""
 
-import warnings
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from cli.app import app
 from cli.options import ConfigOption, SetOption, load_config
-from ctseg.store import MANIFEST, Store, prepare
+from ctseg.store import MANIFEST, SPLITS, PrepareResult, prepare
+
+_STATUS_STYLE = {"prepared": "green", "resumed": "cyan", "failed": "red"}
 
 
 @app.command()
 def preprocess(
     raw_dir: Annotated[
         Path,
-        typer.Argument(help="Folder with LiTS volume-N/segmentation-N or MSD imagesTr/labelsTr."),
+        typer.Argument(
+            help="Folder with LiTS volume-N/segmentation-N, MSD imagesTr/labelsTr, "
+            "or scans without labels (a predict-only store)."
+        ),
     ],
     out_dir: Annotated[Path, typer.Argument(help="Folder of the prepared store to write.")],
     config: ConfigOption = None,
     set_: SetOption = None,
+    workers: Annotated[
+        int,
+        typer.Option("--workers", min=1, help="Cases prepared at once, each in its own process."),
+    ] = 1,
     force: Annotated[
         bool,
         typer.Option(
@@ -30,35 +40,54 @@ def preprocess(
         ),
     ] = False,
 ) -> None:
-    """Resample every labelled scan to the R³ grid and write the prepared store."""
+    """Resample every scan to the R³ grid and write the prepared store.
+
+    Exits 1 when some case failed (the others are in the store), 2 when nothing could start.
+    """
     cfg = load_config(config, set_)
-    console = Console(highlight=False)
-    with (
-        warnings.catch_warnings(record=True) as caught,
-        Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            transient=True,
-        ) as bar,
-    ):
-        warnings.simplefilter("always")
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+    ) as bar:
         task = bar.add_task("preprocess", total=None)
 
         def advance(done: int, total: int, case_id: str) -> None:
             bar.update(task, completed=done, total=total, description=f"preprocess {case_id}")
 
-        store = prepare(raw_dir, out_dir, cfg, progress=advance, force=force)
-    for warning in caught:
-        console.print(f"[yellow]warning:[/] {warning.message}")
-    console.print(_summary(store))
+        result = prepare(raw_dir, out_dir, cfg, progress=advance, force=force, workers=workers)
+    console = Console(highlight=False)
+    console.print(_case_table(result))
+    console.print(_summary_line(result, out_dir), soft_wrap=True)
+    if result.failures:
+        raise typer.Exit(code=1)
 
 
-def _summary(store: Store) -> Table:
-    table = Table(title="prepared store", show_header=False)
-    table.add_row("cases", str(len(store.cases)))
-    table.add_row("train / val", f"{len(store.split('train'))} / {len(store.split('val'))}")
-    table.add_row("resolution", f"{store.resolution}³")
-    table.add_row("manifest", str(store.path / MANIFEST))
+def _case_table(result: PrepareResult) -> Table:
+    table = Table(title="preprocess")
+    for column in ("case", "split", "status"):
+        table.add_column(column)
+    for outcome in result.outcomes:
+        style = _STATUS_STYLE[outcome.status]
+        status = f"failed: {outcome.reason}" if outcome.reason else outcome.status
+        table.add_row(outcome.case_id, outcome.split, Text(status, style=style))
     return table
+
+
+def _summary_line(result: PrepareResult, out_dir: Path) -> str:
+    failed = len(result.failures)
+    if result.store is None:
+        return (
+            f"[red]all {failed} case(s) failed[/]; no store was written to {escape(str(out_dir))}"
+        )
+    store = result.store
+    counts = " / ".join(f"{len(store.split(s))} {s}" for s in SPLITS if store.split(s))
+    line = (
+        f"prepared store: {len(store.cases)} case(s) ({counts}) at {store.resolution}³; "
+        f"manifest {escape(str(store.path / MANIFEST))}"
+    )
+    if failed:
+        line += f"\n[red]{failed} case(s) failed[/]; fix them and re-run to add them to the store"
+    return line

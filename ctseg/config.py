@@ -233,44 +233,102 @@ def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -
 
 def validate(config: Config) -> None:
     """Check the relations between fields; raise CtsegError naming the key."""
-    m, d, t = config.model, config.data, config.train
-    if d.resolution < 1:
-        raise CtsegError(f"data.resolution must be positive, got {d.resolution}")
-    if d.hu_window[0] >= d.hu_window[1]:
-        raise CtsegError(
-            f"data.hu_window must be [low, high] with low < high, got {list(d.hu_window)}"
-        )
-    if not 0.0 <= d.val_fraction < 1.0:
-        raise CtsegError(f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
-    if m.depth < 1:
-        raise CtsegError(f"model.depth must be at least 1, got {m.depth}")
-    if m.base_filters < 1:
-        raise CtsegError(f"model.base_filters must be positive, got {m.base_filters}")
-    if m.kernel_size < 1 or m.kernel_size % 2 == 0:
-        raise CtsegError(f"model.kernel_size must be odd and positive, got {m.kernel_size}")
-    if any(p < 1 for p in config.mesh.spatial) or config.mesh.data < 1:
-        raise CtsegError("mesh.spatial and mesh.data must be positive")
-    for axis, parts in zip("xyz", config.mesh.spatial):
+    _validate_data(config.data)
+    _validate_model(config.model)
+    _validate_mesh(config)
+    _validate_train(config.train, config.mesh)
+    _validate_predict(config)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise CtsegError(message)
+
+
+def _validate_data(d: DataConfig) -> None:
+    _require(d.resolution >= 1, f"data.resolution must be positive, got {d.resolution}")
+    _require(
+        d.hu_window[0] < d.hu_window[1],
+        f"data.hu_window must be [low, high] with low < high, got {list(d.hu_window)}",
+    )
+    _require(
+        0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}"
+    )
+
+
+def _validate_model(m: ModelConfig) -> None:
+    _require(m.depth >= 1, f"model.depth must be at least 1, got {m.depth}")
+    _require(m.base_filters >= 1, f"model.base_filters must be positive, got {m.base_filters}")
+    _require(
+        m.kernel_size >= 1 and m.kernel_size % 2 == 1,
+        f"model.kernel_size must be odd and positive, got {m.kernel_size}",
+    )
+    _require(
+        0.0 <= m.bn_momentum < 1.0, f"model.bn_momentum must be in [0, 1), got {m.bn_momentum}"
+    )
+    _require(m.bn_epsilon > 0, f"model.bn_epsilon must be positive, got {m.bn_epsilon}")
+
+
+def _validate_mesh(config: Config) -> None:
+    """The mesh must cut the grid into blocks that every U-Net level can work on locally."""
+    mesh, resolution = config.mesh, config.data.resolution
+    _require(
+        all(p >= 1 for p in mesh.spatial) and mesh.data >= 1,
+        f"mesh.spatial and mesh.data must be positive, got {list(mesh.spatial)} and {mesh.data}",
+    )
+    halo = config.model.kernel_size // 2
+    for axis, parts in zip("xyz", mesh.spatial):
         step = parts * config.alignment
-        if d.resolution % step:
-            raise CtsegError(
-                f"mesh.spatial = {list(config.mesh.spatial)} does not fit data.resolution = "
-                f"{d.resolution}: along {axis}, {d.resolution} / {parts} partitions must be "
-                f"divisible by 2^(model.depth-1) = {config.alignment} so that every U-Net level "
-                f"pools evenly; use a resolution that is a multiple of {step}"
-            )
-    if t.batch_size % config.mesh.data:
-        raise CtsegError(
-            f"train.batch_size = {t.batch_size} must be divisible by mesh.data = {config.mesh.data}"
+        _require(
+            resolution % step == 0,
+            f"mesh.spatial = {list(mesh.spatial)} does not fit data.resolution = "
+            f"{resolution}: along {axis}, {resolution} / {parts} partitions must be "
+            f"divisible by 2^(model.depth-1) = {config.alignment} so that every U-Net level "
+            f"pools evenly; use a resolution that is a multiple of {step}",
         )
+        # The halo exchange reaches only the direct neighbour, so the neighbour's block
+        # must be at least as thick as the halo even at the deepest, smallest level.
+        deepest = resolution // step
+        _require(
+            parts == 1 or deepest >= halo,
+            f"mesh.spatial = {list(mesh.spatial)} is too fine for data.resolution = "
+            f"{resolution} and model.depth = {config.model.depth}: at the deepest level a "
+            f"block is {deepest} voxel(s) thick along {axis}, less than the {halo} halo "
+            f"voxels of a {config.model.kernel_size}³ kernel; use fewer partitions along "
+            f"{axis}, a larger resolution or a smaller depth",
+        )
+
+
+def _validate_train(t: TrainConfig, mesh: MeshConfig) -> None:
+    _require(t.batch_size >= 1, f"train.batch_size must be at least 1, got {t.batch_size}")
+    _require(
+        t.batch_size % mesh.data == 0,
+        f"train.batch_size = {t.batch_size} must be divisible by mesh.data = {mesh.data}",
+    )
     for key in ("steps", "checkpoint_every", "eval_every", "keep_checkpoints", "log_every"):
-        if getattr(t, key) < 1:
-            raise CtsegError(f"train.{key} must be at least 1, got {getattr(t, key)}")
-    if config.predict.tile > 0 and config.predict.tile % config.alignment:
-        raise CtsegError(
-            f"predict.tile = {config.predict.tile} must be a multiple of 2^(model.depth-1) = "
-            f"{config.alignment}"
-        )
+        value = getattr(t, key)
+        _require(value >= 1, f"train.{key} must be at least 1, got {value}")
+    _require(t.learning_rate > 0, f"train.learning_rate must be positive, got {t.learning_rate}")
+    for key in ("warmup_steps", "weight_decay", "dice_weight", "intensity_shift"):
+        value = getattr(t, key)
+        _require(value >= 0, f"train.{key} must not be negative, got {value}")
+    _require(
+        0 <= t.intensity_scale < 1,
+        f"train.intensity_scale must be in [0, 1), got {t.intensity_scale}",
+    )
+    _require(
+        min(t.class_weights) >= 0 and max(t.class_weights) > 0,
+        f"train.class_weights must be non-negative and not all 0, got {list(t.class_weights)}",
+    )
+
+
+def _validate_predict(config: Config) -> None:
+    tile = config.predict.tile
+    _require(tile >= -1, f"predict.tile must be -1 (auto), 0 (whole volume) or a size, got {tile}")
+    _require(
+        tile <= 0 or tile % config.alignment == 0,
+        f"predict.tile = {tile} must be a multiple of 2^(model.depth-1) = {config.alignment}",
+    )
 
 
 def to_toml(config: Config) -> str:

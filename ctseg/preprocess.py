@@ -21,16 +21,31 @@ from ctseg.errors import CtsegError
 
 LABEL_VALUES = (0, 1, 2)  # background, liver, tumour
 _INT16 = np.iinfo(np.int16)
+# Slices of the first axis handled at a time by `image_to_grid` and `check_labels`: at
+# 512 voxels a side, a slab's temporaries take tens of MiB instead of 512 MiB each.
+_SLAB = 32
 
 
-def _resample(array: np.ndarray, shape: Sequence[int], order: int, dtype: np.dtype) -> np.ndarray:
-    """Resample a 3-D array covering a field of view onto `shape` voxels covering the same one."""
+def _resample(
+    array: np.ndarray,
+    shape: Sequence[int],
+    order: int,
+    dtype: np.dtype,
+    rows: slice = slice(None),
+) -> np.ndarray:
+    """Resample a 3-D array covering a field of view onto `shape` voxels covering the same one.
+
+    `rows` restricts the output to that range of the first axis (a slab of the full result).
+    """
     scale = np.array(array.shape, dtype=float) / np.array(shape, dtype=float)
+    start, stop, _ = rows.indices(shape[0])
+    offset = 0.5 * scale - 0.5
+    offset[0] += scale[0] * start  # output row 0 of the slab is row `start` of the full grid
     return ndimage.affine_transform(
         array,
         scale,  # a 1-D matrix means a diagonal one
-        offset=0.5 * scale - 0.5,
-        output_shape=tuple(shape),
+        offset=offset,
+        output_shape=(stop - start, *shape[1:]),
         output=dtype,
         order=order,
         mode="nearest",
@@ -45,6 +60,20 @@ def to_grid(array: np.ndarray, resolution: int, order: int) -> np.ndarray:
     """
     dtype = np.float32 if order > 0 else array.dtype
     return _resample(array, (resolution,) * 3, order, dtype)
+
+
+def image_to_grid(hu: np.ndarray, resolution: int) -> np.ndarray:
+    """Resample a canonical HU image onto the R×R×R grid as int16 HU (`hu_to_int16`).
+
+    Equal to `hu_to_int16(to_grid(hu, resolution, order=1))`, but made one slab of
+    the first axis at a time, so no whole float32 grid (or its rounding
+    temporaries) is ever held.
+    """
+    grid = np.empty((resolution,) * 3, dtype=np.int16)
+    for start in range(0, resolution, _SLAB):
+        rows = slice(start, min(start + _SLAB, resolution))
+        grid[rows] = hu_to_int16(_resample(hu, grid.shape, 1, np.float32, rows))
+    return grid
 
 
 def from_grid(grid_array: np.ndarray, shape: Sequence[int], order: int = 1) -> np.ndarray:
@@ -88,12 +117,17 @@ def hu_to_unit(hu: np.ndarray, window: Sequence[float]) -> np.ndarray:
 
 def check_labels(labels: np.ndarray, name: str) -> np.ndarray:
     """Return the label map as uint8, or raise if it holds values other than 0, 1, 2."""
-    # Comparisons, not np.unique: a full sort of a 512×512×500 map takes seconds.
-    bad = np.ones(labels.shape, dtype=bool)
-    for value in LABEL_VALUES:
-        bad &= labels != value
-    if bad.any():
-        shown = ", ".join(f"{v:g}" for v in np.unique(labels[bad])[:10].tolist())
+    # Comparisons, not np.unique: a full sort of a 512×512×500 map takes seconds. Slab by
+    # slab, so the boolean temporaries stay small next to the label map itself.
+    outside: set[float] = set()
+    for start in range(0, labels.shape[0], _SLAB):
+        slab = labels[start : start + _SLAB]
+        bad = np.ones(slab.shape, dtype=bool)
+        for value in LABEL_VALUES:
+            bad &= slab != value
+        outside.update(np.unique(slab[bad]).tolist())
+    if outside:
+        shown = ", ".join(f"{v:g}" for v in sorted(outside)[:10])
         raise CtsegError(
             f"{name} has label values outside 0 (background), 1 (liver), 2 (tumour): {shown}"
         )

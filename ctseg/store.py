@@ -4,32 +4,36 @@ Layout (the contract between `ctseg preprocess` and the commands after it)::
 
     PREP_DIR/manifest.json                 written last, atomically
     PREP_DIR/cases/<case_id>/image.npy     int16 HU, [R, R, R], canonical RAS order
-    PREP_DIR/cases/<case_id>/label.npy     uint8 0/1/2, [R, R, R]
+    PREP_DIR/cases/<case_id>/label.npy     uint8 0/1/2, [R, R, R]; absent for label-free cases
     PREP_DIR/cases/<case_id>/case.json     the case's manifest entry (split left empty);
                                            written after the arrays, it marks the case done
 
 manifest.json::
 
     {"format": "ctseg-store", "version": 1, "resolution": R,
-     "cases": [{"id", "split": "train" | "val", "image_source", "label_source",
+     "cases": [{"id", "split": "train" | "val" | "test", "image_source", "label_source",
                 "original_shape", "original_affine", "canonical_shape",
                 "canonical_affine", "spacing", "label_counts": [n0, n1, n2]}]}
 
 Sources are absolute paths; affines are 4×4 voxel -> RAS mm lists; `spacing` is
 the canonical voxel size in mm; `label_counts` counts the voxels of each class
-in label.npy. The grid's own affine is `preprocess.grid_affine(canonical_affine,
-canonical_shape, R)`.
+in label.npy. A case prepared from a scan without a label (a predict-only store)
+has split "test" and `label_source` and `label_counts` null. The manifest lists
+only the cases that were prepared successfully. The grid's own affine is
+`preprocess.grid_affine(canonical_affine, canonical_shape, R)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
-from collections.abc import Callable
+import multiprocessing
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -38,16 +42,17 @@ from ctseg.atomic import write_json, write_npy
 from ctseg.config import Config
 from ctseg.errors import CtsegError
 from ctseg.volume import Scan, read_scan
-from data_prep.layouts import CasePair, find_cases
+from data_prep.layouts import Layout, RawCase, find_cases
 
 FORMAT = "ctseg-store"
 VERSION = 1
-SPLITS = ("train", "val")
+SPLITS = ("train", "val", "test")
 MANIFEST = "manifest.json"
 # Image and label headers of one case may differ by float32 rounding; more is a mismatch.
 GEOMETRY_TOLERANCE_MM = 1e-3
 
 Progress = Callable[[int, int, str], None]
+Status = Literal["prepared", "resumed", "failed"]
 
 
 @dataclass(frozen=True)
@@ -57,13 +62,17 @@ class CaseEntry:
     id: str
     split: str
     image_source: str
-    label_source: str
+    label_source: str | None
     original_shape: tuple[int, ...]
     original_affine: tuple[tuple[float, ...], ...]
     canonical_shape: tuple[int, ...]
     canonical_affine: tuple[tuple[float, ...], ...]
     spacing: tuple[float, ...]
-    label_counts: tuple[int, ...]
+    label_counts: tuple[int, ...] | None
+
+    @property
+    def labelled(self) -> bool:
+        return self.label_source is not None
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> CaseEntry:
@@ -104,7 +113,7 @@ class Store:
         if not cases:
             raise CtsegError(f"the store at {path} holds no cases")
         for case in cases:
-            for kind in ("image", "label"):
+            for kind in ("image", "label") if case.labelled else ("image",):
                 if not _array_path(path, case.id, kind).is_file():
                     raise CtsegError(
                         f"the store at {path} lacks {kind}.npy of case {case.id}; "
@@ -125,14 +134,19 @@ class Store:
 
     def image(self, case_id: str) -> np.ndarray:
         """Read-only int16 HU memory map [R, R, R]; slicing it reads only that slab."""
+        self.case(case_id)
         return self._load(case_id, "image")
 
     def label(self, case_id: str) -> np.ndarray:
         """Read-only uint8 label memory map [R, R, R]."""
+        if not self.case(case_id).labelled:
+            raise CtsegError(
+                f"case {case_id!r} of the store at {self.path} has no label: it was prepared "
+                "from a scan without one, for prediction only"
+            )
         return self._load(case_id, "label")
 
     def _load(self, case_id: str, kind: str) -> np.ndarray:
-        self.case(case_id)
         return np.load(_array_path(self.path, case_id, kind), mmap_mode="r", allow_pickle=False)
 
 
@@ -166,6 +180,26 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
 # --- writing -----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class CaseOutcome:
+    """What `prepare` did with one case of the raw folder."""
+
+    case_id: str
+    split: str
+    status: Status  # "resumed": already prepared by an earlier run, left as it was
+    reason: str = ""  # the one-line error of a failed case
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    store: Store | None  # None when no case could be prepared (then no manifest is written)
+    outcomes: list[CaseOutcome]  # one per case found, in the raw folder's order
+
+    @property
+    def failures(self) -> list[CaseOutcome]:
+        return [o for o in self.outcomes if o.status == "failed"]
+
+
 def assign_splits(case_ids: list[str], val_fraction: float, seed: int) -> dict[str, str]:
     """Deterministic train/val split: at least one val case once there are two or more."""
     count = len(case_ids)
@@ -183,36 +217,73 @@ def prepare(
     config: Config,
     progress: Progress | None = None,
     force: bool = False,
-) -> Store:
+    workers: int = 1,
+) -> PrepareResult:
     """Resample every case under `raw_dir` into a store at `out_dir`; resumable.
 
     Cases already prepared at this resolution from the same sources are skipped
-    unless `force`. Images without labels are reported with `warnings.warn`.
+    unless `force`. A case that fails (bad file, missing label, ...) is recorded
+    with its one-line reason and left out of the manifest; the others go on.
+    `workers` > 1 prepares cases in that many processes at once. Problems that
+    stop everything (no such folder, no cases, a store of another resolution)
+    raise CtsegError.
     """
+    if workers < 1:
+        raise CtsegError(f"--workers must be at least 1, got {workers}")
     out_dir = Path(out_dir)
     resolution = config.data.resolution
     layout = find_cases(raw_dir)
-    if layout.unlabelled:
-        names = ", ".join(p.name for p in layout.unlabelled)
-        warnings.warn(
-            f"skipped {len(layout.unlabelled)} image(s) without labels: {names}", stacklevel=2
-        )
     _check_existing_store(out_dir, resolution, force)
     # A manifest must never describe arrays that are being rewritten.
     (out_dir / MANIFEST).unlink(missing_ok=True)
 
-    splits = assign_splits(
-        [p.case_id for p in layout.pairs], config.data.val_fraction, config.data.split_seed
-    )
-    entries = []
-    for done, pair in enumerate(layout.pairs, start=1):
-        entry = None if force else _finished_entry(out_dir, pair, resolution)
-        if entry is None:
-            entry = _prepare_case(out_dir, pair, resolution)
-        entries.append(dataclasses.replace(entry, split=splits[pair.case_id]))
-        if progress is not None:
-            progress(done, len(layout.pairs), pair.case_id)
+    splits = _splits(layout, config)
+    entries: dict[str, CaseEntry] = {}
+    outcomes: dict[str, CaseOutcome] = {}
 
+    def record(case: RawCase, result: CaseEntry | str, resumed: bool = False) -> None:
+        split = splits[case.case_id]
+        if isinstance(result, str):
+            outcomes[case.case_id] = CaseOutcome(case.case_id, split, "failed", result)
+        else:
+            entries[case.case_id] = dataclasses.replace(result, split=split)
+            outcomes[case.case_id] = CaseOutcome(
+                case.case_id, split, "resumed" if resumed else "prepared"
+            )
+        if progress is not None:
+            progress(len(outcomes), len(layout.cases), case.case_id)
+
+    todo = []
+    for case in layout.cases:
+        finished = None if force else _finished_entry(out_dir, case, resolution)
+        if finished is not None:
+            record(case, finished, resumed=True)
+        elif case.label is None and not layout.predict_only:
+            record(case, f"training case without its label: no label file for {case.image}")
+        else:
+            todo.append(case)
+    for case, result in _prepare_all(todo, out_dir, resolution, workers):
+        record(case, result)
+
+    ordered = [c.case_id for c in layout.cases]
+    good = [entries[i] for i in ordered if i in entries]
+    store = _write_manifest(out_dir, resolution, good) if good else None
+    return PrepareResult(store=store, outcomes=[outcomes[i] for i in ordered])
+
+
+def _splits(layout: Layout, config: Config) -> dict[str, str]:
+    """Case id -> split: "test" in a predict-only store, else a train/val split.
+
+    The split is drawn over all training cases found, failed ones included, so that
+    a case keeps its split when a failed neighbour is fixed and the store brought up to date.
+    """
+    case_ids = [c.case_id for c in layout.cases]
+    if layout.predict_only:
+        return dict.fromkeys(case_ids, "test")
+    return assign_splits(case_ids, config.data.val_fraction, config.data.split_seed)
+
+
+def _write_manifest(out_dir: Path, resolution: int, entries: list[CaseEntry]) -> Store:
     write_json(
         out_dir / MANIFEST,
         {
@@ -234,43 +305,87 @@ def _check_existing_store(out_dir: Path, resolution: int, force: bool) -> None:
         )
 
 
-def _finished_entry(out_dir: Path, pair: CasePair, resolution: int) -> CaseEntry | None:
+def _finished_entry(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry | None:
     """The entry of a case already prepared from the same files at this resolution, else None."""
-    case_json = _case_json_path(out_dir, pair.case_id)
+    case_json = _case_json_path(out_dir, case.case_id)
     if not case_json.is_file():
         return None
+    kinds = ("image",) if case.label is None else ("image", "label")
     try:
         entry = CaseEntry.from_json(json.loads(case_json.read_text()))
         shapes = [
-            np.load(_array_path(out_dir, pair.case_id, kind), mmap_mode="r").shape
-            for kind in ("image", "label")
+            np.load(_array_path(out_dir, case.case_id, kind), mmap_mode="r").shape for kind in kinds
         ]
     except (OSError, ValueError, KeyError, TypeError):
         return None  # damaged or from an older layout: prepare the case again
-    same_sources = (entry.image_source, entry.label_source) == _sources(pair)
-    if same_sources and shapes == [(resolution,) * 3] * 2:
+    same_sources = (entry.image_source, entry.label_source) == _sources(case)
+    if same_sources and shapes == [(resolution,) * 3] * len(kinds):
         return entry
     return None
 
 
-def _sources(pair: CasePair) -> tuple[str, str]:
-    return str(pair.image.resolve()), str(pair.label.resolve())
+def _sources(case: RawCase) -> tuple[str, str | None]:
+    label = None if case.label is None else str(case.label.resolve())
+    return str(case.image.resolve()), label
 
 
-def _prepare_case(out_dir: Path, pair: CasePair, resolution: int) -> CaseEntry:
-    image = read_scan(pair.image)
-    label = read_scan(pair.label)
-    _check_same_geometry(image, label)
-    labels = preprocess.check_labels(label.array, pair.label.name)
+def _prepare_all(
+    cases: list[RawCase], out_dir: Path, resolution: int, workers: int
+) -> Iterator[tuple[RawCase, CaseEntry | str]]:
+    """Prepare `cases`, in this process or in a pool; yield each with its entry or error."""
+    if workers == 1 or len(cases) <= 1:
+        for case in cases:
+            yield case, _prepare_or_reason(out_dir, case, resolution)
+        return
+    # 'spawn': forking a parent that may have started JAX's threads can deadlock the child.
+    pool = ProcessPoolExecutor(
+        max_workers=min(workers, len(cases)), mp_context=multiprocessing.get_context("spawn")
+    )
+    try:
+        futures = {
+            pool.submit(_prepare_or_reason, out_dir, case, resolution): case for case in cases
+        }
+        for future in as_completed(futures):
+            yield futures[future], _worker_result(future)
+    finally:
+        # On Ctrl-C, start no further case; those running finish (their writes are atomic).
+        pool.shutdown(wait=True, cancel_futures=True)
 
-    image_grid = preprocess.hu_to_int16(preprocess.to_grid(image.array, resolution, order=1))
-    label_grid = preprocess.to_grid(labels, resolution, order=0)
-    write_npy(_array_path(out_dir, pair.case_id, "image"), image_grid)
-    write_npy(_array_path(out_dir, pair.case_id, "label"), label_grid)
 
-    image_source, label_source = _sources(pair)
+def _worker_result(future: Future) -> CaseEntry | str:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        return "the worker process died (out of memory?); re-run with fewer --workers"
+
+
+def _prepare_or_reason(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry | str:
+    """The case's entry, or the one-line reason it could not be prepared (runs in workers)."""
+    try:
+        return _prepare_case(out_dir, case, resolution)
+    except CtsegError as exc:
+        return str(exc)
+    except MemoryError:
+        return "out of memory; re-run with fewer --workers or more memory"
+
+
+def _prepare_case(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry:
+    image = read_scan(case.image)
+    label_counts = None
+    if case.label is not None:
+        label_grid = _label_grid(image, case.label, resolution)
+        write_npy(_array_path(out_dir, case.case_id, "label"), label_grid)
+        # Not np.bincount: it would first copy a 512³ grid into 1 GiB of int64.
+        label_counts = tuple(
+            int(np.count_nonzero(label_grid == v)) for v in preprocess.LABEL_VALUES
+        )
+    write_npy(
+        _array_path(out_dir, case.case_id, "image"),
+        preprocess.image_to_grid(image.array, resolution),
+    )
+    image_source, label_source = _sources(case)
     entry = CaseEntry(
-        id=pair.case_id,
+        id=case.case_id,
         split="",  # assigned over all cases in `prepare`
         image_source=image_source,
         label_source=label_source,
@@ -279,10 +394,18 @@ def _prepare_case(out_dir: Path, pair: CasePair, resolution: int) -> CaseEntry:
         canonical_shape=tuple(int(n) for n in image.array.shape),
         canonical_affine=_rows(image.affine),
         spacing=image.spacing,
-        label_counts=tuple(int(n) for n in np.bincount(label_grid.ravel(), minlength=3)),
+        label_counts=label_counts,
     )
-    write_json(_case_json_path(out_dir, pair.case_id), entry.to_json())
+    write_json(_case_json_path(out_dir, case.case_id), entry.to_json())
     return entry
+
+
+def _label_grid(image: Scan, label_path: Path, resolution: int) -> np.ndarray:
+    """The case's label map on the grid, after checking it against the image."""
+    label = read_scan(label_path)
+    _check_same_geometry(image, label)
+    labels = preprocess.check_labels(label.array, label_path.name)
+    return preprocess.to_grid(labels, resolution, order=0)
 
 
 def _rows(affine: np.ndarray) -> tuple[tuple[float, ...], ...]:

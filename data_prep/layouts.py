@@ -1,10 +1,21 @@
-"""Find (image, label) pairs in the folder layouts that public liver data sets ship in.
+"""Find the cases of a raw data folder in the layouts that public liver data sets ship in.
+
+A folder that holds any label file is a *training* folder; its cases are
 
 - LiTS: ``volume-N.nii[.gz]`` with ``segmentation-N.nii[.gz]``, anywhere below the
   folder (the challenge splits them over "Training Batch 1" and "Training Batch 2").
   Case id ``lits-N``.
 - Medical Segmentation Decathlon Task03_Liver: ``imagesTr/liver_N.nii.gz`` with
   ``labelsTr/liver_N.nii.gz``. Case id ``msd-N``.
+
+A training image without its label is still listed (with ``label=None``), so that
+`ctseg preprocess` reports it as a failed case instead of silently dropping it.
+Test-set images (LiTS ``test-volume-N``, MSD ``imagesTs/``) and other scans in a
+training folder are not cases of it.
+
+A folder without any label file is a *predict-only* folder: every scan file below
+it (any name, e.g. LiTS ``test-volume-N.nii``) is a case without a label, with its
+file name as case id.
 
 Case ids hold only letters, digits and ``-``, so they are safe as folder names.
 """
@@ -17,49 +28,45 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ctseg.errors import CtsegError
+from ctseg.volume import SCAN_SUFFIXES, scan_name
 
 _LITS_IMAGE = re.compile(r"^volume-(\d+)\.nii(\.gz)?$")
 _LITS_LABEL = re.compile(r"^segmentation-(\d+)\.nii(\.gz)?$")
 _MSD_FILE = re.compile(r"^[A-Za-z]+_(\d+)\.nii(\.gz)?$")
+_NOT_IN_ID = re.compile(r"[^A-Za-z0-9-]+")
 
 
 @dataclass(frozen=True)
-class CasePair:
+class RawCase:
     case_id: str
     image: Path
-    label: Path
+    label: Path | None  # None: a predict-only case, or a training image whose label is missing
 
 
 @dataclass(frozen=True)
 class Layout:
-    pairs: list[CasePair]
-    unlabelled: list[Path]  # images found without a matching label
+    cases: list[RawCase]
+    predict_only: bool  # the folder holds no labels at all: every case is label-free
 
 
 def find_cases(raw_dir: str | Path) -> Layout:
-    """All LiTS and MSD cases under `raw_dir`, sorted by layout and case number."""
+    """The cases under `raw_dir`: LiTS and MSD training cases, or else plain scans."""
     raw_dir = Path(raw_dir)
     if not raw_dir.is_dir():
         raise CtsegError(f"raw data folder not found: {raw_dir}")
-    files = [p for p in raw_dir.rglob("*") if not p.name.startswith(".") and p.is_file()]
-    lits = _pair_up("lits", _numbered(files, _LITS_IMAGE), _numbered(files, _LITS_LABEL))
-    msd_images, msd_labels = _msd_files(files)
-    msd = _pair_up("msd", msd_images, msd_labels)
-    layout = Layout(pairs=lits.pairs + msd.pairs, unlabelled=lits.unlabelled + msd.unlabelled)
-    if not layout.pairs:
+    files = sorted(p for p in raw_dir.rglob("*") if not p.name.startswith(".") and p.is_file())
+    lits_labels = _numbered(files, _LITS_LABEL)
+    msd_labels = _numbered(_in_folder(files, "labelsTr"), _MSD_FILE)
+    if not lits_labels and not msd_labels:
+        return Layout(cases=_plain_scans(raw_dir, files), predict_only=True)
+    cases = _pair_up("lits", _numbered(files, _LITS_IMAGE), lits_labels) + _pair_up(
+        "msd", _numbered(_in_folder(files, "imagesTr"), _MSD_FILE), msd_labels
+    )
+    if not cases:
         raise CtsegError(
-            f"no LiTS volume-N/segmentation-N pairs or MSD imagesTr/labelsTr found in {raw_dir}"
-            + _unlabelled_note(layout.unlabelled)
+            f"{raw_dir} holds labels but no LiTS volume-N or MSD imagesTr/ images to go with them"
         )
-    return layout
-
-
-def _unlabelled_note(unlabelled: list[Path]) -> str:
-    if not unlabelled:
-        return ""
-    names = ", ".join(p.name for p in unlabelled[:5])
-    more = f" and {len(unlabelled) - 5} more" if len(unlabelled) > 5 else ""
-    return f" (images without labels: {names}{more})"
+    return Layout(cases=cases, predict_only=False)
 
 
 def _numbered(files: Iterable[Path], pattern: re.Pattern[str]) -> dict[int, Path]:
@@ -76,17 +83,28 @@ def _numbered(files: Iterable[Path], pattern: re.Pattern[str]) -> dict[int, Path
     return found
 
 
-def _msd_files(files: list[Path]) -> tuple[dict[int, Path], dict[int, Path]]:
-    images = _numbered((p for p in files if p.parent.name == "imagesTr"), _MSD_FILE)
-    labels = _numbered((p for p in files if p.parent.name == "labelsTr"), _MSD_FILE)
-    return images, labels
+def _in_folder(files: Iterable[Path], folder: str) -> list[Path]:
+    return [p for p in files if p.parent.name == folder]
 
 
-def _pair_up(prefix: str, images: dict[int, Path], labels: dict[int, Path]) -> Layout:
-    pairs = [
-        CasePair(f"{prefix}-{number}", images[number], labels[number])
+def _pair_up(prefix: str, images: dict[int, Path], labels: dict[int, Path]) -> list[RawCase]:
+    return [
+        RawCase(f"{prefix}-{number}", images[number], labels.get(number))
         for number in sorted(images)
-        if number in labels
     ]
-    unlabelled = [images[number] for number in sorted(images) if number not in labels]
-    return Layout(pairs=pairs, unlabelled=unlabelled)
+
+
+def _plain_scans(raw_dir: Path, files: list[Path]) -> list[RawCase]:
+    scans = [p for p in files if p.name.lower().endswith(SCAN_SUFFIXES)]
+    if not scans:
+        raise CtsegError(
+            f"no scans found in {raw_dir}: expected LiTS volume-N/segmentation-N, "
+            f"MSD imagesTr/labelsTr, or scan files ({', '.join(SCAN_SUFFIXES)})"
+        )
+    by_id: dict[str, Path] = {}
+    for path in scans:
+        case_id = _NOT_IN_ID.sub("-", scan_name(path)).strip("-") or "scan"
+        if case_id in by_id:
+            raise CtsegError(f"{by_id[case_id]} and {path} would both become case '{case_id}'")
+        by_id[case_id] = path
+    return [RawCase(case_id, path, None) for case_id, path in by_id.items()]

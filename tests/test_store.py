@@ -1,6 +1,7 @@
-"""The prepared store: manifest, memory maps, splits, resuming and refusals."""
+"""The prepared store: manifest, memory maps, splits, resuming, failed cases, predict-only."""
 
 import json
+import re
 import shutil
 
 import nibabel as nib
@@ -30,7 +31,9 @@ def raw(tmp_path_factory):
 
 @pytest.fixture
 def store(raw, tmp_path):
-    return prepare(raw, tmp_path / "prep", _config())
+    result = prepare(raw, tmp_path / "prep", _config())
+    assert result.failures == []
+    return result.store
 
 
 def test_manifest_contents(store, raw):
@@ -91,7 +94,8 @@ def test_resume_skips_finished_cases(raw, store):
     again = prepare(raw, store.path, _config(), progress=lambda *a: calls.append(a))
     assert image.stat().st_mtime_ns == before
     assert (store.path / "cases" / "lits-2" / "label.npy").is_file()
-    assert again == store
+    assert again.store == store
+    assert [o.status for o in again.outcomes] == ["resumed", "resumed", "prepared"]
     assert calls[-1] == (3, 3, "lits-2")
     prepare(raw, store.path, _config(), force=True)
     assert image.stat().st_mtime_ns != before
@@ -100,46 +104,149 @@ def test_resume_skips_finished_cases(raw, store):
 def test_refuses_other_resolution_unless_forced(raw, store):
     with pytest.raises(CtsegError, match="resolution 16, not 8; .*--force"):
         prepare(raw, store.path, _config(8))
-    assert prepare(raw, store.path, _config(8), force=True).resolution == 8
+    assert prepare(raw, store.path, _config(8), force=True).store.resolution == 8
+
+
+# --- failed cases ------------------------------------------------------------------------
+
+AFFINE = np.diag([0.8, 0.8, 2.0, 1.0])
+
+
+def _save(path, data, affine=AFFINE):
+    nib.save(nib.Nifti1Image(data, affine), path)
+
+
+def _write_pair(folder, number, image, label, label_affine=AFFINE):
+    _save(folder / f"volume-{number}.nii.gz", image)
+    _save(folder / f"segmentation-{number}.nii.gz", label, label_affine)
+
+
+def _bad_folder(raw, tmp_path):
+    """lits-0 is good; every other case has one of the defects users meet."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    for name in ("volume-0.nii.gz", "segmentation-0.nii.gz"):
+        shutil.copy(raw / name, folder / name)
+    hu = np.full((8, 8, 6), 40, np.int16)
+    liver = np.zeros((8, 8, 6), np.uint8)
+    (folder / "volume-1.nii.gz").write_bytes(b"\x1f\x8b not really gzip")
+    _save(folder / "segmentation-1.nii.gz", liver)
+    _write_pair(folder, 2, hu[:, :, 0], liver[:, :, 0])
+    _write_pair(folder, 3, np.zeros((8, 8, 6, 2), np.int16), liver)
+    _write_pair(folder, 4, hu, liver[:, :, :5])
+    shifted = AFFINE.copy()
+    shifted[0, 3] = 2.0
+    _write_pair(folder, 5, hu, liver, shifted)
+    _write_pair(folder, 6, hu, liver + 3)
+    nan, inf = hu.astype(np.float32), hu.astype(np.float32)
+    nan[1, 1, 1], inf[2, 2, 2] = np.nan, -np.inf
+    _write_pair(folder, 7, nan, liver)
+    _write_pair(folder, 8, inf, liver)
+    _save(folder / "volume-9.nii.gz", hu)  # a training case without its label
+    return folder
+
+
+EXPECTED_REASONS = {
+    "lits-1": r"cannot read .*volume-1\.nii\.gz: ",
+    "lits-2": r"volume-2\.nii\.gz has 2 dimensions; ctseg expects one 3-D CT volume",
+    "lits-3": r"volume-3\.nii\.gz is 4-D \(shape \(8, 8, 6, 2\)\)",
+    "lits-4": r"volume-4\.nii\.gz and segmentation-4\.nii\.gz differ in geometry: shape",
+    "lits-5": r"volume-5\.nii\.gz and segmentation-5\.nii\.gz differ in geometry: .*2 mm",
+    "lits-6": r"segmentation-6\.nii\.gz has label values outside .*: 3",
+    "lits-7": r"volume-7\.nii\.gz contains NaN or infinite voxels",
+    "lits-8": r"volume-8\.nii\.gz contains NaN or infinite voxels",
+    "lits-9": r"training case without its label: .*volume-9\.nii\.gz",
+}
+
+
+def test_bad_cases_are_named_and_the_others_complete(raw, tmp_path):
+    result = prepare(_bad_folder(raw, tmp_path), tmp_path / "prep", _config())
+    assert [c.id for c in result.store.cases] == ["lits-0"]
+    assert [o.case_id for o in result.outcomes] == [f"lits-{i}" for i in range(10)]
+    assert result.outcomes[0].status == "prepared"
+    reasons = {f.case_id: f.reason for f in result.failures}
+    assert reasons.keys() == EXPECTED_REASONS.keys()
+    for case_id, pattern in EXPECTED_REASONS.items():
+        assert re.search(pattern, reasons[case_id]), (case_id, reasons[case_id])
+        assert "\n" not in reasons[case_id]
+    assert not (tmp_path / "prep" / "cases" / "lits-6" / "case.json").exists()
+    manifest = json.loads((tmp_path / "prep" / "manifest.json").read_text())
+    assert [c["id"] for c in manifest["cases"]] == ["lits-0"]
+
+
+def test_fixed_case_is_added_on_rerun_and_splits_stay(raw, tmp_path):
+    folder = _copy_case(raw, tmp_path, 0)
+    shutil.copy(raw / "volume-1.nii.gz", folder / "volume-1.nii.gz")  # its label comes later
+    first = prepare(folder, tmp_path / "prep", _config())
+    assert [f.case_id for f in first.failures] == ["lits-1"]
+    shutil.copy(raw / "segmentation-1.nii.gz", folder / "segmentation-1.nii.gz")
+    second = prepare(folder, tmp_path / "prep", _config())
+    assert second.failures == [] and [c.id for c in second.store.cases] == ["lits-0", "lits-1"]
+    assert [o.status for o in second.outcomes] == ["resumed", "prepared"]
+    assert [o.split for o in first.outcomes] == [o.split for o in second.outcomes]
+
+
+def test_no_case_succeeded(raw, tmp_path):
+    folder = _bad_folder(raw, tmp_path)
+    for name in ("volume-0.nii.gz", "segmentation-0.nii.gz"):
+        (folder / name).unlink()
+    result = prepare(folder, tmp_path / "prep", _config())
+    assert result.store is None and len(result.failures) == 9
+    assert not (tmp_path / "prep" / "manifest.json").exists()
+
+
+def test_workers_give_the_same_store(raw, tmp_path):
+    serial = prepare(raw, tmp_path / "serial", _config()).store
+    result = prepare(raw, tmp_path / "pool", _config(), workers=2)
+    assert result.failures == []
+    assert [c.id for c in result.store.cases] == [c.id for c in serial.cases]
+    for case, other in zip(result.store.cases, serial.cases):
+        assert case.split == other.split and case.label_counts == other.label_counts
+        np.testing.assert_array_equal(result.store.image(case.id), serial.image(case.id))
+        np.testing.assert_array_equal(result.store.label(case.id), serial.label(case.id))
 
 
 def _copy_case(raw, tmp_path, index=0):
     out = tmp_path / "bad"
-    out.mkdir()
+    out.mkdir(exist_ok=True)
     for name in (f"volume-{index}.nii.gz", f"segmentation-{index}.nii.gz"):
         shutil.copy(raw / name, out / name)
     return out
 
 
-def test_geometry_mismatch(raw, tmp_path):
-    bad = _copy_case(raw, tmp_path)
-    seg = nib.load(bad / "segmentation-0.nii.gz")
-    shifted = seg.affine.copy()
-    shifted[0, 3] += 2.0
-    nib.save(nib.Nifti1Image(np.asarray(seg.dataobj), shifted), bad / "segmentation-0.nii.gz")
-    with pytest.raises(
-        CtsegError, match="volume-0.nii.gz and segmentation-0.nii.gz differ in geometry: .*2 mm"
-    ):
-        prepare(bad, tmp_path / "prep", _config())
+# --- predict-only stores -----------------------------------------------------------------
 
 
-def test_label_value_three(raw, tmp_path):
-    bad = _copy_case(raw, tmp_path)
-    seg = nib.load(bad / "segmentation-0.nii.gz")
-    data = np.asarray(seg.dataobj).copy()
-    data[0, 0, 0] = 3
-    nib.save(nib.Nifti1Image(data, seg.affine), bad / "segmentation-0.nii.gz")
-    with pytest.raises(CtsegError, match="segmentation-0.nii.gz has label values outside .*: 3"):
-        prepare(bad, tmp_path / "prep", _config())
-    assert not (tmp_path / "prep" / "manifest.json").exists()
+def test_predict_only_store(raw, tmp_path):
+    scans = tmp_path / "LITS-Challenge-Test-Data"
+    scans.mkdir()
+    shutil.copy(raw / "volume-0.nii.gz", scans / "test-volume-0.nii.gz")
+    shutil.copy(raw / "volume-1.nii.gz", scans / "patient 7_arterial.nii.gz")
+    result = prepare(scans, tmp_path / "prep", _config())
+    store = result.store
+    assert [c.id for c in store.cases] == ["patient-7-arterial", "test-volume-0"]
+    assert [c.split for c in store.cases] == ["test", "test"]
+    assert store.split("test") == store.cases and store.split("train") == []
+    case = store.case("test-volume-0")
+    assert case.label_source is None and case.label_counts is None and not case.labelled
+    assert not (store.path / "cases" / "test-volume-0" / "label.npy").exists()
+    assert store.image("test-volume-0").shape == (RESOLUTION,) * 3
+    with pytest.raises(CtsegError, match="has no label: .*prediction only"):
+        store.label("test-volume-0")
+    assert Store.open(store.path) == store
+    again = prepare(scans, tmp_path / "prep", _config())
+    assert [o.status for o in again.outcomes] == ["resumed", "resumed"]
 
 
 def test_missing_and_empty(tmp_path):
     with pytest.raises(CtsegError, match="raw data folder not found"):
         prepare(tmp_path / "nothing", tmp_path / "prep", _config())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CtsegError, match="no scans found in .*empty"):
+        prepare(tmp_path / "empty", tmp_path / "prep", _config())
     with pytest.raises(CtsegError, match="no prepared store at .*run `ctseg preprocess`"):
         Store.open(tmp_path / "nothing")
-    empty = tmp_path / "empty"
+    empty = tmp_path / "empty-store"
     empty.mkdir()
     (empty / "manifest.json").write_text(
         json.dumps({"format": "ctseg-store", "version": 1, "resolution": 16, "cases": []})
@@ -157,7 +264,15 @@ def test_store_with_missing_arrays(store):
         Store.open(store.path)
 
 
-def test_layouts(tmp_path):
+def test_unknown_split(store):
+    with pytest.raises(ValueError, match="unknown split"):
+        store.split("holdout")
+
+
+# --- folder layouts ----------------------------------------------------------------------
+
+
+def test_training_layouts(tmp_path):
     lits = tmp_path / "LiTS" / "Training Batch 1"
     lits.mkdir(parents=True)
     for name in (
@@ -166,19 +281,43 @@ def test_layouts(tmp_path):
         "volume-2.nii.gz",
         "segmentation-2.nii.gz",
         "volume-7.nii",
+        "test-volume-3.nii",  # a test-set scan is not a case of a training folder
     ):
         (lits / name).write_bytes(b"")
     msd = tmp_path / "Task03_Liver"
-    for folder in ("imagesTr", "labelsTr"):
+    for folder in ("imagesTr", "labelsTr", "imagesTs"):
         (msd / folder).mkdir(parents=True)
         (msd / folder / "liver_3.nii.gz").write_bytes(b"")
         (msd / folder / "._liver_3.nii.gz").write_bytes(b"")  # macOS litter in the MSD tarball
+    (msd / "imagesTr" / "liver_4.nii.gz").write_bytes(b"")
     layout = find_cases(tmp_path)
-    assert [p.case_id for p in layout.pairs] == ["lits-2", "lits-10", "msd-3"]
-    assert layout.pairs[2].label == msd / "labelsTr" / "liver_3.nii.gz"
-    assert [p.name for p in layout.unlabelled] == ["volume-7.nii"]
-    only_images = tmp_path / "only"
-    only_images.mkdir()
-    (only_images / "volume-1.nii").write_bytes(b"")
-    with pytest.raises(CtsegError, match="no LiTS .* found in .*only .*volume-1.nii"):
-        find_cases(only_images)
+    assert not layout.predict_only
+    assert [c.case_id for c in layout.cases] == ["lits-2", "lits-7", "lits-10", "msd-3", "msd-4"]
+    assert layout.cases[3].label == msd / "labelsTr" / "liver_3.nii.gz"
+    assert [c.case_id for c in layout.cases if c.label is None] == ["lits-7", "msd-4"]
+
+
+def test_predict_only_layouts(tmp_path):
+    (tmp_path / "imagesTs").mkdir()
+    for name in ("imagesTs/liver_132.nii.gz", "test-volume-0.nii", "notes.txt", "a.mha"):
+        (tmp_path / name).write_bytes(b"")
+    layout = find_cases(tmp_path)
+    assert layout.predict_only
+    assert {c.case_id: c.label for c in layout.cases} == {
+        "a": None,
+        "liver-132": None,
+        "test-volume-0": None,
+    }
+    (tmp_path / "a.nii").write_bytes(b"")
+    with pytest.raises(CtsegError, match="a.mha and .*a.nii would both become case 'a'"):
+        find_cases(tmp_path)
+
+
+def test_labels_without_images(tmp_path):
+    (tmp_path / "segmentation-1.nii").write_bytes(b"")
+    with pytest.raises(CtsegError, match="holds labels but no LiTS volume-N"):
+        find_cases(tmp_path)
+    (tmp_path / "volume-1.nii").write_bytes(b"")
+    (tmp_path / "volume-01.nii").write_bytes(b"")
+    with pytest.raises(CtsegError, match="case 1 appears twice"):
+        find_cases(tmp_path)
