@@ -35,3 +35,20 @@ ProcessIdOption = Annotated[
 
 def load_config(path: Path | None, overrides: list[str] | None) -> cfg.Config:
     return cfg.load(path, overrides or ())
+
+
+def start_jax(
+    config: cfg.Config,
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> None:
+    """Join a multi-host job if asked, and make sure the mesh has enough devices.
+
+    Must run before anything touches JAX devices: simulated CPU devices can
+    only be configured before the backend starts.
+    """
+    from ctseg import partition  # imports JAX; keep `ctseg --help` fast
+
+    partition.initialize_distributed(coordinator, num_processes, process_id)
+    partition.configure_cpu_devices(config.num_devices)

@@ -1,10 +1,78 @@
-"""`ctseg train`."""
+"""`ctseg train`: partitioned whole-volume training with checkpoints and live validation."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from cli.app import app
-from ctseg.errors import CtsegError
+from cli.options import (
+    ConfigOption,
+    CoordinatorOption,
+    NumProcessesOption,
+    ProcessIdOption,
+    SetOption,
+    load_config,
+    start_jax,
+)
 
 
-@app.command(hidden=False)
-def train() -> None:
-    """Not implemented yet."""
-    raise CtsegError("`ctseg train` is not implemented yet")
+@app.command()
+def train(
+    data: Annotated[
+        Path, typer.Option("--data", help="Prepared store written by `ctseg preprocess`.")
+    ],
+    workdir: Annotated[
+        Path,
+        typer.Option(
+            "--workdir",
+            help="Run directory; an existing one is resumed from its latest checkpoint.",
+        ),
+    ],
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    coordinator: CoordinatorOption = None,
+    num_processes: NumProcessesOption = None,
+    process_id: ProcessIdOption = None,
+) -> None:
+    """Train the U-Net on whole volumes, spatially partitioned over the config's mesh.
+
+    Ctrl-C saves a checkpoint and stops; running the same command again resumes.
+    """
+    cfg = load_config(config, set_)
+    start_jax(cfg, coordinator, num_processes, process_id)
+    from ctseg.train import train_and_evaluate  # after start_jax: imports start JAX
+
+    console = Console(highlight=False)
+    columns = (
+        TextColumn("[bold]train[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("train", total=cfg.train.steps, status="compiling…")
+
+        def report(p) -> None:
+            status = f"loss {p.loss:.4f}  {p.steps_per_second:.2f} steps/s"
+            if p.val_dice:
+                status += (
+                    f"  val Dice liver {p.val_dice['liver']:.3f} tumour {p.val_dice['tumor']:.3f}"
+                )
+            bar.update(task, completed=p.step, status=status)
+
+        try:
+            summary = train_and_evaluate(cfg, data, workdir, progress=report)
+        except KeyboardInterrupt:
+            console.print(
+                "[yellow]interrupted:[/] checkpoint saved; run the same command to resume"
+            )
+            raise typer.Exit(130) from None
+    console.print(
+        f"done: step {summary['step']}, data wait {100 * summary['data_wait_fraction']:.1f} % "
+        f"of step time; run directory {summary['run_dir']} "
+        "(metrics.jsonl, curves.png, checkpoints/)"
+    )

@@ -88,7 +88,7 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config, mesh: Mesh) -> Calla
         )
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **parts}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **parts}
         return TrainState(state.step + 1, params, stats, opt_state), metrics
 
     return train_step

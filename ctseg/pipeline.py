@@ -1,0 +1,180 @@
+"""Training input: sharded global batches read slab by slab from the prepared store.
+
+A step's global batch ``[B, R, R, R, 1]`` is built with
+`jax.make_array_from_callback`: each device's block is read from the
+memory-mapped store on demand, so a device never reads more than its slab and
+a host never more than its devices' slabs.
+
+Augmentation (flips, in-plane 90° rotations, intensity scale and shift) is
+drawn from (seed, step, sample) alone and applied per block by index
+arithmetic, so the global batch is the same whatever the mesh layout.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from ctseg.config import Config
+from ctseg.partition import make_global_array
+from ctseg.preprocess import hu_to_unit
+from ctseg.step import LABEL_SPEC
+from ctseg.store import Store
+
+
+@dataclass(frozen=True)
+class Augmentation:
+    """A voxel-exact rearrangement plus an intensity change.
+
+    Output axis k reads input axis ``source_axis[k]``, reversed where
+    ``reverse[k]``; the group of in-plane 90° rotations and flips is exactly
+    {swap x/y or not} × {reverse each axis or not}.
+    """
+
+    source_axis: tuple[int, int, int] = (0, 1, 2)
+    reverse: tuple[bool, bool, bool] = (False, False, False)
+    scale: float = 1.0
+    shift: float = 0.0
+
+    def read(self, volume: np.ndarray, index: Sequence[slice]) -> np.ndarray:
+        """Block `index` (slices over x, y, z) of the augmented volume; reads only that block."""
+        n = volume.shape
+        source = [slice(None)] * 3
+        for sl, axis, rev in zip(index, self.source_axis, self.reverse):
+            start, stop, _ = sl.indices(n[axis])
+            source[axis] = slice(n[axis] - stop, n[axis] - start) if rev else slice(start, stop)
+        block = np.asarray(volume[tuple(source)])
+        # Put the block's axes in output order, then reverse the flipped ones.
+        block = np.transpose(block, self.source_axis)
+        flips = tuple(k for k, rev in enumerate(self.reverse) if rev)
+        return np.flip(block, flips) if flips else block
+
+
+def draw_augmentation(config: Config, step: int, sample: int) -> Augmentation:
+    t = config.train
+    rng = np.random.default_rng([t.seed, step, sample, 1])
+    swap = bool(t.rotate90 and rng.random() < 0.5)
+    reverse = tuple(bool(t.flip and rng.random() < 0.5) for _ in range(3))
+    if t.rotate90:
+        # A 90° rotation is a swap plus one flip; also allow the rotation without flips.
+        reverse = (reverse[0] or (swap and rng.random() < 0.5), reverse[1], reverse[2])
+    scale = 1.0 + rng.uniform(-t.intensity_scale, t.intensity_scale)
+    shift = rng.uniform(-t.intensity_shift, t.intensity_shift)
+    return Augmentation((1, 0, 2) if swap else (0, 1, 2), reverse, float(scale), float(shift))
+
+
+def cases_for_step(case_ids: Sequence[str], seed: int, step: int, batch_size: int) -> list[str]:
+    """The step's cases: epochs are seeded permutations, so any step can be recomputed."""
+    n = len(case_ids)
+    picks = []
+    for position in range(step * batch_size, (step + 1) * batch_size):
+        epoch, offset = divmod(position, n)
+        order = np.random.default_rng([seed, epoch, 0]).permutation(n)
+        picks.append(case_ids[order[offset]])
+    return picks
+
+
+def make_batch(
+    store: Store,
+    case_ids: Sequence[str],
+    augmentations: Sequence[Augmentation],
+    mesh: Mesh,
+    hu_window: tuple[float, float],
+) -> tuple[jax.Array, jax.Array]:
+    """Sharded (image [B,R,R,R,1] float32 in [-1,1], label [B,R,R,R] int32) for these cases."""
+    r = store.resolution
+    batch = len(case_ids)
+
+    def read_image(index: tuple[slice, ...]) -> np.ndarray:
+        rows = []
+        for b in range(*index[0].indices(batch)):
+            aug = augmentations[b]
+            unit = hu_to_unit(aug.read(store.image(case_ids[b]), index[1:4]), hu_window)
+            rows.append(unit * aug.scale + aug.shift)
+        return np.stack(rows)[..., None]
+
+    def read_label(index: tuple[slice, ...]) -> np.ndarray:
+        rows = [
+            augmentations[b].read(store.label(case_ids[b]), index[1:4])
+            for b in range(*index[0].indices(batch))
+        ]
+        return np.stack(rows)
+
+    image = make_global_array(mesh, (batch, r, r, r, 1), np.float32, read_image)
+    label = make_global_array(mesh, (batch, r, r, r), np.int32, read_label, LABEL_SPEC)
+    return image, label
+
+
+def training_batch(
+    store: Store, config: Config, mesh: Mesh, step: int
+) -> tuple[jax.Array, jax.Array]:
+    ids = [c.id for c in store.split("train")]
+    picks = cases_for_step(ids, config.train.seed, step, config.train.batch_size)
+    augs = [draw_augmentation(config, step, i) for i in range(len(picks))]
+    return make_batch(store, picks, augs, mesh, config.data.hu_window)
+
+
+class Prefetcher:
+    """Builds the next batches in a background thread so devices do not wait on disk.
+
+    `wait_seconds` accumulates the time the training loop spent blocked on it.
+    """
+
+    def __init__(self, store: Store, config: Config, mesh: Mesh, start: int, stop: int, depth=2):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._count = max(stop - start, 0)
+        self.wait_seconds = 0.0
+
+        def work() -> None:
+            for step in range(start, stop):
+                if self._stop.is_set():
+                    return
+                try:
+                    item = (step, training_batch(store, config, mesh, step))
+                except Exception as exc:  # surfaced in the loop's thread
+                    item = (step, exc)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+
+        self._thread = threading.Thread(target=work, name="ctseg-prefetch", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> Iterator[tuple[int, tuple[jax.Array, jax.Array]]]:
+        for _ in range(self._count):
+            began = time.perf_counter()
+            step, item = self._queue.get()
+            self.wait_seconds += time.perf_counter() - began
+            if isinstance(item, Exception):
+                raise item
+            yield step, item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def validation_batches(
+    store: Store, config: Config, mesh: Mesh
+) -> Iterator[tuple[list[str], jax.Array, np.ndarray]]:
+    """Validation cases in batches of mesh.data (the last padded by repetition)."""
+    cases = [c.id for c in store.split("val")]
+    size = config.mesh.data
+    identity = Augmentation()
+    for start in range(0, len(cases), size):
+        ids = cases[start : start + size]
+        padded = ids + [ids[-1]] * (size - len(ids))
+        image, _ = make_batch(store, padded, [identity] * size, mesh, config.data.hu_window)
+        labels = np.stack([np.asarray(store.label(i)) for i in ids])
+        yield ids, image, labels

@@ -1,0 +1,209 @@
+"""The training loop: `train_and_evaluate(config, store_dir, run_dir)`.
+
+Run directory::
+
+    RUN_DIR/config.toml      the fully resolved config (a resumed run must match it)
+    RUN_DIR/checkpoints/     orbax checkpoints: the latest K plus the best by validation Dice
+    RUN_DIR/metrics.jsonl    one JSON object per logged step; validation entries carry Dice
+    RUN_DIR/curves.png       loss and validation Dice over steps, redrawn at each validation
+
+Running the same command on an existing RUN_DIR resumes from its latest
+checkpoint; because batches and augmentation are functions of (seed, step),
+a resumed run ends with the same parameters as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from ctseg import atomic, metrics, report
+from ctseg import config as cfg
+from ctseg.checkpoints import Checkpoints, replicated_like
+from ctseg.errors import CtsegError
+from ctseg.partition import REPLICATED, make_mesh
+from ctseg.pipeline import Prefetcher, validation_batches
+from ctseg.step import TrainState, init_state, make_predict, make_train_step
+from ctseg.store import Store
+
+
+@dataclass
+class Progress:
+    """What the loop reports after each step (the CLI turns it into a progress bar)."""
+
+    step: int
+    total: int
+    loss: float
+    steps_per_second: float
+    val_dice: dict[str, float] | None
+
+
+ProgressFn = Callable[[Progress], None]
+
+
+def check_run_dir(run_dir: Path, config: cfg.Config) -> None:
+    """Write RUN_DIR/config.toml, or check that an existing run used the same config."""
+    path = run_dir / "config.toml"
+    text = cfg.to_toml(config)
+    if path.exists():
+        previous = cfg.load(path)
+        if previous != config:
+            changed = [
+                f"{section}.{key}"
+                for section, values in cfg.to_dict(config).items()
+                for key, value in values.items()
+                if cfg.to_dict(previous)[section][key] != value
+            ]
+            raise CtsegError(
+                f"{run_dir} holds a run with a different config ({', '.join(changed)}); "
+                "use a new --workdir, or the same config to resume"
+            )
+        return
+    atomic.write_text(path, text)
+
+
+def open_store(data_dir: Path, config: cfg.Config) -> Store:
+    store = Store.open(data_dir)
+    if store.resolution != config.data.resolution:
+        raise CtsegError(
+            f"{data_dir} holds a {store.resolution}³ grid but the config asks for "
+            f"data.resolution = {config.data.resolution}; preprocess again or --set "
+            f"data.resolution={store.resolution}"
+        )
+    if not store.split("train"):
+        raise CtsegError(f"{data_dir} has no training cases")
+    return store
+
+
+class MetricsLog:
+    """RUN_DIR/metrics.jsonl; on resume, entries after the restored step are dropped."""
+
+    def __init__(self, path: Path, resume_step: int):
+        self.path = path
+        kept = [e for e in self.read(path) if e["step"] <= resume_step]
+        atomic.write_text(path, "".join(json.dumps(e) + "\n" for e in kept))
+        self.entries = kept
+
+    @staticmethod
+    def read(path: Path) -> list[dict[str, Any]]:
+        if not path.exists():
+            return []
+        entries = []
+        for line in path.read_text().splitlines():
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line cut by a kill: everything after it is lost anyway
+        return entries
+
+    def append(self, entry: dict[str, Any]) -> None:
+        self.entries.append(entry)
+        with self.path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+def validate(
+    predict, state: TrainState, store: Store, config: cfg.Config, mesh
+) -> dict[str, float]:
+    """Mean per-case grid Dice of liver and tumour over the validation split."""
+    scores = []
+    for ids, image, labels in validation_batches(store, config, mesh):
+        probs = np.asarray(predict(state.params, state.stats, image))
+        for i in range(len(ids)):
+            scores.append(metrics.grid_dice(probs[i].argmax(-1), labels[i]))
+    if not scores:
+        return {}
+    return {k: float(np.mean([s[k] for s in scores])) for k in ("liver", "tumor")}
+
+
+def _wait_fraction(prefetch: Prefetcher, compute_seconds: float) -> float:
+    """Share of the loop's time spent waiting for input rather than computing."""
+    return prefetch.wait_seconds / max(prefetch.wait_seconds + compute_seconds, 1e-9)
+
+
+def train_and_evaluate(
+    config: cfg.Config,
+    data_dir: Path,
+    run_dir: Path,
+    progress: ProgressFn | None = None,
+) -> dict[str, Any]:
+    """Train (or resume) a run; returns a summary of the final state."""
+    run_dir = Path(run_dir)
+    store = open_store(Path(data_dir), config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    check_run_dir(run_dir, config)
+    mesh = make_mesh(config.mesh.spatial, config.mesh.data)
+    tc = config.train
+
+    graphdef, state = init_state(config)
+    state = jax.device_put(state, NamedSharding(mesh, REPLICATED))
+    checkpoints = Checkpoints(run_dir, keep=tc.keep_checkpoints)
+    start = checkpoints.latest_step()
+    if start is not None:
+        state = checkpoints.restore(start, replicated_like(state, mesh))
+    start = int(state.step)
+    log = MetricsLog(run_dir / "metrics.jsonl", start)
+
+    train_step = jax.jit(make_train_step(graphdef, config, mesh), donate_argnums=0)
+    predict = jax.jit(make_predict(graphdef, config, mesh))
+    has_val = bool(store.split("val"))
+    val_dice: dict[str, float] | None = None
+    prefetch = Prefetcher(store, config, mesh, start, tc.steps)
+    window_start, window_steps, compute_seconds = time.perf_counter(), 0, 0.0
+    try:
+        for step, (image, label) in prefetch:
+            began = time.perf_counter()
+            state, step_metrics = train_step(state, image, label)
+            loss = float(step_metrics["loss"])
+            compute_seconds += time.perf_counter() - began
+            done = step + 1
+            if not math.isfinite(loss):
+                raise CtsegError(
+                    f"the loss became {loss} at step {done}; training stopped. The last good "
+                    f"checkpoint is step {checkpoints.latest_step() or 'none'}: lower "
+                    "train.learning_rate or check the data"
+                )
+            window_steps += 1
+            rate = window_steps / (time.perf_counter() - window_start)
+            validating = has_val and (done % tc.eval_every == 0 or done == tc.steps)
+            if validating:
+                val_dice = validate(predict, state, store, config, mesh)
+            if done % tc.log_every == 0 or validating or done == tc.steps:
+                entry = {k: float(v) for k, v in step_metrics.items()}
+                entry.update(step=done, steps_per_second=rate)
+                entry["data_wait_fraction"] = _wait_fraction(prefetch, compute_seconds)
+                if validating:
+                    entry.update(val_dice_liver=val_dice["liver"], val_dice_tumor=val_dice["tumor"])
+                log.append(entry)
+            if validating:
+                checkpoints.save(state, 0.5 * (val_dice["liver"] + val_dice["tumor"]))
+                report.plot_curves(log.entries, run_dir / "curves.png")
+            elif done % tc.checkpoint_every == 0 or done == tc.steps:
+                checkpoints.save(state)
+            if progress:
+                progress(Progress(done, tc.steps, loss, rate, val_dice))
+    except KeyboardInterrupt:
+        # Ctrl-C: keep what was learnt, so that re-running the command resumes here.
+        # `state` is only rebound after a step completes, so it is always whole.
+        if int(state.step) > (checkpoints.latest_step() or 0):
+            checkpoints.save(state)
+        raise
+    finally:
+        prefetch.close()
+        checkpoints.wait()
+        checkpoints.close()
+    return {
+        "step": int(state.step),
+        "val_dice": val_dice,
+        "data_wait_fraction": _wait_fraction(prefetch, compute_seconds),
+        "run_dir": str(run_dir),
+    }

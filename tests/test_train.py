@@ -1,0 +1,171 @@
+"""The training loop: layout-independent batches, exact resume, guards, run directory."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from ctseg import checkpoints, pipeline
+from ctseg import config as cfg
+from ctseg.errors import CtsegError
+from ctseg.partition import make_mesh
+from ctseg.store import Store, prepare
+from ctseg.train import train_and_evaluate
+from data_prep.synth import write_dataset
+
+TINY = [
+    "data.resolution=16",
+    "model.base_filters=2",
+    "model.depth=3",
+    "mesh.spatial=[2,2,1]",
+    "train.steps=4",
+    "train.eval_every=2",
+    "train.checkpoint_every=2",
+    "train.log_every=1",
+    "train.warmup_steps=1",
+    "train.rotate90=true",
+]
+
+
+def tiny(*extra):
+    return cfg.load(overrides=[*TINY, *extra])
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    write_dataset(root / "raw", cases=4, size=32, seed=3)
+    prepare(root / "raw", root / "prep", tiny())
+    return root / "prep"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(store_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run") / "full"
+    train_and_evaluate(tiny(), store_dir, run_dir)
+    return run_dir
+
+
+def final_params(run_dir):
+    config = cfg.load(run_dir / "config.toml")
+    _, params, _, step = checkpoints.load_for_inference(run_dir, "latest", make_mesh((1, 1, 1)))[1:]
+    assert step == config.train.steps
+    return jax.tree.leaves(jax.device_get(params))
+
+
+def test_augmented_block_equals_block_of_augmented_volume():
+    volume = np.arange(6 * 6 * 4).reshape(6, 6, 4)
+    full_transform = {
+        pipeline.Augmentation((1, 0, 2), (True, False, True)): np.flip(
+            np.transpose(volume, (1, 0, 2)), (0, 2)
+        ),
+        pipeline.Augmentation((0, 1, 2), (False, True, False)): np.flip(volume, 1),
+    }
+    index = (slice(2, 5), slice(0, 3), slice(1, 4))
+    for aug, augmented in full_transform.items():
+        np.testing.assert_array_equal(aug.read(volume, index), augmented[index])
+
+
+def test_global_batch_is_the_same_on_every_layout(store_dir):
+    config = tiny("train.batch_size=2", "mesh.data=2")
+    store = Store.open(store_dir)
+    batches = [
+        jax.device_get(pipeline.training_batch(store, config, make_mesh(spatial, data), step=5))
+        for spatial, data in (((1, 1, 1), 1), ((2, 2, 1), 2), ((1, 2, 4), 2))
+    ]
+    for other in batches[1:]:
+        for got, want in zip(other, batches[0]):
+            np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(batches[0][1][0], batches[0][1][1])  # two different cases
+
+
+def test_run_directory_holds_config_metrics_curves_and_best_checkpoint(uninterrupted):
+    assert cfg.load(uninterrupted / "config.toml") == tiny()
+    entries = [line for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    assert len(entries) == 4 and '"val_dice_liver"' in entries[-1]
+    assert (uninterrupted / "curves.png").stat().st_size > 0
+    manager = checkpoints.Checkpoints(uninterrupted, keep=1, read_only=True)
+    assert manager.resolve("best") in (2, 4) and manager.resolve("latest") == 4
+    manager.close()
+
+
+def test_crash_then_resume_ends_with_identical_parameters(store_dir, uninterrupted, tmp_path):
+    class Crash(Exception):
+        pass
+
+    def crash_after_third_step(progress):
+        if progress.step == 3:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train_and_evaluate(tiny(), store_dir, tmp_path, progress=crash_after_third_step)
+    summary = train_and_evaluate(tiny(), store_dir, tmp_path)
+    assert summary["step"] == 4
+    for got, want in zip(final_params(tmp_path), final_params(uninterrupted)):
+        np.testing.assert_array_equal(got, want)
+    steps = [
+        int(line.split('"step": ')[1].split(",")[0])
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == [1, 2, 3, 4]  # the lost step 3 was logged once, not twice
+
+
+def test_sigkill_at_any_moment_then_resume_is_bit_identical(store_dir, uninterrupted, tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "cli.main",
+        "train",
+        "--data",
+        str(store_dir),
+        "--workdir",
+        str(tmp_path),
+    ]
+    for item in TINY:
+        command += ["--set", item]
+    # The same device count as this process: XLA:CPU may split work differently otherwise.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "16"}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "checkpoints" / "2").exists() and proc.poll() is None:
+        assert time.monotonic() < deadline, "training subprocess made no checkpoint"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    train_and_evaluate(tiny(), store_dir, tmp_path)
+    for got, want in zip(final_params(tmp_path), final_params(uninterrupted)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(store_dir, tmp_path):
+    config = tiny(
+        "train.learning_rate=1e38",
+        "train.checkpoint_every=1",
+        "train.eval_every=100",
+        "train.steps=6",
+    )
+    with pytest.raises(CtsegError, match=r"loss became nan at step \d"):
+        train_and_evaluate(config, store_dir, tmp_path)
+    manager = checkpoints.Checkpoints(tmp_path, keep=1, read_only=True)
+    assert manager.latest_step() is not None and manager.latest_step() < 6
+    manager.close()
+
+
+def test_store_of_another_grid_is_refused_before_compiling(store_dir, tmp_path):
+    with pytest.raises(CtsegError, match="holds a 16³ grid"):
+        train_and_evaluate(tiny("data.resolution=32"), store_dir, tmp_path)
+
+
+def test_missing_store_is_refused(tmp_path):
+    with pytest.raises(CtsegError):
+        train_and_evaluate(tiny(), tmp_path / "nowhere", tmp_path / "run")
+
+
+def test_resuming_with_another_config_is_refused(store_dir, uninterrupted):
+    with pytest.raises(CtsegError, match="train.learning_rate"):
+        train_and_evaluate(tiny("train.learning_rate=0.5"), store_dir, uninterrupted)
