@@ -1,10 +1,119 @@
-"""`ctseg bench`."""
+"""`ctseg bench`: training-step time and memory per layout and partitioner on one grid."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from cli.app import app
+from cli.options import (
+    ConfigOption,
+    CoordinatorOption,
+    NumProcessesOption,
+    ProcessIdOption,
+    SetOption,
+    load_config,
+)
+from cli.plan import human_bytes
+from ctseg import atomic
+from ctseg.bench import (
+    BenchResult,
+    auto_spatial,
+    bench,
+    devices_needed,
+    ratio_to_one_partition,
+)
 from ctseg.errors import CtsegError
+from ctseg.partition import configure_cpu_devices, initialize_distributed
+
+console = Console(highlight=False)
 
 
-@app.command(hidden=False)
-def bench() -> None:
-    """Not implemented yet."""
-    raise CtsegError("`ctseg bench` is not implemented yet")
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        return [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise CtsegError(f"{option} expects comma-separated integers, got '{text}'") from None
+
+
+def _splits(partitions: str | None, spatial: list[str] | None) -> list[tuple[int, int, int]]:
+    """Explicit --spatial splits, or the automatic split of each --partitions count."""
+    if spatial:
+        if partitions is not None:
+            raise CtsegError("give either --partitions or --spatial, not both")
+        splits = [tuple(_int_list(s, "--spatial")) for s in spatial]
+        if any(len(s) != 3 for s in splits):
+            raise CtsegError("--spatial expects three counts x,y,z, e.g. --spatial 4,4,1")
+        return splits
+    return [auto_spatial(n) for n in _int_list(partitions or "1,2,4,8,16", "--partitions")]
+
+
+def _table(results: list[BenchResult]) -> Table:
+    table = Table(title="Training step on one global grid (median after warm-up)")
+    for heading in ("partitioner", "partitions", "split"):
+        table.add_column(heading)
+    for heading in ("step s", "vs 1 partition", "memory / device"):
+        table.add_column(heading, justify="right")
+    for r in results:
+        ratio = ratio_to_one_partition(results, r)
+        table.add_row(
+            r.partitioner,
+            str(r.partitions),
+            "×".join(map(str, r.spatial)),
+            f"{r.step_seconds:.3f}",
+            "–" if ratio is None else f"{ratio:.2f}×",
+            human_bytes(r.per_device_bytes),
+        )
+    return table
+
+
+@app.command("bench")
+def bench_command(
+    config_path: ConfigOption = None,
+    overrides: SetOption = None,
+    partitions: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated partition counts, split automatically (1,2,4,8,16)."),
+    ] = None,
+    spatial: Annotated[
+        list[str] | None,
+        typer.Option(help="An explicit x,y,z split instead of --partitions (repeatable)."),
+    ] = None,
+    partitioner: Annotated[
+        str, typer.Option(help="Comma-separated partitioners to compare: halo, gspmd.")
+    ] = "halo,gspmd",
+    steps: Annotated[int, typer.Option(help="Timed steps per layout, after one warm-up.")] = 5,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Also write the results as JSON to this file.")
+    ] = None,
+    coordinator: CoordinatorOption = None,
+    num_processes: NumProcessesOption = None,
+    process_id: ProcessIdOption = None,
+) -> None:
+    """Time the training step for each layout and partitioner on the config's grid."""
+    initialize_distributed(coordinator, num_processes, process_id)
+    config = load_config(config_path, overrides)
+    splits = _splits(partitions, spatial)
+    partitioners = [p.strip() for p in partitioner.split(",") if p.strip()]
+    configure_cpu_devices(devices_needed(config, splits))
+    columns = (
+        TextColumn("bench"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("", total=None)
+
+        def report(done: int, total: int, description: str) -> None:
+            bar.update(task, completed=done, total=total, description=description)
+
+        results = bench(config, splits, partitioners, steps, progress=report)
+    console.print(_table(results))
+    if json_path is not None:
+        atomic.write_json(json_path, {"results": [r.to_json() for r in results]})
+        console.print(f"wrote {json_path}")

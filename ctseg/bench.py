@@ -1,0 +1,157 @@
+"""Timing the training step on one global grid over several layouts and partitioners.
+
+Every layout sees the same global grid, batch and model; only the spatial
+split and the partitioner change. Each result is the median of several
+steps after a warm-up step, with compilation excluded.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from ctseg import plan, step
+from ctseg.config import Config
+from ctseg.errors import CtsegError
+from ctseg.partition import ACTIVATION_SPEC, REPLICATED, make_global_array, make_mesh
+
+# progress(done, total, description)
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    partitions: int
+    partitioner: str
+    spatial: tuple[int, int, int]
+    step_seconds: float
+    per_device_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "partitions": self.partitions,
+            "partitioner": self.partitioner,
+            "spatial": list(self.spatial),
+            "step_seconds": self.step_seconds,
+            "per_device_bytes": self.per_device_bytes,
+        }
+
+
+def auto_spatial(partitions: int) -> tuple[int, int, int]:
+    """Split `partitions` over x, y, z: 1→[1,1,1], 2→[2,1,1], 4→[2,2,1], 8→[2,2,2], 16→[4,4,1].
+
+    The largest per-axis split is made as small as possible, which keeps the
+    local blocks thick and the halo a small share of them; among those, the
+    fewest partitions go to z (x and y first, as Google's 4×4 TPU layout
+    splits the in-plane axes), and x gets at least as many as y.
+    """
+    if partitions < 1:
+        raise CtsegError(f"a partition count must be positive, got {partitions}")
+    splits = [
+        (x, y, partitions // (x * y))
+        for x in range(1, partitions + 1)
+        for y in range(1, x + 1)
+        if partitions % (x * y) == 0
+    ]
+    return min(splits, key=lambda s: (max(s), s[2], -s[0]))
+
+
+def layout_config(config: Config, spatial: tuple[int, int, int], partitioner: str) -> Config:
+    """`config` split as `spatial`; CtsegError if the split does not divide every level."""
+    try:
+        return plan.with_spatial(config, spatial, partitioner)
+    except CtsegError as exc:
+        raise CtsegError(f"{math.prod(spatial)} partitions split {list(spatial)}: {exc}") from None
+
+
+def random_batch(config: Config, mesh: Mesh, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+    """A random image in [-1, 1] and random labels; each process makes only its own blocks."""
+    image_shape = plan.global_image_shape(config)
+
+    def block_rng(index: tuple[slice, ...]) -> np.random.Generator:
+        # Seeded by the block's position, so the batch does not depend on the layout.
+        return np.random.default_rng([seed, *(s.start or 0 for s in index)])
+
+    def image_block(index: tuple[slice, ...]) -> np.ndarray:
+        shape = [len(range(*s.indices(n))) for s, n in zip(index, image_shape)]
+        return block_rng(index).uniform(-1, 1, shape)
+
+    def label_block(index: tuple[slice, ...]) -> np.ndarray:
+        shape = [len(range(*s.indices(n))) for s, n in zip(index, image_shape)]
+        return block_rng(index).integers(0, 3, shape)
+
+    image = make_global_array(mesh, image_shape, np.float32, image_block, ACTIVATION_SPEC)
+    label = make_global_array(
+        mesh, image_shape[:-1], plan.LABEL_DTYPE, label_block, step.LABEL_SPEC
+    )
+    return image, label
+
+
+def time_layout(config: Config, steps: int) -> BenchResult:
+    """Median seconds of `steps` training steps after compilation and one warm-up step."""
+    mesh = make_mesh(config.mesh.spatial, config.mesh.data)
+    graphdef, state = step.init_state(config)
+    state = jax.device_put(state, NamedSharding(mesh, REPLICATED))
+    image, label = random_batch(config, mesh, config.train.seed)
+    compiled = plan.compile_train_step(graphdef, config, mesh, state, image, label)
+    state, metrics = compiled(state, image, label)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = compiled(state, image, label)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+    return BenchResult(
+        partitions=config.num_partitions,
+        partitioner=config.mesh.partitioner,
+        spatial=config.mesh.spatial,
+        step_seconds=statistics.median(times),
+        per_device_bytes=plan.memory_of(compiled).total,
+    )
+
+
+def devices_needed(config: Config, splits: Sequence[tuple[int, int, int]]) -> int:
+    return max(math.prod(s) for s in splits) * config.mesh.data
+
+
+def bench(
+    config: Config,
+    splits: Sequence[tuple[int, int, int]],
+    partitioners: Sequence[str],
+    steps: int,
+    progress: Progress | None = None,
+) -> list[BenchResult]:
+    """Time every (partitioner, spatial split) pair on `config`'s grid.
+
+    `splits` come from `auto_spatial` for plain partition counts.
+    """
+    if steps < 1:
+        raise CtsegError(f"--steps must be at least 1, got {steps}")
+    # Check every layout before spending minutes on the first.
+    layouts = [layout_config(config, s, p) for p in partitioners for s in splits]
+    results = []
+    for done, layout in enumerate(layouts):
+        if progress is not None:
+            label = f"{layout.mesh.partitioner}, {layout.num_partitions} partition(s)"
+            progress(done, len(layouts), label)
+        results.append(time_layout(layout, steps))
+    if progress is not None:
+        progress(len(layouts), len(layouts), "done")
+    return results
+
+
+def ratio_to_one_partition(results: Sequence[BenchResult], result: BenchResult) -> float | None:
+    """Step time relative to the 1-partition run of the same partitioner, if there is one."""
+    for base in results:
+        if base.partitioner == result.partitioner and base.partitions == 1:
+            return result.step_seconds / base.step_seconds
+    return None

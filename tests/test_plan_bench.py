@@ -1,0 +1,122 @@
+"""`ctseg plan` and `ctseg bench`: abstract compilation, memory and halo accounting, timing."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import cli.main  # noqa: F401  (registers the commands)
+from cli.app import app
+from ctseg import bench, plan
+from ctseg import config as cfg
+from ctseg.errors import CtsegError
+
+TINY = [
+    "data.resolution=16",
+    "model.base_filters=2",
+    "model.depth=3",
+    "mesh.spatial=[2,2,1]",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    return plan.plan(cfg.load(overrides=TINY))
+
+
+def test_plan_covers_the_layout_and_the_unpartitioned_one(tiny_plan):
+    rows = [(p.partitions, p.mode, p.partitioner) for p in tiny_plan]
+    assert rows == [(4, "train", "halo"), (4, "predict", "halo")] + [
+        (1, "train", "halo"),
+        (1, "predict", "halo"),
+    ]
+    by_key = {(p.partitions, p.mode): p for p in tiny_plan}
+    assert by_key[4, "train"].local_shape == (1, 8, 8, 16, 1)
+    for mode in plan.MODES:
+        assert by_key[4, mode].memory.total < by_key[1, mode].memory.total
+        assert by_key[1, mode].halo_bytes == 0
+        assert by_key[4, mode].halo_bytes > 0
+        assert by_key[4, mode].flops > 0
+    # Training exchanges in the backward pass as well.
+    assert by_key[4, "train"].halo_bytes == 2 * by_key[4, "predict"].halo_bytes
+
+
+def test_halo_bytes_match_a_hand_count():
+    # depth 2, base 2, float32, batch 1, 16³ split [2, 2, 1]: local block 8×8×16, 4×4×8 below.
+    config = cfg.load(
+        overrides=["data.resolution=16", "model.base_filters=2", "model.depth=2"]
+        + ["mesh.spatial=[2,2,1]"]
+    )
+
+    def conv(cin, bx, by, bz):
+        # x faces: by·bz; y faces on the x-extended block: (bx+2)·bz; z is not split.
+        return 2 * 1 * (by * bz + (bx + 2) * bz) * cin * 4
+
+    forward = (
+        conv(1, 8, 8, 16)  # level 0, first conv
+        + conv(2, 8, 8, 16)  # level 0, second conv
+        + conv(2, 4, 4, 8)  # level 1, first conv
+        + conv(4, 4, 4, 8)  # level 1, second conv
+        + conv(4, 8, 8, 16)  # decoder level 0, after the skip concatenation
+        + conv(2, 8, 8, 16)
+    )
+    assert plan.halo_bytes(config, "predict") == forward
+    assert plan.halo_bytes(config, "train") == 2 * forward
+
+
+@pytest.mark.parametrize(
+    "partitions,split",
+    [(1, (1, 1, 1)), (2, (2, 1, 1)), (4, (2, 2, 1)), (8, (2, 2, 2)), (16, (4, 4, 1))],
+)
+def test_auto_spatial(partitions, split):
+    assert bench.auto_spatial(partitions) == split
+
+
+def test_bench_refuses_a_split_that_does_not_divide_the_grid():
+    config = cfg.load(overrides=TINY[:3])  # depth 3: blocks must be multiples of 4
+    # 16 / 3 partitions along x is not a multiple of the alignment 2^(depth-1) = 4.
+    with pytest.raises(CtsegError, match=r"3 partitions split \[3, 1, 1\]"):
+        bench.bench(config, [(1, 1, 1), bench.auto_spatial(3)], ["halo"], steps=1)
+
+
+def test_bench_returns_one_result_per_layout():
+    # One level (two convolutions and the head): the schema, not the model, is under test.
+    config = cfg.load(overrides=["data.resolution=8", "model.base_filters=2", "model.depth=1"])
+    seen = []
+    results = bench.bench(
+        config,
+        [bench.auto_spatial(1), bench.auto_spatial(2)],
+        ["halo"],
+        steps=2,
+        progress=lambda done, total, _: seen.append((done, total)),
+    )
+    assert [r.to_json()["spatial"] for r in results] == [[1, 1, 1], [2, 1, 1]]
+    for r in results:
+        assert set(r.to_json()) == {
+            "partitions",
+            "partitioner",
+            "spatial",
+            "step_seconds",
+            "per_device_bytes",
+        }
+        assert r.step_seconds > 0 and r.per_device_bytes > 0
+    assert seen[-1] == (2, 2)
+
+
+def test_plan_cli_writes_the_json_schema(tmp_path):
+    out = tmp_path / "plan.json"
+    small = ["data.resolution=16", "model.base_filters=2", "model.depth=2", "mesh.spatial=[2,1,1]"]
+    args = ["plan", "--json", str(out)] + [f"--set={item}" for item in small]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "receptive field radius" in result.output
+    layouts = json.loads(out.read_text())["layouts"]
+    assert {(d["partitions"], d["mode"]) for d in layouts} == {
+        (2, "train"),
+        (2, "predict"),
+        (1, "train"),
+        (1, "predict"),
+    }
+    for d in layouts:
+        assert isinstance(d["per_device_bytes"], int) and isinstance(d["halo_bytes"], int)
+        assert isinstance(d["flops"], float) and len(d["local_shape"]) == 5
