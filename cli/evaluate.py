@@ -1,5 +1,7 @@
 """`ctseg evaluate`: metrics of predicted label maps against references."""
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
@@ -10,6 +12,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cli.app import app
+from cli.options import start_jax
+from cli.predict import Backend, BackendOption, load_run_config
 from ctseg.errors import CtsegError
 from ctseg.evaluate import evaluate_folders, write_reports
 
@@ -67,7 +71,8 @@ def _summary_table(summary: dict) -> Table:
     return table
 
 
-def _run_with_progress(pred: Path, ref: Path) -> dict:
+def _run_with_progress(run: Callable[..., dict]) -> dict:
+    """Call `run(progress=...)` under a progress bar of cases."""
     columns = (
         TextColumn("evaluating"),
         BarColumn(),
@@ -81,7 +86,26 @@ def _run_with_progress(pred: Path, ref: Path) -> dict:
         def report(done: int, total: int, name: str) -> None:
             bar.update(task, completed=done, total=total, description=name)
 
-        return evaluate_folders(pred, ref, progress=report)
+        return run(progress=report)
+
+
+def _evaluate_run(
+    run_dir: Path, data: Path, split: str, checkpoint: str, out: Path | None, backend: str
+) -> dict:
+    """The RUN_DIR form: predict the store's split with the run's model, then score it."""
+    start_jax(load_run_config(run_dir))
+    from ctseg.predict import evaluate_run  # after start_jax: imports start JAX
+
+    out = run_dir / "eval" if out is None else out
+    run = partial(evaluate_run, run_dir, data, split, checkpoint, out, backend=backend)
+    result = _run_with_progress(run)
+    grid = result["summary"]["grid_dice"]
+    console.print(
+        f"checkpoint step {result['run']['checkpoint_step']}, {escape(result['run']['tiling'])}; "
+        f"grid Dice liver {_fmt(grid['liver'])}, tumour {_fmt(grid['tumor'])}; "
+        f"reports in {escape(str(out))} (summary.json, metrics.csv)"
+    )
+    return result
 
 
 def _check_form(
@@ -122,6 +146,7 @@ def evaluate(
         Path | None,
         typer.Option(help="Folder for the predictions and reports (default: RUN_DIR/eval)."),
     ] = None,
+    backend: BackendOption = None,
     pred: Annotated[
         Path | None,
         typer.Option(help="Folder of predicted label maps (.nii / .nii.gz).", metavar="PRED_DIR"),
@@ -144,15 +169,25 @@ def evaluate(
     tumour; paired by file name), or a RUN_DIR whose model predicts a split.
     Exits 1 when any case could not be evaluated.
     """
-    run_options = {"data": data, "split": split, "checkpoint": checkpoint, "out": out}
+    run_options = {
+        "data": data,
+        "split": split,
+        "checkpoint": checkpoint,
+        "out": out,
+        "backend": backend,
+    }
     _check_form(run_dir, pred, ref, run_options)
     if run_dir is not None:
-        raise CtsegError(
-            "evaluating a run directory needs the inference engine, which is not implemented yet; "
-            "use --pred/--ref"
+        if json_path is not None or csv_path is not None:
+            raise CtsegError("--json/--csv apply to --pred/--ref; with RUN_DIR reports go to --out")
+        if data is None:
+            raise CtsegError("give --data PREP_DIR: the prepared store whose split to evaluate")
+        result = _evaluate_run(
+            run_dir, data, split or "val", checkpoint or "best", out, (backend or Backend.jax).value
         )
-    result = _run_with_progress(pred, ref)
-    write_reports(result, json_path=json_path, csv_path=csv_path)
+    else:
+        result = _run_with_progress(partial(evaluate_folders, pred, ref))
+        write_reports(result, json_path=json_path, csv_path=csv_path)
 
     if result["cases"]:
         console.print(_case_table(result["cases"]))

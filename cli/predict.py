@@ -1,10 +1,141 @@
-"""`ctseg predict`."""
+"""`ctseg predict`: label maps, statistics and previews for new scans."""
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from cli.app import app
+from cli.options import start_jax
+from ctseg import config as cfg
 from ctseg.errors import CtsegError
 
+console = Console(highlight=False)
 
-@app.command(hidden=False)
-def predict() -> None:
-    """Not implemented yet."""
-    raise CtsegError("`ctseg predict` is not implemented yet")
+RunDirArgument = Annotated[
+    Path, typer.Argument(help="Run directory of `ctseg train`.", metavar="RUN_DIR")
+]
+CheckpointOption = Annotated[
+    str, typer.Option(help="Checkpoint to load: best, latest or a step number.")
+]
+TileOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Tile core size in voxels (a multiple of 2^(depth-1)); 0 = whole volume; "
+        "-1 = from available memory. Default: the run's predict.tile."
+    ),
+]
+
+
+class Backend(StrEnum):
+    """`ctseg.infer.BACKENDS`, as a choice for the command line."""
+
+    jax = "jax"
+    onnx = "onnx"
+
+
+BackendOption = Annotated[
+    Backend | None,  # None: not given (`ctseg evaluate` without RUN_DIR must not get it)
+    typer.Option(
+        help="Inference backend: jax (the run's devices) or onnx (ONNX Runtime, several "
+        "times faster on a CPU; needs pip install 'ctseg\\[onnx]').",
+    ),
+]
+
+
+def load_run_config(run_dir: Path) -> cfg.Config:
+    """The run's config, read without starting JAX (devices must be set up first)."""
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        raise CtsegError(f"{run_dir} is not a ctseg run directory (no config.toml)")
+    return cfg.load(path)
+
+
+def _stats_table(outcomes: list) -> Table:
+    table = Table(title="Predictions")
+    table.add_column("scan")
+    for heading in ("liver mL", "tumour mL", "tumours", "largest mm", "burden %"):
+        table.add_column(heading, justify="right")
+    table.add_column("status")
+    for o in outcomes:
+        if o.error is not None:
+            table.add_row(escape(o.name), "", "", "", "", "", f"[red]failed:[/] {escape(o.error)}")
+            continue
+        s = o.stats
+        status = "[yellow]warning[/]" if o.warnings else "[green]ok[/]"
+        table.add_row(
+            escape(o.name),
+            f"{s['liver_volume_ml']:.1f}",
+            f"{s['tumour_volume_ml']:.1f}",
+            str(s["tumour_count"]),
+            f"{s['largest_tumour_diameter_mm']:.1f}",
+            f"{s['tumour_burden_percent']:.2f}",
+            status,
+        )
+    return table
+
+
+@app.command()
+def predict(
+    run_dir: RunDirArgument,
+    inputs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="NIfTI/NRRD/MHA files, folders of them, or DICOM series folders.",
+            metavar="INPUT...",
+        ),
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Folder for the outputs.")],
+    checkpoint: CheckpointOption = "best",
+    tile: TileOption = None,
+    backend: BackendOption = Backend.jax,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing outputs.")] = False,
+) -> None:
+    """Segment liver and tumours: <name>_seg.nii.gz, _stats.json and _preview.png per scan.
+
+    The segmentation has exactly the input's geometry, so it overlays on the scan
+    in ITK-SNAP or 3D Slicer. Exits 1 when any scan failed; the others are written.
+    """
+    start_jax(load_run_config(run_dir))
+    from ctseg.predict import Predictor, expand_inputs, predict_file  # after start_jax
+
+    scans, outcomes = expand_inputs(inputs)
+    predictor = Predictor.from_run(run_dir, checkpoint, tile, backend.value)
+    console.print(
+        f"checkpoint step {predictor.model.step}; {predictor.engine.description}; "
+        f"backend {predictor.engine.backend}; {len(scans)} scan(s)"
+    )
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        scan_task = bar.add_task("scans", total=len(scans))
+        tile_task = bar.add_task("", total=None)
+        for source in scans:
+            name = escape(source.name)
+
+            def report(stage: str, done: int, total: int, name: str = name) -> None:
+                if stage == "infer":
+                    bar.update(tile_task, description=f"{name}: tiles", completed=done, total=total)
+                else:
+                    bar.update(tile_task, description=f"{name}: {stage}")
+
+            bar.reset(tile_task, total=None, description=f"{name}: read")
+            outcome = predict_file(predictor, source, out, force, report)
+            outcomes.append(outcome)
+            for warning in outcome.warnings:
+                console.print(f"[yellow]warning:[/] {name}: {escape(warning)}")
+            if outcome.error is not None:
+                console.print(f"[bold red]failed:[/] {name}: {escape(outcome.error)}")
+            bar.advance(scan_task)
+    console.print(_stats_table(outcomes))
+    if any(o.error is not None for o in outcomes):
+        raise typer.Exit(1)

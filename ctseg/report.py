@@ -75,8 +75,15 @@ def plot_preview(
     )
     fig, axes = plt.subplots(1, 3, figsize=(12, 4.4), constrained_layout=True)
     for ax, (image, label, row_mm, col_mm, name) in zip(axes, panels):
-        ax.imshow(image, cmap="gray", vmin=window[0], vmax=window[1], origin="lower",
-                  aspect=row_mm / col_mm, interpolation="nearest")
+        ax.imshow(
+            image,
+            cmap="gray",
+            vmin=window[0],
+            vmax=window[1],
+            origin="lower",
+            aspect=row_mm / col_mm,
+            interpolation="nearest",
+        )
         overlay = np.zeros((*label.shape, 4), np.float32)
         for value, colour in _OVERLAY.items():
             overlay[label == value] = colour

@@ -95,11 +95,15 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config, mesh: Mesh) -> Calla
 
 
 def make_predict(graphdef: nnx.GraphDef, config: Config, mesh: Mesh) -> Callable[..., Any]:
-    """predict(params, stats, image) -> class probabilities [b, x, y, z, 3], inference mode."""
+    """predict(params, stats, image) -> logits [b, x, y, z, 3], inference mode.
+
+    Logits, not probabilities: the argmax needs no softmax, and tiled inference
+    compares and stitches logits before a single softmax of the whole grid.
+    """
 
     def body(comm: Comm, params, stats, image):
         logits, _ = unet.apply(graphdef, params, stats, image, comm, train=False)
-        return jax.nn.softmax(logits, axis=-1)
+        return logits
 
     return partitioned(
         body,

@@ -204,7 +204,7 @@ def test_cli_succeeds_on_clean_folders(tmp_path):
     [
         ([], "give --pred"),
         (["run", "--pred", "p", "--ref", "r"], "not both"),
-        (["run", "--data", "d"], "inference engine"),
+        (["run", "--data", "d"], "not a ctseg run directory"),
     ],
     ids=["neither-form", "both-forms", "run-dir"],
 )

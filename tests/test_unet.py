@@ -88,7 +88,7 @@ def test_partitioned_step_equals_unpartitioned(reference, spatial, data, partiti
         ]
     )
     got = _loss_grads_and_logits(config, pt.make_mesh(spatial, data))
-    names = ["loss", "gradients", "batch statistics", "probabilities"]
+    names = ["loss", "gradients", "batch statistics", "logits"]
     for name, g, w in zip(names, got, reference):
         g_leaves, w_leaves = jax.tree.leaves(g), jax.tree.leaves(w)
         assert len(g_leaves) == len(w_leaves)

@@ -1,0 +1,79 @@
+"""Post-processing and per-scan statistics on phantoms with known answers."""
+
+import numpy as np
+import pytest
+
+from ctseg.postprocess import clean_labels, largest_component, max_diameter_mm, scan_stats
+
+
+def phantom() -> tuple[np.ndarray, np.ndarray]:
+    """A 40×40×20 mm cube liver (32 mL) at 1×1×2 mm voxels with two tumours inside."""
+    labels = np.zeros((60, 60, 30), np.uint8)
+    labels[10:50, 10:50, 5:15] = 1  # 40 × 40 × 10 voxels of 2 µL each
+    x, y, z = np.ogrid[:60, :60, :30]
+    sphere = (x - 30) ** 2 + (y - 30) ** 2 + ((z - 10) * 2) ** 2 <= 8**2  # radius 8 mm
+    labels[sphere] = 2
+    labels[12:14, 12:14, 6:8] = 2  # a second, 2×2×2-voxel tumour
+    return labels, np.diag([1.0, 1.0, 2.0, 1.0])
+
+
+def test_stats_of_a_phantom():
+    labels, affine = phantom()
+    stats = scan_stats(labels, affine)
+    assert stats["liver_volume_ml"] == pytest.approx(32.0)  # tumours count as liver
+    tumour_voxels = np.count_nonzero(labels == 2)
+    assert stats["tumour_volume_ml"] == pytest.approx(tumour_voxels * 0.002)
+    assert stats["tumour_volume_ml"] == pytest.approx(4 / 3 * np.pi * 8**3 / 1000 + 0.016, rel=0.1)
+    assert stats["tumour_count"] == 2
+    assert stats["largest_tumour_diameter_mm"] == pytest.approx(16.0)  # centres 8 mm either side
+    assert stats["tumour_burden_percent"] == pytest.approx(100 * tumour_voxels * 0.002 / 32.0)
+
+
+def test_stats_of_an_empty_map():
+    stats = scan_stats(np.zeros((5, 5, 5), np.uint8), np.eye(4))
+    assert stats == {
+        "liver_volume_ml": 0.0,
+        "tumour_volume_ml": 0.0,
+        "tumour_count": 0,
+        "largest_tumour_diameter_mm": 0.0,
+        "tumour_burden_percent": 0.0,
+    }
+
+
+def test_oblique_voxels_are_measured_through_the_affine():
+    c, s = np.cos(0.5), np.sin(0.5)
+    rotated = np.array([[2 * c, -2 * s, 0, 0], [2 * s, 2 * c, 0, 0], [0, 0, 3, 0], [0, 0, 0, 1]])
+    labels = np.zeros((10, 10, 10), np.uint8)
+    labels[2:8, 2:8, 2:8] = 2
+    stats = scan_stats(labels, rotated)
+    assert stats["tumour_volume_ml"] == pytest.approx(216 * 12 / 1000)
+    assert stats["largest_tumour_diameter_mm"] == pytest.approx(np.sqrt(2 * 10**2 + 15**2))
+
+
+def test_diameter_of_degenerate_pieces():
+    affine = np.eye(4)
+    assert max_diameter_mm(np.array([[1.0, 2.0, 3.0]]), affine) == 0.0
+    line = np.array([[0, 0, z] for z in range(6)], float)  # collinear: no hull
+    assert max_diameter_mm(line, affine) == pytest.approx(5.0)
+
+
+def test_keep_largest_liver_drops_other_pieces_with_their_tumour():
+    labels, _ = phantom()
+    labels[52:58, 52:58, 20:25] = 1  # a small detached "liver"
+    labels[54, 54, 22] = 2
+    cleaned = clean_labels(labels, keep_largest_liver=True, tumour_inside_liver=False)
+    assert not cleaned[52:58, 52:58, 20:25].any()
+    np.testing.assert_array_equal(cleaned[:50, :50], labels[:50, :50])
+    assert largest_component(np.zeros((3, 3, 3), bool)).sum() == 0
+
+
+def test_tumour_outside_liver_is_dropped():
+    labels, _ = phantom()
+    labels[52:55, 52:55, 20:23] = 2  # tumour with no liver around it
+    labels[55:58, 0:3, 0:3] = 1  # a separate liver piece, kept without keep_largest_liver
+    cleaned = clean_labels(labels, keep_largest_liver=False, tumour_inside_liver=True)
+    assert not cleaned[52:55, 52:55, 20:23].any()
+    assert (cleaned[55:58, 0:3, 0:3] == 1).all()
+    assert np.count_nonzero(cleaned == 2) == np.count_nonzero(phantom()[0] == 2)
+    unchanged = clean_labels(labels, keep_largest_liver=False, tumour_inside_liver=False)
+    np.testing.assert_array_equal(unchanged, labels)

@@ -1,0 +1,161 @@
+"""`ctseg predict` and `ctseg evaluate RUN_DIR` end to end on one tiny trained run."""
+
+import json
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import SimpleITK as sitk
+from test_volume import _itk_image, _write_dicom_series
+from typer.testing import CliRunner
+
+import cli.main  # noqa: F401  (registers the commands)
+from cli.app import app
+from ctseg import config as cfg
+from ctseg.errors import CtsegError
+from ctseg.predict import Predictor, hu_warnings
+from ctseg.store import prepare
+from ctseg.train import train_and_evaluate
+from data_prep.synth import write_dataset
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(run_dir, store_dir, raw_dir) of a 2-step run of a tiny model on a 16³ grid."""
+    root = tmp_path_factory.mktemp("run")
+    config = cfg.load(
+        None,
+        [
+            "data.resolution=16",
+            "model.base_filters=2",
+            "model.depth=3",
+            "mesh.spatial=[2,2,1]",
+            "train.steps=2",
+            "train.eval_every=2",
+            "train.checkpoint_every=2",
+        ],
+    )
+    write_dataset(root / "raw", cases=3, size=32, seed=0)
+    prepare(root / "raw", root / "store", config)
+    train_and_evaluate(config, root / "store", root / "run")
+    return root / "run", root / "store", root / "raw"
+
+
+def _ct(rng: np.random.Generator, shape=(20, 18, 12)) -> np.ndarray:
+    return rng.normal(0, 300, shape).clip(-1000, 1500).astype(np.int16)
+
+
+def _inputs(folder: Path) -> dict[str, Path]:
+    """NIfTI scans stored RAS, LPS and oblique, and a DICOM series; name -> path."""
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    c, s = np.cos(0.3), np.sin(0.3)
+    affines = {
+        "ras": np.diag([0.8, 0.9, 2.5, 1.0]),
+        "lps": np.diag([-0.8, -0.9, 2.5, 1.0]),
+        "oblique": np.array(
+            [[0.8 * c, -0.9 * s, 0, 5], [0.8 * s, 0.9 * c, 0, -3], [0, 0, 2.5, 7], [0, 0, 0, 1]]
+        ),
+    }
+    paths = {}
+    for name, affine in affines.items():
+        paths[name] = folder / f"{name}.nii.gz"
+        nib.save(nib.Nifti1Image(_ct(rng), affine), paths[name])
+    image = _itk_image(_ct(rng, (14, 12, 9)))
+    _write_dicom_series(folder / "dicom", image)
+    paths["dicom"] = folder / "dicom"
+    return paths
+
+
+def test_predict_keeps_geometry_and_reports_bad_scans(trained, tmp_path):
+    run_dir, _, _ = trained
+    inputs = _inputs(tmp_path / "in")
+    (tmp_path / "in" / "broken.nii.gz").write_bytes(b"not a nifti")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["predict", str(run_dir), str(tmp_path / "in"), "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    assert "broken" in result.output and "failed" in result.output
+
+    for name, source in inputs.items():
+        seg = nib.load(out / f"{name}_seg.nii.gz")
+        if source.is_dir():
+            reference = sitk.ReadImage(sitk.ImageSeriesReader.GetGDCMSeriesFileNames(str(source)))
+            shape = reference.GetSize()
+            point = np.array(reference.TransformIndexToPhysicalPoint((1, 2, 3))) * [-1, -1, 1]
+            np.testing.assert_allclose((seg.affine @ [1, 2, 3, 1])[:3], point, atol=1e-3)
+        else:
+            original = nib.load(source)
+            shape = original.shape
+            np.testing.assert_allclose(seg.affine, original.affine, atol=1e-5)
+        assert seg.shape == tuple(shape)
+        assert set(np.unique(np.asarray(seg.dataobj))) <= {0, 1, 2}
+        stats = json.loads((out / f"{name}_stats.json").read_text())
+        assert stats["liver_volume_ml"] >= stats["tumour_volume_ml"] >= 0
+        assert (out / f"{name}_preview.png").stat().st_size > 0
+    assert not list(out.glob("broken*"))
+
+
+def test_existing_outputs_need_force(trained, tmp_path):
+    run_dir, _, raw = trained
+    scan, out = raw / "volume-1.nii.gz", tmp_path / "out"
+    args = ["predict", str(run_dir), str(scan), "--out", str(out), "--tile", "0"]
+    assert runner.invoke(app, args).exit_code == 0
+    written = (out / "volume-1_seg.nii.gz").stat().st_mtime_ns
+    again = runner.invoke(app, args)
+    assert again.exit_code == 1 and "--force" in again.output
+    assert (out / "volume-1_seg.nii.gz").stat().st_mtime_ns == written
+    forced = runner.invoke(app, [*args, "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert (out / "volume-1_seg.nii.gz").stat().st_mtime_ns != written
+
+
+def test_tiled_pipeline_equals_whole(trained, tmp_path):
+    run_dir, _, raw = trained
+    from ctseg.volume import read_scan
+
+    scan = read_scan(raw / "volume-0.nii.gz")
+    whole = Predictor.from_run(run_dir, "latest", tile=0).predict(scan)
+    tiled = Predictor.from_run(run_dir, "latest", tile=8).predict(scan)
+    np.testing.assert_array_equal(whole.grid_labels, tiled.grid_labels)
+    np.testing.assert_array_equal(whole.labels, tiled.labels)
+
+
+def test_run_without_checkpoints(trained, tmp_path):
+    run_dir, _, raw = trained
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    (empty / "config.toml").write_text((run_dir / "config.toml").read_text())
+    with pytest.raises(CtsegError, match="no checkpoints"):
+        Predictor.from_run(empty)
+    result = runner.invoke(app, ["predict", str(empty), str(raw), "--out", str(tmp_path / "o")])
+    assert result.exit_code != 0 and "no checkpoints" in str(result.exception)
+    result = runner.invoke(app, ["predict", str(tmp_path), str(raw), "--out", str(tmp_path / "o")])
+    assert "not a ctseg run directory" in str(result.exception)
+
+
+def test_evaluate_run_dir(trained, tmp_path):
+    run_dir, store, _ = trained
+    out = tmp_path / "eval"
+    result = runner.invoke(
+        app, ["evaluate", str(run_dir), "--data", str(store), "--split", "train", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "summary.json").read_text())
+    assert set(report) >= {"run", "cases", "summary", "errors"}
+    assert report["errors"] == [] and len(report["cases"]) == report["summary"]["n_cases"] >= 1
+    case = report["cases"][0]
+    assert {"liver", "tumor", "detection", "burden", "grid_dice"} <= set(case)
+    assert 0 <= report["summary"]["grid_dice"]["liver"] <= 1
+    assert (out / "metrics.csv").read_text().startswith("case,")
+    assert (out / "predictions" / f"{case['case']}_seg.nii.gz").is_file()
+    assert "Summary" in result.output
+
+
+def test_hu_warnings():
+    rng = np.random.default_rng(0)
+    assert hu_warnings(_ct(rng)) == []
+    assert "Hounsfield" in hu_warnings(_ct(rng).astype(np.int32) + 1024)[0]
+    assert "outside" in hu_warnings(rng.normal(0, 5000, (20, 20, 20)))[0]
