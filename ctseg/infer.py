@@ -211,7 +211,7 @@ def _onnx_forward(model: Model) -> Forward:
         from ctseg import onnx_export
     except ImportError:
         raise CtsegError(
-            "--backend onnx needs ONNX Runtime; install it with: pip install 'ctseg[onnx]'"
+            "the onnx backend needs the onnx and onnxruntime packages: pip install 'ctseg[onnx]'"
         ) from None
     options = ort.SessionOptions()
     options.intra_op_num_threads = os.cpu_count() or 1

@@ -1,0 +1,97 @@
+"""The ONNX Runtime backend computes the JAX inference-mode forward pass."""
+
+import importlib.util
+import sys
+
+import jax
+import nibabel as nib
+import numpy as np
+import pytest
+from test_infer import RESOLUTION, random_model
+from test_predict import runner, trained  # noqa: F401  (`trained` is a fixture)
+
+from cli.app import app
+from ctseg import infer, unet
+from ctseg.errors import CtsegError
+from ctseg.partition import LOCAL
+
+needs_onnx = pytest.mark.skipif(
+    importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("onnx") is None,
+    reason="the onnx extra is not installed",
+)
+
+
+def with_head_bias(model: infer.Model) -> infer.Model:
+    """The model with a small non-zero head bias, so the exported head's bias is exercised."""
+    rng = np.random.default_rng(2)
+
+    def perturb(path, leaf):
+        if "head" in jax.tree_util.keystr(path) and "bias" in jax.tree_util.keystr(path):
+            return np.asarray(rng.normal(0, 0.1, leaf.shape), np.float32)
+        return leaf
+
+    params = jax.tree_util.tree_map_with_path(perturb, model.params)
+    return infer.Model(model.config, model.graphdef, params, model.stats, model.step)
+
+
+@needs_onnx
+@pytest.mark.parametrize("depth", [2, 3])
+def test_onnx_logits_equal_jax_inference_mode(depth):
+    import onnx
+    import onnxruntime as ort
+
+    from ctseg import onnx_export
+
+    model = with_head_bias(random_model(depth))
+    proto = onnx_export.export(model.graphdef, model.params, model.stats)
+    onnx.checker.check_model(proto, full_check=True)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    # Non-cubic, batch 2: the graph's batch and spatial sizes are dynamic.
+    x = np.random.default_rng(4).uniform(-1, 1, (2, 16, 24, 8, 1)).astype(np.float32)
+    forward = jax.jit(lambda p, s, v: unet.apply(model.graphdef, p, s, v, LOCAL, train=False)[0])
+    expected = forward(model.params, model.stats, x)
+    (logits,) = session.run(None, {onnx_export.INPUT: x})
+    assert logits.shape == (2, 16, 24, 8, unet.NUM_CLASSES)
+    # Measured: about 3e-7 (batch norm folded in float64, rounded once to float32).
+    np.testing.assert_allclose(logits, np.asarray(expected), rtol=0, atol=1e-4)
+
+
+@needs_onnx
+def test_onnx_tiles_equal_jax_whole_volume():
+    model = random_model(3)
+    image = np.random.default_rng(1).uniform(-1, 1, (RESOLUTION,) * 3).astype(np.float32)
+    reference = infer.Engine(model, tile=0).logits(image)
+    tiled = infer.Engine(model, tile=12, backend="onnx")
+    assert tiled.tile == 12 and tiled.windows_per_step == 1
+    logits = tiled.logits(image)
+    np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-4)
+    np.testing.assert_array_equal(logits.argmax(-1), reference.argmax(-1))
+    whole = infer.Engine(model, tile=0, backend="onnx").logits(image)
+    np.testing.assert_allclose(whole, reference, rtol=0, atol=1e-4)
+    whole -= 1  # callers compute probabilities in place: the logits must be writable
+
+
+def test_missing_onnxruntime_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # makes `import onnxruntime` fail
+    with pytest.raises(CtsegError, match=r"pip install 'ctseg\[onnx\]'"):
+        infer.Engine(random_model(2), tile=0, backend="onnx")
+
+
+def test_unknown_backend():
+    with pytest.raises(CtsegError, match="unknown backend"):
+        infer.Engine(random_model(2), tile=0, backend="tensorrt")
+
+
+@needs_onnx
+def test_predict_cli_onnx_backend_writes_the_jax_labels(request, tmp_path):
+    run_dir, _, raw = request.getfixturevalue("trained")  # a tiny trained run
+    scan = str(raw / "volume-0.nii.gz")
+    labels = {}
+    for backend in ("jax", "onnx"):
+        out = tmp_path / backend
+        args = ["predict", str(run_dir), scan, "--out", str(out), "--checkpoint", "latest"]
+        result = runner.invoke(app, [*args, "--backend", backend])
+        assert result.exit_code == 0, result.output
+        assert f"backend {backend}" in result.output
+        labels[backend] = np.asarray(nib.load(out / "volume-0_seg.nii.gz").dataobj)
+    np.testing.assert_array_equal(labels["onnx"], labels["jax"])
