@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 CTSEG  := $(VENV)/bin/ctseg
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo bench lint clean experiment-resolution
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,8 +24,11 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(CTSEG) bench --config configs/demo.toml --partitions 1,2,4,8,16 --partitioner halo,gspmd --json bench/bench.json
 
+experiment-resolution: $(STAMP)
+	bash scripts/experiment_resolution.sh
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ctseg cli data_prep tests
 
 clean:
-	rm -rf $(VENV) demo bench
+	rm -rf $(VENV) demo bench experiment

@@ -49,12 +49,18 @@ class Phantom:
 
 
 def random_geometry(rng: np.random.Generator, size: int, index: int) -> Geometry:
-    """In-plane 0.6–1.0 mm, slices 1–5 mm, 0.4–1.0 × size slices; even cases LPS, odd RAS."""
-    in_plane = float(rng.uniform(0.6, 1.0))
-    slices = max(8, round(size * rng.uniform(0.4, 1.0)))
+    """An abdominal field of view: 320–420 mm in-plane over `size` pixels, 150–250 mm
+    of 1.5–5 mm slices (at most 1.25 × size of them); even cases LPS, odd RAS.
+
+    The anatomy is drawn in normalised coordinates, so a small matrix still gives
+    real-world volumes (a liver of about 1–2 L) and realistic voxel spacings.
+    """
+    in_plane = float(rng.uniform(320.0, 420.0)) / size
+    slice_mm = float(rng.uniform(1.5, 5.0))
+    slices = int(np.clip(round(rng.uniform(150.0, 250.0) / slice_mm), 8, round(1.25 * size)))
     return Geometry(
         shape=(size, size, slices),
-        spacing=(in_plane, in_plane, float(rng.uniform(1.0, 5.0))),
+        spacing=(in_plane, in_plane, slice_mm),
         stored_as="LPS" if index % 2 == 0 else "RAS",
     )
 

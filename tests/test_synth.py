@@ -50,7 +50,10 @@ def test_labels_and_anatomy(dataset):
         labels = read_scan(dataset / f"segmentation-{index}.nii.gz").array
         assert labels.dtype == np.uint8 and set(np.unique(labels)) <= {0, 1, 2}
         assert image.array.shape == labels.shape
-        assert SIZE * 0.4 - 1 <= image.array.shape[2] <= SIZE
+        assert 8 <= image.array.shape[2] <= round(1.25 * SIZE)
+        # A real abdominal field of view, whatever the matrix size.
+        extent = np.asarray(image.array.shape) * np.asarray(image.spacing)
+        assert 320 <= extent[0] <= 420 and 40 <= extent[2] <= 260
         liver = labels == 1
         assert liver.any()
         # The liver lies on the patient's right: high x in canonical RAS order.
