@@ -51,4 +51,6 @@ def start_jax(
     from ctseg import partition  # imports JAX; keep `ctseg --help` fast
 
     partition.initialize_distributed(coordinator, num_processes, process_id)
-    partition.configure_cpu_devices(config.num_devices)
+    # Each process contributes its share of the mesh's devices.
+    processes = num_processes or 1
+    partition.configure_cpu_devices(-(-config.num_devices // processes))

@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from ctseg import atomic, metrics, report
@@ -50,7 +52,7 @@ class Progress:
 ProgressFn = Callable[[Progress], None]
 
 
-def check_run_dir(run_dir: Path, config: cfg.Config) -> None:
+def check_run_dir(run_dir: Path, config: cfg.Config, write: bool = True) -> None:
     """Write RUN_DIR/config.toml, or check that an existing run used the same config."""
     path = run_dir / "config.toml"
     text = cfg.to_toml(config)
@@ -68,7 +70,8 @@ def check_run_dir(run_dir: Path, config: cfg.Config) -> None:
                 "use a new --workdir, or the same config to resume"
             )
         return
-    atomic.write_text(path, text)
+    if write:
+        atomic.write_text(path, text)
 
 
 def open_store(data_dir: Path, config: cfg.Config) -> Store:
@@ -85,12 +88,18 @@ def open_store(data_dir: Path, config: cfg.Config) -> Store:
 
 
 class MetricsLog:
-    """RUN_DIR/metrics.jsonl; on resume, entries after the restored step are dropped."""
+    """RUN_DIR/metrics.jsonl; on resume, entries after the restored step are dropped.
 
-    def __init__(self, path: Path, resume_step: int):
+    Only the writing process (process 0 of a multi-host job) touches the file;
+    the others keep the entries in memory.
+    """
+
+    def __init__(self, path: Path, resume_step: int, write: bool = True):
         self.path = path
+        self.write = write
         kept = [e for e in self.read(path) if e["step"] <= resume_step]
-        atomic.write_text(path, "".join(json.dumps(e) + "\n" for e in kept))
+        if write:
+            atomic.write_text(path, "".join(json.dumps(e) + "\n" for e in kept))
         self.entries = kept
 
     @staticmethod
@@ -107,19 +116,25 @@ class MetricsLog:
 
     def append(self, entry: dict[str, Any]) -> None:
         self.entries.append(entry)
+        if not self.write:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(entry) + "\n")
 
 
 def validate(
-    predict, state: TrainState, store: Store, config: cfg.Config, mesh
+    segment, state: TrainState, store: Store, config: cfg.Config, mesh
 ) -> dict[str, float]:
     """Mean per-case grid Dice of liver and tumour over the validation split."""
     scores = []
     for ids, image, labels in validation_batches(store, config, mesh):
-        probs = np.asarray(predict(state.params, state.stats, image))
+        # The labels are sharded over the mesh, possibly over several hosts:
+        # gather the whole (small, uint8) label maps on every process.
+        predicted = multihost_utils.process_allgather(
+            segment(state.params, state.stats, image), tiled=True
+        )
         for i in range(len(ids)):
-            scores.append(metrics.grid_dice(probs[i].argmax(-1), labels[i]))
+            scores.append(metrics.grid_dice(predicted[i], labels[i]))
     if not scores:
         return {}
     return {k: float(np.mean([s[k] for s in scores])) for k in ("liver", "tumor")}
@@ -140,7 +155,10 @@ def train_and_evaluate(
     run_dir = Path(run_dir)
     store = open_store(Path(data_dir), config)
     run_dir.mkdir(parents=True, exist_ok=True)
-    check_run_dir(run_dir, config)
+    # In a multi-host job every process trains, but only process 0 writes the
+    # run directory's files; orbax coordinates the checkpoints itself.
+    main_process = jax.process_index() == 0
+    check_run_dir(run_dir, config, write=main_process)
     mesh = make_mesh(config.mesh.spatial, config.mesh.data)
     tc = config.train
 
@@ -151,10 +169,11 @@ def train_and_evaluate(
     if start is not None:
         state = checkpoints.restore(start, replicated_like(state, mesh))
     start = int(state.step)
-    log = MetricsLog(run_dir / "metrics.jsonl", start)
+    log = MetricsLog(run_dir / "metrics.jsonl", start, write=main_process)
 
     train_step = jax.jit(make_train_step(graphdef, config, mesh), donate_argnums=0)
-    predict = jax.jit(make_predict(graphdef, config, mesh))
+    predict = make_predict(graphdef, config, mesh)
+    segment = jax.jit(lambda *args: jnp.argmax(predict(*args), axis=-1).astype(jnp.uint8))
     has_val = bool(store.split("val"))
     val_dice: dict[str, float] | None = None
     prefetch = Prefetcher(store, config, mesh, start, tc.steps)
@@ -176,7 +195,7 @@ def train_and_evaluate(
             rate = window_steps / (time.perf_counter() - window_start)
             validating = has_val and (done % tc.eval_every == 0 or done == tc.steps)
             if validating:
-                val_dice = validate(predict, state, store, config, mesh)
+                val_dice = validate(segment, state, store, config, mesh)
             if done % tc.log_every == 0 or validating or done == tc.steps:
                 entry = {k: float(v) for k, v in step_metrics.items()}
                 entry.update(step=done, steps_per_second=rate)
@@ -186,7 +205,8 @@ def train_and_evaluate(
                 log.append(entry)
             if validating:
                 checkpoints.save(state, 0.5 * (val_dice["liver"] + val_dice["tumor"]))
-                report.plot_curves(log.entries, run_dir / "curves.png")
+                if main_process:
+                    report.plot_curves(log.entries, run_dir / "curves.png")
             elif done % tc.checkpoint_every == 0 or done == tc.steps:
                 checkpoints.save(state)
             if progress:

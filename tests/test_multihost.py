@@ -6,6 +6,7 @@ of the replicated loss and gradients; the reference runs in this process on
 the 16 devices `conftest.py` configures.
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from multihost_worker import DATA, SPATIAL, loss_and_grads
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
@@ -76,3 +78,71 @@ def test_two_processes_equal_one_process(tmp_path):
         assert set(got) == set(reference)
         for name, want in reference.items():
             np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_two_process_train_command_equals_one_process(tmp_path):
+    """`ctseg train` with --coordinator/--num-processes/--process-id on two local
+    processes logs the same losses as the same training in one process."""
+    from ctseg import config as cfg
+    from ctseg.store import prepare
+    from ctseg.train import train_and_evaluate
+    from data_prep.synth import write_dataset
+
+    overrides = [
+        "data.resolution=16",
+        "model.base_filters=2",
+        "model.depth=2",
+        "mesh.spatial=[2,2,2]",
+        "mesh.data=2",
+        "train.batch_size=2",
+        "train.steps=2",
+        "train.eval_every=2",
+        "train.checkpoint_every=2",
+        "train.log_every=1",
+    ]
+    config = cfg.load(overrides=overrides)
+    write_dataset(tmp_path / "raw", cases=3, size=24, seed=5)
+    prepare(tmp_path / "raw", tmp_path / "prep", config)
+
+    coordinator = f"localhost:{_free_port()}"
+    command = [
+        sys.executable,
+        "-m",
+        "cli.main",
+        "train",
+        "--data",
+        str(tmp_path / "prep"),
+        "--workdir",
+        str(tmp_path / "multi"),
+        f"--coordinator={coordinator}",
+        f"--num-processes={PROCESSES}",
+    ]
+    for item in overrides:
+        command += ["--set", item]
+    procs = [
+        subprocess.Popen(
+            [*command, f"--process-id={i}"],
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(PROCESSES)
+    ]
+    try:
+        logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+
+    train_and_evaluate(config, tmp_path / "prep", tmp_path / "single")
+    multi = (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()
+    single = (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()
+    assert len(multi) == len(single) == 2  # process 0 alone writes the log
+    for m, s in zip(multi, single):
+        m, s = json.loads(m), json.loads(s)
+        np.testing.assert_allclose(m["loss"], s["loss"], rtol=1e-5)
+        assert m.get("val_dice_liver") == pytest.approx(s.get("val_dice_liver"), abs=1e-6)
+    assert (tmp_path / "multi" / "checkpoints" / "2").is_dir()
