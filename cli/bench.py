@@ -5,7 +5,6 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cli.app import app
@@ -18,6 +17,7 @@ from cli.options import (
     load_config,
 )
 from cli.plan import human_bytes
+from cli.progress import counting
 from ctseg import atomic
 from ctseg.bench import (
     BenchResult,
@@ -99,19 +99,7 @@ def bench_command(
     splits = _splits(partitions, spatial)
     partitioners = [p.strip() for p in partitioner.split(",") if p.strip()]
     configure_cpu_devices(devices_needed(config, splits))
-    columns = (
-        TextColumn("bench"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("", total=None)
-
-        def report(done: int, total: int, description: str) -> None:
-            bar.update(task, completed=done, total=total, description=description)
-
+    with counting("bench") as report:
         results = bench(config, splits, partitioners, steps, progress=report)
     console.print(_table(results))
     if json_path is not None:

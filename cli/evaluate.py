@@ -8,12 +8,12 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cli.app import app
 from cli.options import start_jax
 from cli.predict import Backend, BackendOption, load_run_config
+from cli.progress import counting
 from ctseg.errors import CtsegError
 from ctseg.evaluate import evaluate_folders, write_reports
 
@@ -73,19 +73,7 @@ def _summary_table(summary: dict) -> Table:
 
 def _run_with_progress(run: Callable[..., dict]) -> dict:
     """Call `run(progress=...)` under a progress bar of cases."""
-    columns = (
-        TextColumn("evaluating"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("", total=None)
-
-        def report(done: int, total: int, name: str) -> None:
-            bar.update(task, completed=done, total=total, description=name)
-
+    with counting("evaluating") as report:
         return run(progress=report)
 
 

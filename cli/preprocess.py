@@ -6,12 +6,12 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
 from cli.app import app
 from cli.options import ConfigOption, SetOption, load_config
+from cli.progress import counting
 from ctseg.store import MANIFEST, SPLITS, PrepareResult, prepare
 
 _STATUS_STYLE = {"prepared": "green", "resumed": "cyan", "failed": "red"}
@@ -45,19 +45,8 @@ def preprocess(
     Exits 1 when some case failed (the others are in the store), 2 when nothing could start.
     """
     cfg = load_config(config, set_)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        transient=True,
-    ) as bar:
-        task = bar.add_task("preprocess", total=None)
-
-        def advance(done: int, total: int, case_id: str) -> None:
-            bar.update(task, completed=done, total=total, description=f"preprocess {case_id}")
-
-        result = prepare(raw_dir, out_dir, cfg, progress=advance, force=force, workers=workers)
+    with counting("preprocess") as report:
+        result = prepare(raw_dir, out_dir, cfg, progress=report, force=force, workers=workers)
     console = Console(highlight=False)
     console.print(_case_table(result))
     console.print(_summary_line(result, out_dir), soft_wrap=True)

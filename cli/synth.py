@@ -5,9 +5,9 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cli.app import app
+from cli.progress import counting
 from data_prep.synth import write_dataset
 
 
@@ -18,22 +18,16 @@ def synth(
     ],
     cases: Annotated[int, typer.Option(min=1, help="Number of cases to write.")] = 8,
     size: Annotated[
-        int, typer.Option(min=16, help="In-plane voxels per side; slices are 0.4–1.0 × this.")
+        int,
+        typer.Option(
+            min=16, help="In-plane voxels per side (the field of view is 32–42 cm at any size)."
+        ),
     ] = 96,
     seed: Annotated[int, typer.Option(help="Seed; the same seed writes identical files.")] = 0,
 ) -> None:
     """Write synthetic abdomen CT scans with liver and tumour labels, named as LiTS names them."""
-    with Progress(
-        TextColumn("synth"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
-    ) as bar:
-        task = bar.add_task("synth", total=cases)
-        write_dataset(
-            out_dir,
-            cases,
-            size,
-            seed,
-            progress=lambda done, total, _: bar.update(task, completed=done),
-        )
+    with counting("synth") as report:
+        write_dataset(out_dir, cases, size, seed, progress=report)
     Console(highlight=False).print(
         f"wrote {cases} synthetic cases to {out_dir}: volume-N.nii.gz and "
         f"segmentation-N.nii.gz for N = 0…{cases - 1}",
