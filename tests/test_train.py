@@ -142,6 +142,38 @@ def test_sigkill_at_any_moment_then_resume_is_bit_identical(store_dir, uninterru
         np.testing.assert_array_equal(got, want)
 
 
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(store_dir, tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "cli.main",
+        "train",
+        "--data",
+        str(store_dir),
+        "--workdir",
+        str(tmp_path),
+    ]
+    for item in [*TINY, "train.steps=200", "train.checkpoint_every=100", "train.eval_every=100"]:
+        command += ["--set", item]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.monotonic() + 240
+    log = tmp_path / "metrics.jsonl"
+    # Interrupt once training is under way (some steps logged), well before any checkpoint.
+    while not (log.exists() and log.read_text().count("\n") >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, output
+    assert "interrupted" in output and "Traceback" not in output
+    manager = checkpoints.Checkpoints(tmp_path, keep=1, read_only=True)
+    assert 3 <= manager.latest_step() < 100  # saved on Ctrl-C, not by the schedule
+    manager.close()
+
+
 def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(store_dir, tmp_path):
     config = tiny(
         "train.learning_rate=1e38",
