@@ -57,17 +57,26 @@ class Augmentation:
         return np.flip(block, flips) if flips else block
 
 
+# In-plane rotation by k·90° as (source axes, reversed output axes):
+# np.rot90(v, k, axes=(0, 1)) reads out[i, j] = v[j, n-1-i] for k = 1.
+_ROTATIONS = (
+    ((0, 1, 2), (False, False, False)),
+    ((1, 0, 2), (True, False, False)),
+    ((0, 1, 2), (True, True, False)),
+    ((1, 0, 2), (False, True, False)),
+)
+
+
 def draw_augmentation(config: Config, step: int, sample: int) -> Augmentation:
+    """The sample's augmentation: a rotation (if enabled), then flips (if enabled)."""
     t = config.train
     rng = np.random.default_rng([t.seed, step, sample, 1])
-    swap = bool(t.rotate90 and rng.random() < 0.5)
-    reverse = tuple(bool(t.flip and rng.random() < 0.5) for _ in range(3))
-    if t.rotate90:
-        # A 90° rotation is a swap plus one flip; also allow the rotation without flips.
-        reverse = (reverse[0] or (swap and rng.random() < 0.5), reverse[1], reverse[2])
+    source_axis, rotated = _ROTATIONS[int(rng.integers(4)) if t.rotate90 else 0]
+    flips = [bool(t.flip and rng.random() < 0.5) for _ in range(3)]
+    reverse = tuple(r != f for r, f in zip(rotated, flips))  # flipping twice undoes it
     scale = 1.0 + rng.uniform(-t.intensity_scale, t.intensity_scale)
     shift = rng.uniform(-t.intensity_shift, t.intensity_shift)
-    return Augmentation((1, 0, 2) if swap else (0, 1, 2), reverse, float(scale), float(shift))
+    return Augmentation(source_axis, reverse, float(scale), float(shift))
 
 
 def cases_for_step(case_ids: Sequence[str], seed: int, step: int, batch_size: int) -> list[str]:

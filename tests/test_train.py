@@ -71,6 +71,14 @@ def test_augmented_block_equals_block_of_augmented_volume():
         np.testing.assert_array_equal(aug.read(volume, index), augmented[index])
 
 
+@pytest.mark.parametrize("k", range(4))
+def test_rotations_are_exactly_np_rot90(k):
+    volume = np.arange(4 * 4 * 2).reshape(4, 4, 2)
+    source_axis, reverse = pipeline._ROTATIONS[k]
+    aug = pipeline.Augmentation(source_axis, reverse)
+    np.testing.assert_array_equal(aug.read(volume, (slice(None),) * 3), np.rot90(volume, k))
+
+
 def test_global_batch_is_the_same_on_every_layout(store_dir):
     config = tiny("train.batch_size=2", "mesh.data=2")
     store = Store.open(store_dir)
@@ -115,22 +123,21 @@ def test_crash_then_resume_ends_with_identical_parameters(store_dir, uninterrupt
     assert steps == [1, 2, 3, 4]  # the lost step 3 was logged once, not twice
 
 
-def test_sigkill_at_any_moment_then_resume_is_bit_identical(store_dir, uninterrupted, tmp_path):
-    command = [
-        sys.executable,
-        "-m",
-        "cli.main",
-        "train",
-        "--data",
-        str(store_dir),
-        "--workdir",
-        str(tmp_path),
-    ]
-    for item in TINY:
+def start_train_command(store_dir, run_dir, overrides, **popen):
+    """`ctseg train` in a subprocess with this process's device count (XLA:CPU may
+    split work differently on another count, which would break bit-identity)."""
+    command = [sys.executable, "-m", "cli.main", "train", "--data", str(store_dir)]
+    command += ["--workdir", str(run_dir)]
+    for item in overrides:
         command += ["--set", item]
-    # The same device count as this process: XLA:CPU may split work differently otherwise.
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "16"}
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(command, env=env, **popen)
+
+
+def test_sigkill_at_any_moment_then_resume_is_bit_identical(store_dir, uninterrupted, tmp_path):
+    proc = start_train_command(
+        store_dir, tmp_path, TINY, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 240
     while not (tmp_path / "checkpoints" / "2").exists() and proc.poll() is None:
         assert time.monotonic() < deadline, "training subprocess made no checkpoint"
@@ -143,21 +150,9 @@ def test_sigkill_at_any_moment_then_resume_is_bit_identical(store_dir, uninterru
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(store_dir, tmp_path):
-    command = [
-        sys.executable,
-        "-m",
-        "cli.main",
-        "train",
-        "--data",
-        str(store_dir),
-        "--workdir",
-        str(tmp_path),
-    ]
-    for item in [*TINY, "train.steps=200", "train.checkpoint_every=100", "train.eval_every=100"]:
-        command += ["--set", item]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    overrides = [*TINY, "train.steps=200", "train.checkpoint_every=100", "train.eval_every=100"]
+    proc = start_train_command(
+        store_dir, tmp_path, overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     deadline = time.monotonic() + 240
     log = tmp_path / "metrics.jsonl"
