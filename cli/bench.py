@@ -15,6 +15,7 @@ from cli.options import (
     ProcessIdOption,
     SetOption,
     load_config,
+    start_jax,
 )
 from cli.plan import human_bytes
 from cli.progress import counting
@@ -27,7 +28,6 @@ from ctseg.bench import (
     ratio_to_one_partition,
 )
 from ctseg.errors import CtsegError
-from ctseg.partition import configure_cpu_devices, initialize_distributed
 
 console = Console(highlight=False)
 
@@ -94,11 +94,10 @@ def bench_command(
     process_id: ProcessIdOption = None,
 ) -> None:
     """Time the training step for each layout and partitioner on the config's grid."""
-    initialize_distributed(coordinator, num_processes, process_id)
     config = load_config(config_path, overrides)
     splits = _splits(partitions, spatial)
     partitioners = [p.strip() for p in partitioner.split(",") if p.strip()]
-    configure_cpu_devices(devices_needed(config, splits))
+    start_jax(config, coordinator, num_processes, process_id, devices_needed(config, splits))
     with counting("bench") as report:
         results = bench(config, splits, partitioners, steps, progress=report)
     console.print(_table(results))

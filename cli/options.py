@@ -42,15 +42,17 @@ def start_jax(
     coordinator: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    devices: int | None = None,
 ) -> None:
     """Join a multi-host job if asked, and make sure the mesh has enough devices.
 
-    Must run before anything touches JAX devices: simulated CPU devices can
-    only be configured before the backend starts.
+    `devices`: the devices the command needs over all processes (default: the
+    config's mesh). Must run before anything touches JAX devices: simulated CPU
+    devices can only be configured before the backend starts.
     """
     from ctseg import partition  # imports JAX; keep `ctseg --help` fast
 
     partition.initialize_distributed(coordinator, num_processes, process_id)
     # Each process contributes its share of the mesh's devices.
     processes = num_processes or 1
-    partition.configure_cpu_devices(-(-config.num_devices // processes))
+    partition.configure_cpu_devices(-(-(devices or config.num_devices) // processes))

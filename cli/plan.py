@@ -15,10 +15,10 @@ from cli.options import (
     ProcessIdOption,
     SetOption,
     load_config,
+    start_jax,
 )
 from ctseg import atomic, unet
 from ctseg.config import Config
-from ctseg.partition import configure_cpu_devices, initialize_distributed
 from ctseg.plan import LayoutPlan, plan
 
 console = Console(highlight=False)
@@ -76,9 +76,8 @@ def plan_command(
 ) -> None:
     """Compile (not run) the training step and inference for the config's layout and report
     per-device memory, halo traffic and FLOPs next to the unpartitioned layout."""
-    initialize_distributed(coordinator, num_processes, process_id)
     config = load_config(config_path, overrides)
-    configure_cpu_devices(config.num_devices)
+    start_jax(config, coordinator, num_processes, process_id)
     with console.status("compiling") as status:
         plans = plan(config, progress=lambda message: status.update(message))
     console.print(_table(plans))
