@@ -107,30 +107,37 @@ def activation_sharding(mesh: Mesh) -> NamedSharding:
 # --------------------------------------------------------------------------- halo exchange
 
 
-def exchange_halo(x: jax.Array, dim: int, axis: str, size: int, width: int) -> jax.Array:
-    """Extend the local block `x` by `width` slices from each neighbour along `dim`.
+def exchange_halo(x: jax.Array, halo: Sequence[tuple[str, int] | None], width: int) -> jax.Array:
+    """`x` zero-padded by `width` on the spatial dims, with neighbours' slices where split.
 
-    Runs inside `shard_map`; `axis` is the mesh axis that splits `dim` into
-    `size` partitions. The exchange is not cyclic: the first and last
-    partitions receive zeros on their outer faces (``ppermute`` fills
-    non-receiving devices with zeros), which is exactly SAME zero padding.
+    Runs inside `shard_map`. `halo[d]` is the (mesh axis, partitions) that
+    split spatial dim d, or None where it is whole. The block is padded once
+    (one copy, which the convolution keeps for its backward pass) and each
+    received face is written into that buffer in place. Split dims are
+    exchanged in order, each sending faces of the buffer already extended
+    along the earlier dims, so edges and corners arrive without diagonal
+    messages. The exchange is not cyclic: ``ppermute`` leaves zeros on the
+    outer faces of the first and last partitions, which is SAME zero padding.
     """
     if width == 0:
         return x
-    n = x.shape[dim]
-    if n < width:
-        raise ValueError(f"local block of {n} slices cannot supply a halo of {width}")
-    first = jax.lax.slice_in_dim(x, 0, width, axis=dim)
-    last = jax.lax.slice_in_dim(x, n - width, n, axis=dim)
-    from_left = jax.lax.ppermute(last, axis, [(i, i + 1) for i in range(size - 1)])
-    from_right = jax.lax.ppermute(first, axis, [(i + 1, i) for i in range(size - 1)])
-    return jnp.concatenate([from_left, x, from_right], axis=dim)
-
-
-def _zero_pad(x: jax.Array, dim: int, width: int) -> jax.Array:
-    pads = [(0, 0)] * x.ndim
-    pads[dim] = (width, width)
-    return jnp.pad(x, pads)
+    padded = jnp.pad(x, [(0, 0), *[(width, width)] * 3, (0, 0)])
+    for dim, split in zip((1, 2, 3), halo):
+        if split is None:
+            continue
+        axis, size = split
+        if x.shape[dim] < width:
+            raise ValueError(
+                f"local block of {x.shape[dim]} slices cannot supply a halo of {width}"
+            )
+        n = padded.shape[dim]
+        first = jax.lax.slice_in_dim(padded, width, 2 * width, axis=dim)
+        last = jax.lax.slice_in_dim(padded, n - 2 * width, n - width, axis=dim)
+        from_left = jax.lax.ppermute(last, axis, [(i, i + 1) for i in range(size - 1)])
+        from_right = jax.lax.ppermute(first, axis, [(i + 1, i) for i in range(size - 1)])
+        padded = jax.lax.dynamic_update_slice_in_dim(padded, from_left, 0, axis=dim)
+        padded = jax.lax.dynamic_update_slice_in_dim(padded, from_right, n - width, axis=dim)
+    return padded
 
 
 @dataclass(frozen=True)
@@ -149,17 +156,8 @@ class Comm:
     sharding: NamedSharding | None = None
 
     def pad(self, x: jax.Array, width: int) -> jax.Array:
-        """SAME padding of `width` on the spatial dims: halos where split, zeros elsewhere.
-
-        Exchanging x first, then y on the x-extended block, then z, fills the
-        edges and corners of the halo without any diagonal messages.
-        """
-        for dim, split in zip((1, 2, 3), self.halo):
-            if split is None:
-                x = _zero_pad(x, dim, width)
-            else:
-                x = exchange_halo(x, dim, split[0], split[1], width)
-        return x
+        """SAME padding of `width` on the spatial dims: halos where split, zeros elsewhere."""
+        return exchange_halo(x, self.halo, width)
 
     def sum(self, x: jax.Array, axis: int | tuple[int, ...] | None = None) -> jax.Array:
         """Sum over `axis` of the whole (global) array, not just the local block."""
