@@ -26,8 +26,8 @@ CheckpointOption = Annotated[
 TileOption = Annotated[
     int | None,
     typer.Option(
-        help="Tile core size in voxels (a multiple of 2^(depth-1)); 0 = whole volume; "
-        "-1 = from available memory. Default: the run's predict.tile."
+        help="Core size in voxels (even) of level-wise tiles, at every U-Net level; "
+        "0 = whole volume; -1 = from available memory. Default: the run's predict.tile."
     ),
 ]
 

@@ -91,7 +91,9 @@ class TrainConfig:
 @dataclass(frozen=True)
 class PredictConfig:
     tile: int = _f(
-        -1, "Tile core size in voxels; 0 = whole volume; -1 = choose from available memory."
+        -1,
+        "Core size in voxels (even) of level-wise tiles, at every U-Net level; "
+        "0 = whole volume; -1 = choose from available memory.",
     )
     keep_largest_liver: bool = _f(True, "Keep only the largest connected liver component.")
     tumour_inside_liver: bool = _f(True, "Drop tumour voxels outside the (post-processed) liver.")
@@ -326,8 +328,8 @@ def _validate_predict(config: Config) -> None:
     tile = config.predict.tile
     _require(tile >= -1, f"predict.tile must be -1 (auto), 0 (whole volume) or a size, got {tile}")
     _require(
-        tile <= 0 or tile % config.alignment == 0,
-        f"predict.tile = {tile} must be a multiple of 2^(model.depth-1) = {config.alignment}",
+        tile <= 0 or tile % 2 == 0,
+        f"predict.tile = {tile} must be even: level-wise tiles are pooled in pairs of voxels",
     )
 
 

@@ -8,11 +8,15 @@ up-convolution as a ConvTranspose, skip concatenation, the 1×1×1 head as a
 convolution. Inference-mode batch norm is an affine map per channel, so folding
 it into the preceding bias-free convolution is exact up to float32 rounding.
 
-The graph takes and returns the JAX layout, image [batch, x, y, z, 1] and
-logits [batch, x, y, z, 3]; inside it runs NCDHW, the layout ONNX convolutions
-use. Batch and spatial sizes are dynamic, so one model serves whole volumes and
-every tile window (sizes must respect the alignment, as in JAX). Weights are
-float32 whatever `model.dtype` says: a bfloat16 model runs in float32 here.
+`export` builds the whole network; `export_stage` one stage of level-wise tiled
+inference (`ctseg.infer`: a down, bottom or up stage of one level), from the same
+weights and the same layer builders. Graphs take and return the JAX layout,
+channels last (image [batch, x, y, z, 1] → logits [batch, x, y, z, 3], a stage's
+level activations [batch, x, y, z, C]); inside they run NCDHW, the layout ONNX
+convolutions use. Batch and spatial sizes are dynamic, so one graph serves whole
+volumes and every window of its shape (even sizes where a graph pools). Weights
+and activations are float32 whatever `model.dtype` says: a bfloat16 model runs in
+float32 here.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ from onnx import TensorProto, helper, numpy_helper
 from ctseg import unet
 
 INPUT, OUTPUT = "image", "logits"
+# A stage's inputs (its level's activations; the level below's output for an up stage)
+# and its output; level-0 stages take the image and the last one returns the logits.
+STAGE_INPUT, STAGE_BELOW, STAGE_OUTPUT = "input", "below", "output"
+DOWN, BOTTOM, UP = "down", "bottom", "up"  # the stage kinds, as `ctseg.infer` plans them
 # Opset 17 and IR version 8 load in every onnxruntime the `onnx` extra allows (≥ 1.18).
 _OPSET, _IR_VERSION = 17, 8
 
@@ -52,6 +60,33 @@ class _GraphBuilder:
         output = self._name(op.lower())
         self.nodes.append(helper.make_node(op, inputs, [output], **attributes))
         return output
+
+    def channels_first(self, name: str) -> str:
+        """The graph input `name` [b, x, y, z, c] as [b, c, x, y, z]."""
+        return self.node("Transpose", [name], perm=[0, 4, 1, 2, 3])
+
+    def model(
+        self, name: str, x: str, inputs: dict[str, int], output: tuple[str, int]
+    ) -> onnx.ModelProto:
+        """The graph with channels-last `inputs` {name: channels} and `output` from NCDHW `x`."""
+        out_name, out_channels = output
+        self.nodes.append(helper.make_node("Transpose", [x], [out_name], perm=[0, 2, 3, 4, 1]))
+        spatial = ["batch", "x", "y", "z"]
+        graph = helper.make_graph(
+            self.nodes,
+            name,
+            [
+                helper.make_tensor_value_info(n, TensorProto.FLOAT, [*spatial, c])
+                for n, c in inputs.items()
+            ],
+            [helper.make_tensor_value_info(out_name, TensorProto.FLOAT, [*spatial, out_channels])],
+            initializer=self.weights,
+        )
+        proto = helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", _OPSET)], producer_name="ctseg"
+        )
+        proto.ir_version = _IR_VERSION
+        return proto
 
 
 def _conv_block(g: _GraphBuilder, block: unet.ConvBlock, x: str) -> str:
@@ -82,6 +117,16 @@ def _up_conv(g: _GraphBuilder, up: unet.UpConv, x: str) -> str:
     return g.node("ConvTranspose", [x, *weights], kernel_shape=[2, 2, 2], strides=[2, 2, 2])
 
 
+def _pool(g: _GraphBuilder, x: str) -> str:
+    return g.node("MaxPool", [x], kernel_shape=[2, 2, 2], strides=[2, 2, 2])
+
+
+def _decode(g: _GraphBuilder, model: unet.UNet, level: int, skip: str, below: str) -> str:
+    """`UNet.decode`: up-convolution of `below`, concatenated after `skip`, the level's convs."""
+    up = _up_conv(g, model.up_convs[level], below)
+    return _level(g, model.up[level], g.node("Concat", [skip, up], axis=1))
+
+
 def _head(g: _GraphBuilder, head: nnx.Linear, x: str) -> str:
     kernel = np.asarray(head.kernel[...])  # [cin, classes]
     weight = kernel.T[:, :, None, None, None]  # [classes, cin, 1, 1, 1]
@@ -92,30 +137,44 @@ def export(graphdef: nnx.GraphDef, params: nnx.State, stats: nnx.State) -> onnx.
     """The inference-mode network (`unet.apply(..., train=False)`) as an ONNX model."""
     model = nnx.merge(graphdef, params, stats)
     g = _GraphBuilder()
-    # [b, x, y, z, 1] → [b, 1, x, y, z]
-    h = g.node("Transpose", [INPUT], perm=[0, 4, 1, 2, 3])
+    h = g.channels_first(INPUT)
     skips = []
-    for i, level in enumerate(model.down):
-        if i > 0:
-            h = g.node("MaxPool", [h], kernel_shape=[2, 2, 2], strides=[2, 2, 2])
-        h = _level(g, level, h)
+    for level in range(model.cfg.depth):
+        if level > 0:
+            h = _pool(g, h)
+        h = _level(g, model.down[level], h)
         skips.append(h)
-    for i in reversed(range(model.cfg.depth - 1)):
-        up = _up_conv(g, model.up_convs[i], h)
-        h = _level(g, model.up[i], g.node("Concat", [skips[i], up], axis=1))  # skip first
-    logits = _head(g, model.head, h)
-    g.nodes.append(helper.make_node("Transpose", [logits], [OUTPUT], perm=[0, 2, 3, 4, 1]))
+    for level in reversed(range(model.cfg.depth - 1)):
+        h = _decode(g, model, level, skips[level], h)
+    return g.model("ctseg_unet", _head(g, model.head, h), {INPUT: 1}, (OUTPUT, unet.NUM_CLASSES))
 
-    spatial = ["batch", "x", "y", "z"]
-    graph = helper.make_graph(
-        g.nodes,
-        "ctseg_unet",
-        [helper.make_tensor_value_info(INPUT, TensorProto.FLOAT, [*spatial, 1])],
-        [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, [*spatial, unet.NUM_CLASSES])],
-        initializer=g.weights,
-    )
-    onnx_model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", _OPSET)], producer_name="ctseg"
-    )
-    onnx_model.ir_version = _IR_VERSION
-    return onnx_model
+
+def export_stage(
+    graphdef: nnx.GraphDef, params: nnx.State, stats: nnx.State, kind: str, level: int
+) -> onnx.ModelProto:
+    """One stage of level-wise tiled inference as an ONNX model (`ctseg.infer.stage_forward`).
+
+    `kind` DOWN: max_pool(encoder `level` of STAGE_INPUT); BOTTOM: encoder `level`;
+    UP: decoder `level` of (encoder `level` of STAGE_INPUT, STAGE_BELOW). The stage
+    that returns level 0's decoder output (UP 0, or BOTTOM 0 of a depth-1 net) ends
+    with the head: logits.
+    """
+    model = nnx.merge(graphdef, params, stats)
+    depth = model.cfg.depth
+    if kind not in (DOWN, BOTTOM, UP) or not 0 <= level < depth:
+        raise ValueError(f"no stage {kind!r} at level {level} in a depth-{depth} U-Net")
+    if (kind == BOTTOM) != (level == depth - 1):
+        raise ValueError(f"the bottom stage is level {depth - 1}, not a {kind} stage at {level}")
+    widths = [model.cfg.base_filters * 2**i for i in range(depth)]
+    g = _GraphBuilder()
+    inputs = {STAGE_INPUT: 1 if level == 0 else widths[level - 1]}
+    h = _level(g, model.down[level], g.channels_first(STAGE_INPUT))
+    channels = widths[level]
+    if kind == DOWN:
+        h = _pool(g, h)
+    elif kind == UP:
+        inputs[STAGE_BELOW] = widths[level + 1]
+        h = _decode(g, model, level, h, g.channels_first(STAGE_BELOW))
+    if kind != DOWN and level == 0:
+        h, channels = _head(g, model.head, h), unet.NUM_CLASSES
+    return g.model(f"ctseg_unet_{kind}{level}", h, inputs, (STAGE_OUTPUT, channels))

@@ -159,19 +159,39 @@ class UNet(nnx.Module):
         nnx.update(level, state)
         return y
 
+    # The pieces `__call__` composes; level-wise tiled inference (`ctseg.infer`) runs them
+    # one level at a time.
+
+    def prepare(self, x: jax.Array, comm: Comm) -> jax.Array:
+        """The image [b, x, y, z, 1] in the compute dtype, as the first level takes it."""
+        return comm.constrain(x.astype(jnp.dtype(self.cfg.dtype)))
+
+    def encode(self, level: int, x: jax.Array, comm: Comm, train: bool) -> jax.Array:
+        """Encoder level `level` on `x` at that level's resolution (already pooled)."""
+        return self._level(self.down[level], x, comm, train)
+
+    def decode(
+        self, level: int, skip: jax.Array, below: jax.Array, comm: Comm, train: bool
+    ) -> jax.Array:
+        """Decoder level `level`: up-convolve `below`, concatenate after `skip`, two conv blocks."""
+        up = comm.constrain(self.up_convs[level](below))
+        return self._level(self.up[level], jnp.concatenate([skip, up], axis=-1), comm, train)
+
+    def classify(self, x: jax.Array) -> jax.Array:
+        """The 1×1×1 head: float32 logits [b, x, y, z, 3]."""
+        return self.head(x).astype(jnp.float32)
+
     def __call__(self, x: jax.Array, comm: Comm, train: bool) -> jax.Array:
-        h = comm.constrain(x.astype(jnp.dtype(self.cfg.dtype)))
+        h = self.prepare(x, comm)
         skips = []
-        for i, level in enumerate(self.down):
-            if i > 0:
+        for level in range(self.cfg.depth):
+            if level > 0:
                 h = max_pool(h)
-            h = self._level(level, h, comm, train)
+            h = self.encode(level, h, comm, train)
             skips.append(h)
-        for i in reversed(range(self.cfg.depth - 1)):
-            h = comm.constrain(self.up_convs[i](h))
-            h = jnp.concatenate([skips[i], h], axis=-1)
-            h = self._level(self.up[i], h, comm, train)
-        return self.head(h).astype(jnp.float32)
+        for level in reversed(range(self.cfg.depth - 1)):
+            h = self.decode(level, skips[level], h, comm, train)
+        return self.classify(h)
 
 
 # --------------------------------------------------------------------------- functional form

@@ -129,7 +129,7 @@ def test_bad_files(tmp_path):
         (["train.learning_rate=0"], r"train.learning_rate must be positive"),
         (["train.class_weights=[0, 0, 0]"], r"train.class_weights must be non-negative"),
         (["model.bn_momentum=1.5"], r"model.bn_momentum must be in \[0, 1\)"),
-        (["predict.tile=12"], r"predict.tile = 12 must be a multiple of 2\^\(model.depth-1\) = 8"),
+        (["predict.tile=13"], r"predict.tile = 13 must be even"),
         (["predict.tile=-2"], r"predict.tile must be -1 \(auto\), 0 \(whole volume\) or a size"),
     ],
 )

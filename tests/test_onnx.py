@@ -7,6 +7,7 @@ import jax
 import nibabel as nib
 import numpy as np
 import pytest
+from flax import nnx
 from test_infer import RESOLUTION, random_model
 from test_predict import runner, trained  # noqa: F401  (`trained` is a fixture)
 
@@ -57,18 +58,51 @@ def test_onnx_logits_equal_jax_inference_mode(depth):
 
 
 @needs_onnx
-def test_onnx_tiles_equal_jax_whole_volume():
+def test_onnx_stage_graphs_equal_jax_stages():
+    """Each stage graph computes `infer.stage_forward` on channels-last inputs."""
+    import onnx
+    import onnxruntime as ort
+
+    from ctseg import onnx_export
+
+    model = with_head_bias(random_model(3))
+    net = nnx.merge(model.graphdef, model.params, model.stats)
+    rng = np.random.default_rng(5)
+    shape = (2, 8, 12, 4)  # batch 2, non-cubic: batch and spatial sizes are dynamic
+    channels = {"image": 1, 1: 2, 2: 4}  # a_l: 1, then base·2^(l−1); d_l: base·2^l
+    for kind, level in infer.stage_order(3):
+        proto = onnx_export.export_stage(model.graphdef, model.params, model.stats, kind, level)
+        onnx.checker.check_model(proto, full_check=True)
+        a = rng.uniform(-1, 1, (*shape, channels["image" if level == 0 else level]))
+        inputs = {onnx_export.STAGE_INPUT: a.astype(np.float32)}
+        if kind == infer.UP:
+            below = rng.uniform(0, 1, (2, 4, 6, 2, 2 * 2 ** (level + 1)))
+            inputs[onnx_export.STAGE_BELOW] = below.astype(np.float32)
+        expected = np.asarray(infer.stage_forward(net, kind, level, list(inputs.values()), LOCAL))
+        session = ort.InferenceSession(
+            proto.SerializeToString(), providers=["CPUExecutionProvider"]
+        )
+        (out,) = session.run([onnx_export.STAGE_OUTPUT], inputs)
+        assert out.shape == expected.shape, (kind, level)
+        np.testing.assert_allclose(out, expected, rtol=0, atol=1e-4, err_msg=f"{kind} {level}")
+    with pytest.raises(ValueError, match="bottom stage"):
+        onnx_export.export_stage(model.graphdef, model.params, model.stats, infer.UP, 2)
+
+
+@needs_onnx
+def test_onnx_level_wise_tiles_equal_jax_whole_volume():
     model = random_model(3)
     image = np.random.default_rng(1).uniform(-1, 1, (RESOLUTION,) * 3).astype(np.float32)
     reference = infer.Engine(model, tile=0).logits(image)
     tiled = infer.Engine(model, tile=12, backend="onnx")
-    assert tiled.tile == 12 and tiled.windows_per_step == 1
+    assert tiled.tile == 12 and tiled.windows_per_step == 1 and len(tiled.stages) == 5
     logits = tiled.logits(image)
     np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-4)
     np.testing.assert_array_equal(logits.argmax(-1), reference.argmax(-1))
+    logits -= 1  # callers compute probabilities in place: the logits must be writable
     whole = infer.Engine(model, tile=0, backend="onnx").logits(image)
     np.testing.assert_allclose(whole, reference, rtol=0, atol=1e-4)
-    whole -= 1  # callers compute probabilities in place: the logits must be writable
+    whole -= 1
 
 
 def test_missing_onnxruntime_says_what_to_install(monkeypatch):
