@@ -155,7 +155,19 @@ def expand_inputs(inputs: Sequence[Path]) -> tuple[list[Path], list[ScanOutcome]
             scans.extend(volume.find_scans([Path(item)]))
         except CtsegError as exc:
             failed.append(ScanOutcome(Path(item), volume.scan_name(Path(item)), error=str(exc)))
-    return list(dict.fromkeys(scans)), failed
+    # Outputs are named after the scan, so two scans of one name (a/volume-0.nii and
+    # b/volume-0.nii) would write the same files: the first keeps the name.
+    first_of: dict[str, Path] = {}
+    unique = []
+    for scan in dict.fromkeys(scans):
+        name = volume.scan_name(scan)
+        if name in first_of:
+            reason = f"its outputs would overwrite those of {first_of[name]} (both are {name!r}); "
+            failed.append(ScanOutcome(scan, name, error=reason + "predict it into another --out"))
+        else:
+            first_of[name] = scan
+            unique.append(scan)
+    return unique, failed
 
 
 def output_paths(out_dir: Path, name: str, with_probabilities: bool) -> dict[str, Path]:

@@ -14,7 +14,7 @@ import cli.main  # noqa: F401  (registers the commands)
 from cli.app import app
 from ctseg import config as cfg
 from ctseg.errors import CtsegError
-from ctseg.predict import Predictor, hu_warnings
+from ctseg.predict import Predictor, expand_inputs, hu_warnings
 from ctseg.store import prepare
 from ctseg.train import train_and_evaluate
 from data_prep.synth import write_dataset
@@ -159,3 +159,15 @@ def test_hu_warnings():
     assert hu_warnings(_ct(rng)) == []
     assert "Hounsfield" in hu_warnings(_ct(rng).astype(np.int32) + 1024)[0]
     assert "outside" in hu_warnings(rng.normal(0, 5000, (20, 20, 20)))[0]
+
+
+def test_scans_of_one_name_are_not_written_over_each_other(tmp_path):
+    rng = np.random.default_rng(0)
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        nib.save(nib.Nifti1Image(_ct(rng), np.eye(4)), tmp_path / folder / "volume-0.nii.gz")
+    first, second = tmp_path / "a" / "volume-0.nii.gz", tmp_path / "b" / "volume-0.nii.gz"
+    scans, failed = expand_inputs([tmp_path / "a", tmp_path / "b", first])
+    assert scans == [first]
+    assert [(o.source, o.name) for o in failed] == [(second, "volume-0")]
+    assert str(first) in failed[0].error and "--out" in failed[0].error
