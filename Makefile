@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 CTSEG  := $(VENV)/bin/ctseg
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test demo bench lint clean experiment-resolution
+.PHONY: install test demo bench bench-predict512 lint clean experiment-resolution
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(CTSEG) bench --config configs/demo.toml --partitions 1,2,4,8,16 --partitioner halo,gspmd --json bench/bench.json
+
+# One 512×512 scan through `ctseg predict` with the lits512 model on ONNX Runtime:
+# wall time and peak memory (about 11 minutes on 2 cores).
+bench-predict512: $(STAMP)
+	$(PY) scripts/bench_predict512.py bench/predict512 --backend onnx
 
 experiment-resolution: $(STAMP)
 	bash scripts/experiment_resolution.sh
