@@ -84,7 +84,7 @@ def plan_command(
     r = config.data.resolution
     console.print(
         f"grid {r}³, batch {config.train.batch_size}, {config.model.dtype}; receptive field "
-        f"radius {unet.receptive_field_radius(config.model)} voxels; local blocks and tiles "
+        f"radius {unet.receptive_field_radius(config.model)} voxels; local blocks "
         f"aligned to {unet.alignment(config.model)} voxels.\n"
         "total = arguments + outputs + temp − donated (aliased) buffers, per device; "
         "halo = bytes one interior partition sends per step (training counts the backward "

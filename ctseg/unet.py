@@ -224,7 +224,7 @@ def apply(
 
 
 def alignment(cfg: ModelConfig) -> int:
-    """Tiles and local blocks must start and end on multiples of this: 2^(depth−1)."""
+    """Partitioned local blocks must start and end on multiples of this: 2^(depth−1)."""
     return 2 ** (cfg.depth - 1)
 
 
