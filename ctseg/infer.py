@@ -71,13 +71,12 @@ from ctseg.partition import (
     shard_global,
 )
 from ctseg.step import make_predict
+from ctseg.unet import BOTTOM, DOWN, UP
 
 TileProgress = Callable[[int, int], None]  # (windows done, windows in total)
 # Batched windows of a network's or stage's inputs -> its output batch, a host array.
 Forward = Callable[..., np.ndarray]
 BACKENDS = ("jax", "onnx")
-# The stage kinds (the same names as the ONNX stage graphs use).
-DOWN, BOTTOM, UP = "down", "bottom", "up"
 
 # Live activation bytes per voxel of a level, per channel of its width: the level's
 # input, its halo-padded copy, the convolution output and, in the decoder, the
@@ -516,7 +515,6 @@ class Engine:
             # A core as large as the grid is one window: the whole-volume pass does it better.
             self.stages = plan_stages(config, tile) if 0 < tile < self.resolution else []
         self.tile = tile if self.stages else 0
-        self.windows_per_step = devices if self.stages else 1
         self._forwards: list[tuple[Forward, int]] = []  # (forward, windows per step) per stage
         if backend == "onnx":
             forwards = _onnx_forwards(model, self.stages)

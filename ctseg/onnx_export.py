@@ -29,12 +29,12 @@ from flax import nnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ctseg import unet
+from ctseg.unet import BOTTOM, DOWN, UP
 
 INPUT, OUTPUT = "image", "logits"
 # A stage's inputs (its level's activations; the level below's output for an up stage)
 # and its output; level-0 stages take the image and the last one returns the logits.
 STAGE_INPUT, STAGE_BELOW, STAGE_OUTPUT = "input", "below", "output"
-DOWN, BOTTOM, UP = "down", "bottom", "up"  # the stage kinds, as `ctseg.infer` plans them
 # Opset 17 and IR version 8 load in every onnxruntime the `onnx` extra allows (≥ 1.18).
 _OPSET, _IR_VERSION = 17, 8
 

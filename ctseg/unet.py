@@ -24,6 +24,9 @@ from ctseg.config import ModelConfig
 from ctseg.partition import Comm
 
 NUM_CLASSES = 3  # background, liver, tumour
+# The stages of level-wise tiled inference (`ctseg.infer`, `ctseg.onnx_export`): an
+# encoder level with its pooling, the bottom level, a decoder level.
+DOWN, BOTTOM, UP = "down", "bottom", "up"
 _DIMS = ("NDHWC", "DHWIO", "NDHWC")
 
 
