@@ -1,4 +1,4 @@
-"""`ctseg preprocess`: raw LiTS / MSD / plain-scan folder -> prepared store."""
+"""`ctseg preprocess`: raw LiTS / MSD / plain-scan (or DICOM series) folder -> prepared store."""
 
 from pathlib import Path
 from typing import Annotated
@@ -23,7 +23,8 @@ def preprocess(
         Path,
         typer.Argument(
             help="Folder with LiTS volume-N/segmentation-N, MSD imagesTr/labelsTr, "
-            "or scans without labels (a predict-only store)."
+            "or scans without labels (NIfTI/NRRD/MHA files, DICOM series folders: "
+            "a predict-only store)."
         ),
     ],
     out_dir: Annotated[Path, typer.Argument(help="Folder of the prepared store to write.")],

@@ -15,10 +15,11 @@ manifest.json::
                 "original_shape", "original_affine", "canonical_shape",
                 "canonical_affine", "spacing", "label_counts": [n0, n1, n2]}]}
 
-Sources are absolute paths; affines are 4×4 voxel -> RAS mm lists; `spacing` is
-the canonical voxel size in mm; `label_counts` counts the voxels of each class
-in label.npy. A case prepared from a scan without a label (a predict-only store)
-has split "test" and `label_source` and `label_counts` null. The manifest lists
+Sources are absolute paths (of a scan file, or of a DICOM series folder);
+affines are 4×4 voxel -> RAS mm lists; `spacing` is the canonical voxel size in
+mm; `label_counts` counts the voxels of each class in label.npy. A case prepared
+from a scan without a label (a predict-only store) has split "test" and
+`label_source` and `label_counts` null. The manifest lists
 only the cases that were prepared successfully. The grid's own affine is
 `preprocess.grid_affine(canonical_affine, canonical_shape, R)`.
 """
@@ -306,7 +307,11 @@ def _check_existing_store(out_dir: Path, resolution: int, force: bool) -> None:
 
 
 def _finished_entry(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry | None:
-    """The entry of a case already prepared from the same files at this resolution, else None."""
+    """The entry of a case already prepared from the same sources at this resolution, else None.
+
+    Sources are compared by path only (a DICOM series is a folder: nothing is hashed or
+    stat-ed), so a scan changed in place needs --force.
+    """
     case_json = _case_json_path(out_dir, case.case_id)
     if not case_json.is_file():
         return None

@@ -14,21 +14,24 @@ Test-set images (LiTS ``test-volume-N``, MSD ``imagesTs/``) and other scans in a
 training folder are not cases of it.
 
 A folder without any label file is a *predict-only* folder: every scan file below
-it (any name, e.g. LiTS ``test-volume-N.nii``) is a case without a label, with its
-file name as case id.
+it (any name, e.g. LiTS ``test-volume-N.nii``) and every DICOM series folder below it
+(or the folder itself, if it is one) is a case without a label, with its file or
+folder name (`volume.scan_name`) as case id. Two scans that would get the same case
+id (also when the ids differ only in letter case) are an error, never an overwrite.
 
 Case ids hold only letters, digits and ``-``, so they are safe as folder names.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ctseg.errors import CtsegError
-from ctseg.volume import SCAN_SUFFIXES, scan_name
+from ctseg.volume import SCAN_SUFFIXES, is_dicom_folder, scan_name
 
 _LITS_IMAGE = re.compile(r"^volume-(\d+)\.nii(\.gz)?$")
 _LITS_LABEL = re.compile(r"^segmentation-(\d+)\.nii(\.gz)?$")
@@ -95,16 +98,51 @@ def _pair_up(prefix: str, images: dict[int, Path], labels: dict[int, Path]) -> l
 
 
 def _plain_scans(raw_dir: Path, files: list[Path]) -> list[RawCase]:
-    scans = [p for p in files if p.name.lower().endswith(SCAN_SUFFIXES)]
+    scans = sorted(
+        [p for p in files if p.name.lower().endswith(SCAN_SUFFIXES)] + _dicom_series(raw_dir)
+    )
     if not scans:
         raise CtsegError(
             f"no scans found in {raw_dir}: expected LiTS volume-N/segmentation-N, "
-            f"MSD imagesTr/labelsTr, or scan files ({', '.join(SCAN_SUFFIXES)})"
+            f"MSD imagesTr/labelsTr, scan files ({', '.join(SCAN_SUFFIXES)}) "
+            "or DICOM series folders"
         )
-    by_id: dict[str, Path] = {}
+    # Keyed by the lower-case id: case folders of the store must differ on case-insensitive
+    # file systems (macOS, Windows), too.
+    by_key: dict[str, tuple[str, Path]] = {}
     for path in scans:
-        case_id = _NOT_IN_ID.sub("-", scan_name(path)).strip("-") or "scan"
-        if case_id in by_id:
-            raise CtsegError(f"{by_id[case_id]} and {path} would both become case '{case_id}'")
-        by_id[case_id] = path
-    return [RawCase(case_id, path, None) for case_id, path in by_id.items()]
+        # abspath: RAW given as "." (itself a DICOM series) is named after its folder.
+        name = scan_name(Path(os.path.abspath(path)))
+        case_id = _NOT_IN_ID.sub("-", name).strip("-") or "scan"
+        if case_id.lower() in by_key:
+            other_id, other = by_key[case_id.lower()]
+            same = (
+                f"both become case '{case_id}'"
+                if other_id == case_id
+                else f"become cases '{other_id}' and '{case_id}', which differ only in letter case"
+            )
+            raise CtsegError(f"{other} and {path} would {same}; rename one of them")
+        by_key[case_id.lower()] = (case_id, path)
+    return [RawCase(case_id, path, None) for case_id, path in by_key.values()]
+
+
+def _dicom_series(raw_dir: Path) -> list[Path]:
+    """`raw_dir` and the folders below it that hold a DICOM series.
+
+    Each such folder is one scan: `volume.read_scan` reads the largest series directly
+    in it, as `ctseg predict` does with the folders that `volume.find_scans` gives.
+    Hidden folders (and what is below them) and unreadable ones (``lost+found``) are skipped.
+    """
+    below = (
+        p
+        for p in raw_dir.rglob("*")
+        if p.is_dir() and not any(part.startswith(".") for part in p.relative_to(raw_dir).parts)
+    )
+    return [p for p in [raw_dir, *below] if _is_dicom_folder(p)]
+
+
+def _is_dicom_folder(folder: Path) -> bool:
+    try:
+        return is_dicom_folder(folder)
+    except OSError:
+        return False

@@ -5,11 +5,18 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import nibabel as nib
+import numpy as np
+import SimpleITK as sitk
 from typer.testing import CliRunner
 
 import cli.main  # noqa: F401  (registers the commands)
 from cli.app import app
+from ctseg.errors import CtsegError
+from ctseg.preprocess import image_to_grid
+from ctseg.store import Store
 
 runner = CliRunner()
 
@@ -89,3 +96,90 @@ def test_stopping_errors_exit_2_with_one_line(tmp_path):
         assert result.returncode == 2, result.stderr
         assert result.stderr.strip().startswith(message)
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+# --- DICOM series in a predict-only folder -------------------------------------------------
+
+SPACING, ORIGIN = (0.75, 0.5, 2.0), (-5.0, 12.0, 40.0)  # ITK: LPS, identity direction
+
+
+def _write_dicom_series(folder: Path, data: np.ndarray, series: int) -> None:
+    """`data` [x, y, z] int16 as one .dcm file per slice (as tests/test_volume.py does)."""
+    folder.mkdir(parents=True)
+    image = sitk.GetImageFromArray(data.transpose(2, 1, 0))  # ITK wants [z, y, x]
+    image.SetSpacing(SPACING)
+    image.SetOrigin(ORIGIN)
+    writer = sitk.ImageFileWriter()
+    writer.KeepOriginalImageUIDOn()
+    for z in range(image.GetDepth()):
+        slice_ = image[:, :, z]
+        slice_.SetMetaData("0020|000e", f"1.2.826.0.1.3680043.2.1125.1.{series}")  # series UID
+        slice_.SetMetaData("0008|0060", "CT")
+        slice_.SetMetaData("0020|0037", "1\\0\\0\\0\\1\\0")
+        point = image.TransformIndexToPhysicalPoint((0, 0, z))
+        slice_.SetMetaData("0020|0032", "\\".join(map(str, point)))
+        slice_.SetMetaData("0020|0013", str(z + 1))
+        writer.SetFileName(str(folder / f"slice{z:03d}.dcm"))
+        writer.Execute(slice_)
+
+
+def _ct(seed: int, shape=(12, 10, 5)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(-1000, 1500, shape).astype(np.int16)
+
+
+def test_preprocess_dicom_series_folders(tmp_path, monkeypatch):
+    raw, prep = tmp_path / "raw", tmp_path / "prep"
+    scan_a, scan_b = _ct(0), _ct(1)
+    _write_dicom_series(raw / "patient_a", scan_a, series=1)
+    _write_dicom_series(raw / "nested" / "patient_b", scan_b, series=2)
+    # The same scan as patient_a, as NIfTI: ITK's LPS identity geometry is this RAS affine.
+    affine = np.diag([-SPACING[0], -SPACING[1], SPACING[2], 1.0])
+    affine[:3, 3] = [-ORIGIN[0], -ORIGIN[1], ORIGIN[2]]
+    nib.save(nib.Nifti1Image(scan_a, affine), raw / "patient_a_nifti.nii.gz")
+
+    args = ["preprocess", str(raw), str(prep), "--set", "data.resolution=8"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "prepared store: 3 case(s) (3 test)" in result.output
+    store = Store.open(prep)
+    assert [c.id for c in store.cases] == ["patient-b", "patient-a", "patient-a-nifti"]
+    dicom, nifti = store.case("patient-a"), store.case("patient-a-nifti")
+    assert dicom.image_source == str((raw / "patient_a").resolve())
+    assert dicom.label_source is None and dicom.split == "test"
+    assert dicom.original_shape == nifti.original_shape == scan_a.shape
+    for key in ("original_affine", "canonical_affine", "spacing"):
+        np.testing.assert_allclose(getattr(dicom, key), getattr(nifti, key), atol=1e-4)
+    np.testing.assert_array_equal(store.image("patient-a"), store.image("patient-a-nifti"))
+    # RAS canonical order flips the LPS x and y axes; 8³ is no plain copy of either scan.
+    canonical_b = scan_b[::-1, ::-1, :].astype(np.float32)
+    np.testing.assert_array_equal(store.image("patient-b"), image_to_grid(canonical_b, 8))
+
+    # Resume compares the recorded folder sources: nothing is redone.
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0 and result.output.count("resumed") == 3, result.output
+
+    # RAW itself one DICOM series, given as ".": one case named after the folder.
+    monkeypatch.chdir(raw / "patient_a")
+    result = runner.invoke(app, ["preprocess", ".", str(tmp_path / "one"), *args[3:]])
+    assert result.exit_code == 0, result.output
+    assert [c.id for c in Store.open(tmp_path / "one").cases] == ["patient-a"]
+
+
+def test_preprocess_duplicate_case_ids_are_an_error(tmp_path):
+    raw = tmp_path / "raw"
+    _write_dicom_series(raw / "patient_a", _ct(0, (4, 4, 2)), series=1)
+    (raw / "patient-a.nii.gz").write_bytes(b"")  # never read: discovery refuses first
+    args = ["preprocess", str(raw), str(tmp_path / "prep")]
+    result = runner.invoke(app, args)
+    assert isinstance(result.exception, CtsegError)
+    message = str(result.exception)
+    assert "\n" not in message and message.endswith(
+        "would both become case 'patient-a'; rename one of them"
+    )
+    assert not (tmp_path / "prep").exists()
+
+    (raw / "patient-a.nii.gz").rename(raw / "PATIENT_A.nii.gz")  # one store folder on macOS
+    result = runner.invoke(app, args)
+    assert "cases 'PATIENT-A' and 'patient-a', which differ only in letter case" in str(
+        result.exception
+    )
