@@ -22,7 +22,7 @@ demo: $(STAMP)
 	bash scripts/demo.sh
 
 bench: $(STAMP)
-	$(CTSEG) bench --config configs/demo.toml --partitions 1,2,4,8,16 --partitioner halo,gspmd --json bench/bench.json
+	$(CTSEG) bench --config configs/demo.toml --partitions 1,2,4,8,16 --partitioner halo,gspmd --peak --json bench/bench.json
 
 # One 512×512 scan through `ctseg predict` with the lits512 model on ONNX Runtime:
 # wall time and peak memory (about 11 minutes on 2 cores).

@@ -22,9 +22,11 @@ from cli.progress import counting
 from ctseg import atomic
 from ctseg.bench import (
     BenchResult,
+    Peak,
     auto_spatial,
     bench,
     devices_needed,
+    measure_peak,
     ratio_to_one_partition,
 )
 from ctseg.errors import CtsegError
@@ -51,23 +53,38 @@ def _splits(partitions: str | None, spatial: list[str] | None) -> list[tuple[int
     return [auto_spatial(n) for n in _int_list(partitions or "1,2,4,8,16", "--partitions")]
 
 
-def _table(results: list[BenchResult]) -> Table:
+def _table(results: list[BenchResult], peak: Peak | None) -> Table:
     table = Table(title="Training step on one global grid (median after warm-up)")
     for heading in ("partitioner", "partitions", "split"):
         table.add_column(heading)
-    for heading in ("step s", "vs 1 partition", "memory / device"):
+    headings = ["step s", "vs 1 partition", "voxels/s", "TFLOP/s"]
+    headings += ["of peak"] if peak else []
+    for heading in (*headings, "memory / device"):
         table.add_column(heading, justify="right")
     for r in results:
         ratio = ratio_to_one_partition(results, r)
+        cells = [
+            f"{r.step_seconds:.3f}",
+            "–" if ratio is None else f"{ratio:.2f}×",
+            f"{r.voxels_per_second / 1e6:.3g} M",
+            f"{r.flops_per_second / 1e12:.3g}",
+        ]
+        cells += [f"{peak.utilisation(r):.1%}"] if peak else []
         table.add_row(
             r.partitioner,
             str(r.partitions),
             "×".join(map(str, r.spatial)),
-            f"{r.step_seconds:.3f}",
-            "–" if ratio is None else f"{ratio:.2f}×",
+            *cells,
             human_bytes(r.per_device_bytes),
         )
     return table
+
+
+def _peak_line(peak: Peak) -> str:
+    return (
+        f"peak: {peak.flops_per_second / 1e12:.3g} TFLOP/s, best {peak.size}² × {peak.size}² "
+        f"{peak.dtype} matrix product on one {peak.platform} device"
+    )
 
 
 @app.command("bench")
@@ -86,6 +103,14 @@ def bench_command(
         str, typer.Option(help="Comma-separated partitioners to compare: halo, gspmd.")
     ] = "halo,gspmd",
     steps: Annotated[int, typer.Option(help="Timed steps per layout, after one warm-up.")] = 5,
+    peak: Annotated[
+        bool,
+        typer.Option(
+            "--peak",
+            help="Also time a large matrix product in the compute dtype and give each "
+            "step's FLOP/s as a share of that measured peak.",
+        ),
+    ] = False,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Also write the results as JSON to this file.")
     ] = None,
@@ -93,14 +118,26 @@ def bench_command(
     num_processes: NumProcessesOption = None,
     process_id: ProcessIdOption = None,
 ) -> None:
-    """Time the training step for each layout and partitioner on the config's grid."""
+    """Time the training step for each layout and partitioner on the config's grid.
+
+    Prints step time, ratio to 1 partition, throughput (voxels/s and the FLOP/s
+    XLA counts in the compiled step) and per-device memory.
+    """
     config = load_config(config_path, overrides)
     splits = _splits(partitions, spatial)
     partitioners = [p.strip() for p in partitioner.split(",") if p.strip()]
     start_jax(config, coordinator, num_processes, process_id, devices_needed(config, splits))
     with counting("bench") as report:
         results = bench(config, splits, partitioners, steps, progress=report)
-    console.print(_table(results))
+    measured_peak = measure_peak(config.model.dtype) if peak else None
+    console.print(_table(results, measured_peak))
+    if measured_peak is not None:
+        console.print(_peak_line(measured_peak))
     if json_path is not None:
-        atomic.write_json(json_path, {"results": [r.to_json() for r in results]})
+        report_json = {"results": [r.to_json() for r in results]}
+        if measured_peak is not None:
+            report_json["peak"] = measured_peak.to_json()
+            for entry, r in zip(report_json["results"], results):
+                entry["share_of_peak"] = measured_peak.utilisation(r)
+        atomic.write_json(json_path, report_json)
         console.print(f"wrote {json_path}")

@@ -2,7 +2,10 @@
 
 Every layout sees the same global grid, batch and model; only the spatial
 split and the partitioner change. Each result is the median of several
-steps after a warm-up step, with compilation excluded.
+steps after a warm-up step, with compilation excluded, and is also given as
+throughput: voxels per second and achieved FLOP/s (XLA's count of the compiled
+step over its time), which `measure_peak` puts against what the chip reaches on
+a large dense matrix product.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
@@ -32,8 +36,19 @@ class BenchResult:
     partitions: int
     partitioner: str
     spatial: tuple[int, int, int]
+    devices: int
     step_seconds: float
     per_device_bytes: int
+    voxels_per_step: int  # global grid voxels × batch
+    flops_per_step: float  # the whole step, all devices
+
+    @property
+    def voxels_per_second(self) -> float:
+        return self.voxels_per_step / self.step_seconds
+
+    @property
+    def flops_per_second(self) -> float:
+        return self.flops_per_step / self.step_seconds
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -42,6 +57,38 @@ class BenchResult:
             "spatial": list(self.spatial),
             "step_seconds": self.step_seconds,
             "per_device_bytes": self.per_device_bytes,
+            "voxels_per_second": self.voxels_per_second,
+            "flops_per_step": self.flops_per_step,
+            "tflops_per_second": self.flops_per_second / 1e12,
+        }
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Measured dense matrix-product throughput of one device, the yardstick for a step's FLOP/s."""
+
+    platform: str
+    dtype: str
+    size: int
+    flops_per_second: float
+    processes: int
+
+    def utilisation(self, result: BenchResult) -> float:
+        """The step's FLOP/s as a share of the peak of the hardware it ran on.
+
+        Simulated CPU devices share their host's cores, so a CPU layout has one
+        host's peak per process however many devices it uses; accelerators
+        each bring their own.
+        """
+        units = self.processes if self.platform == "cpu" else result.devices
+        return result.flops_per_second / (self.flops_per_second * units)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "platform": self.platform,
+            "dtype": self.dtype,
+            "size": self.size,
+            "tflops_per_second": self.flops_per_second / 1e12,
         }
 
 
@@ -114,9 +161,33 @@ def time_layout(config: Config, steps: int) -> BenchResult:
         partitions=config.num_partitions,
         partitioner=config.mesh.partitioner,
         spatial=config.mesh.spatial,
+        devices=mesh.size,
         step_seconds=statistics.median(times),
         per_device_bytes=plan.memory_of(compiled).total,
+        voxels_per_step=math.prod(image.shape),
+        flops_per_step=plan.flops_of(compiled, mesh.size),
     )
+
+
+# Matrix side that keeps a device busy: GPUs and TPUs need large products to reach
+# their peak; a CPU gets there sooner and would take minutes on an 8192² product.
+_PEAK_SIZE = {"cpu": 2048}
+_DEFAULT_PEAK_SIZE = 8192
+
+
+def measure_peak(dtype: str, size: int | None = None, repeats: int = 5) -> Peak:
+    """Best FLOP/s of a `size`² × `size`² matrix product in `dtype` on the first device."""
+    device = jax.devices()[0]
+    n = size or _PEAK_SIZE.get(device.platform, _DEFAULT_PEAK_SIZE)
+    a = jax.device_put(jnp.ones((n, n), dtype), device)
+    product = jax.jit(jnp.matmul)
+    jax.block_until_ready(product(a, a))  # compile and warm up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(product(a, a))
+        best = min(best, time.perf_counter() - start)
+    return Peak(device.platform, str(jnp.dtype(dtype)), n, 2 * n**3 / best, jax.process_count())
 
 
 def devices_needed(config: Config, splits: Sequence[tuple[int, int, int]]) -> int:

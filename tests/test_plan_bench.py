@@ -98,9 +98,23 @@ def test_bench_returns_one_result_per_layout():
             "spatial",
             "step_seconds",
             "per_device_bytes",
+            "voxels_per_second",
+            "flops_per_step",
+            "tflops_per_second",
         }
-        assert r.step_seconds > 0 and r.per_device_bytes > 0
+        assert r.step_seconds > 0 and r.per_device_bytes > 0 and r.flops_per_step > 0
+        assert r.voxels_per_second == pytest.approx(8**3 / r.step_seconds)
     assert seen[-1] == (2, 2)
+
+
+def test_peak_is_a_timed_matrix_product_and_shared_by_simulated_devices():
+    peak = bench.measure_peak("float32", size=64, repeats=2)
+    assert (peak.platform, peak.dtype, peak.size, peak.processes) == ("cpu", "float32", 64, 1)
+    assert peak.flops_per_second > 0
+    # Simulated CPU devices share one host's cores: a 16-device layout is held to one
+    # host's peak, not sixteen.
+    result = bench.BenchResult(16, "halo", (4, 4, 1), 16, 2.0, 1, 8**3, 4 * peak.flops_per_second)
+    assert peak.utilisation(result) == pytest.approx(2.0)
 
 
 def test_plan_cli_writes_the_json_schema(tmp_path):
@@ -120,3 +134,18 @@ def test_plan_cli_writes_the_json_schema(tmp_path):
     for d in layouts:
         assert isinstance(d["per_device_bytes"], int) and isinstance(d["halo_bytes"], int)
         assert isinstance(d["flops"], float) and len(d["local_shape"]) == 5
+
+
+def test_bench_cli_reports_throughput_against_the_measured_peak(tmp_path):
+    out = tmp_path / "bench.json"
+    tiny = ["data.resolution=8", "model.base_filters=2", "model.depth=1"]
+    args = ["bench", "--partitions", "1", "--partitioner", "halo", "--steps", "1", "--peak"]
+    args += ["--json", str(out)] + [f"--set={item}" for item in tiny]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "peak:" in result.output and "float32 matrix product" in result.output
+    report = json.loads(out.read_text())
+    assert report["peak"]["dtype"] == "float32" and report["peak"]["tflops_per_second"] > 0
+    (entry,) = report["results"]
+    share = entry["tflops_per_second"] / report["peak"]["tflops_per_second"]
+    assert entry["share_of_peak"] == pytest.approx(share)
