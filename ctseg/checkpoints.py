@@ -4,12 +4,20 @@
 optimiser state, batch-norm statistics, step). Randomness is a function of the
 config's seed and the step, so the step is all the RNG state a resume needs.
 Orbax writes each checkpoint to a temporary folder and renames it when
-complete: a killed or failed save (a full disk) leaves the previous ones intact.
+complete: a killed or failed save (a full disk) leaves the previous ones intact,
+and only a `<step>.orbax-checkpoint-tmp` folder, which is never taken for a
+checkpoint and which the next writing `Checkpoints` (a resumed run) removes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import os
+import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -24,6 +32,60 @@ from ctseg.partition import REPLICATED
 from ctseg.step import TrainState, init_state
 
 VAL_METRIC = "val_dice"  # mean of liver and tumour Dice on the validation split
+
+
+def _write_failure(exc: BaseException | None) -> str | None:
+    """The system's words for a failed file write ("No space left on device"), else None.
+
+    Orbax's own Python writes raise OSError; the arrays go through tensorstore,
+    whose failures reach Python as a ValueError that carries the errno only in
+    its text (`... File too large [os_error_code='27']`). Any other ValueError is a bug.
+    """
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    if isinstance(exc, ValueError):
+        found = re.search(r"os_error_code='?(\d+)", str(exc))
+        if found:
+            return os.strerror(int(found.group(1)))
+    return None
+
+
+class _DropReportedWriteFailures(logging.Filter):
+    """Drops the log records with which a failed save's threads announce their error.
+
+    Orbax logs a failed write, with its traceback, from each of its background
+    threads (and asyncio logs the writes nobody awaited any more), and then
+    raises the same error to `Checkpoints.save`/`wait`, which report it in one line.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and _write_failure(record.exc_info[1]))
+
+
+def _quiet_failed_saves() -> None:
+    """Keep a failed save's error to the one line the CLI prints (installed once)."""
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropReportedWriteFailures) for f in logger.filters):
+            logger.addFilter(_DropReportedWriteFailures())
+    if getattr(sys.unraisablehook, "_ctseg_quiet", False):
+        return
+    previous, orbax_dir = sys.unraisablehook, os.path.dirname(ocp.__file__)
+
+    # Orbax gathers a save's writes on a private event loop that it closes when the
+    # first write fails: the other writes then finish onto the closed loop ("Event
+    # loop is closed") or are reclaimed at exit, each printed as "Exception ignored".
+    # Only names bound here are used: the last ones come while Python shuts down.
+    def hook(unraisable, previous=previous, orbax_dir=orbax_dir):
+        exc, code = unraisable.exc_value, getattr(unraisable.object, "cr_code", None)
+        if not (
+            (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed")
+            or (code is not None and code.co_filename.startswith(orbax_dir))
+        ):
+            previous(unraisable)
+
+    hook._ctseg_quiet = True
+    sys.unraisablehook = hook
 
 
 class Checkpoints:
@@ -48,22 +110,48 @@ class Checkpoints:
             enable_async_checkpointing=not read_only,
             read_only=read_only,
             create=not read_only,
+            # A failed save leaves `<step>.orbax-checkpoint-tmp`: never a checkpoint, but it
+            # holds disk space. The next writer (a resumed run) removes it before saving.
+            cleanup_tmp_directories=not read_only,
         )
+        self.directory = directory
         self.manager = ocp.CheckpointManager(directory, options=options)
+        self._pending: int | None = None  # the step an asynchronous save may still be writing
+        if not read_only:
+            _quiet_failed_saves()
 
     def save(self, state: TrainState, val_dice: float | None = None) -> None:
         step = int(state.step)
         metrics = None if val_dice is None else {VAL_METRIC: float(val_dice)}
-        try:
+        # Saves finish in the background, and a failed one raises at the next call into
+        # orbax: wait here so that it is reported under its own step, not this one.
+        self.wait()
+        with self._reporting_failure(step):
             self.manager.save(step, args=ocp.args.StandardSave(state), metrics=metrics, force=True)
-        except OSError as exc:
-            raise CtsegError(f"could not save checkpoint {step}: {exc}") from exc
+        self._pending = step
 
     def wait(self) -> None:
-        try:
+        """Wait for the last save; CtsegError if it could not be written."""
+        step, self._pending = self._pending, None
+        with self._reporting_failure(step):
             self.manager.wait_until_finished()
-        except OSError as exc:
-            raise CtsegError(f"a checkpoint could not be written: {exc}") from exc
+
+    @contextlib.contextmanager
+    def _reporting_failure(self, step: int | None) -> Iterator[None]:
+        """A write the system refused (full disk, quota, permissions) → one-line CtsegError."""
+        try:
+            yield
+        except (OSError, ValueError) as exc:
+            cause = _write_failure(exc)
+            if cause is None:
+                raise
+            kept = [s for s in self.manager.all_steps() if s != step]
+            intact = f"step {max(kept)} is the latest intact one" if kept else "none before it"
+            which = "a checkpoint" if step is None else f"checkpoint {step}"
+            raise CtsegError(
+                f"could not save {which} in {self.directory}: {cause} ({intact}; "
+                "free some space and run the same command to resume)"
+            ) from exc
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -96,7 +184,11 @@ class Checkpoints:
         return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
 
     def close(self) -> None:
-        self.manager.close()
+        """Wait for the last save (CtsegError if it failed), then release orbax's threads."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 def replicated_like(state: TrainState, mesh: Mesh) -> TrainState:

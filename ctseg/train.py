@@ -118,8 +118,13 @@ class MetricsLog:
         self.entries.append(entry)
         if not self.write:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(entry) + "\n")
+        # A full disk is the user's to fix: one line, not a traceback. A line cut short
+        # here is no harm: `read` stops at it, and a resume drops it with the later steps.
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(entry) + "\n")
+        except OSError as exc:
+            raise CtsegError(f"could not write {self.path}: {exc.strerror or exc}") from exc
 
 
 def validate(
@@ -219,7 +224,8 @@ def train_and_evaluate(
         raise
     finally:
         prefetch.close()
-        checkpoints.wait()
+        # Waits for the last save: a failed one (full disk) raises CtsegError here,
+        # naming its step and the latest intact one, and still releases orbax's threads.
         checkpoints.close()
     return {
         "step": int(state.step),

@@ -1,10 +1,16 @@
 """The training loop: layout-independent batches, exact resume, guards, run directory."""
 
+import contextlib
+import gc
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import warnings
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -15,7 +21,7 @@ from ctseg import config as cfg
 from ctseg.errors import CtsegError
 from ctseg.partition import make_mesh
 from ctseg.store import Store, prepare
-from ctseg.train import train_and_evaluate
+from ctseg.train import MetricsLog, train_and_evaluate
 from data_prep.synth import write_dataset
 
 TINY = [
@@ -196,3 +202,98 @@ def test_missing_store_is_refused(tmp_path):
 def test_resuming_with_another_config_is_refused(store_dir, uninterrupted):
     with pytest.raises(CtsegError, match="train.learning_rate"):
         train_and_evaluate(tiny("train.learning_rate=0.5"), store_dir, uninterrupted)
+
+
+# A full disk, without root: writes past RLIMIT_FSIZE fail with EFBIG ("File too large"),
+# through tensorstore as through Python, once SIGXFSZ no longer kills the process.
+# 20 kB lets config.toml and metrics.jsonl through but no checkpoint (one holds files of ~60 kB).
+FULL_DISK = 20_000
+
+
+@contextlib.contextmanager
+def file_size_limit(limit):
+    """Lower this process's soft RLIMIT_FSIZE and ignore SIGXFSZ, until the block ends.
+
+    A child started inside the block inherits both (Popen(restore_signals=False)).
+    """
+    handler, previous = signal.getsignal(signal.SIGXFSZ), resource.getrlimit(resource.RLIMIT_FSIZE)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, previous[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def checkpoint_folders(run_dir):
+    return sorted(os.listdir(run_dir / "checkpoints"))
+
+
+def test_full_disk_while_training_is_one_error_line_and_keeps_the_last_checkpoint(
+    store_dir, uninterrupted, tmp_path
+):
+    # The run as it stood after step 2; resuming it saves step 4 when the disk is full.
+    shutil.copytree(uninterrupted, tmp_path, dirs_exist_ok=True)
+    shutil.rmtree(tmp_path / "checkpoints" / "4")
+    with file_size_limit(FULL_DISK):  # no preexec_fn: it forks a multithreaded process
+        proc = start_train_command(
+            store_dir,
+            tmp_path,
+            TINY,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            restore_signals=False,
+        )
+    output, errors = proc.communicate(timeout=240)
+    assert proc.returncode == 2, errors
+    # Orbax's background threads log the failed writes with tracebacks: none may show.
+    assert "Traceback" not in output + errors
+    (line,) = errors.strip().splitlines()
+    assert line.startswith("error: could not save checkpoint 4 in ") and "File too large" in line
+    assert "step 2 is the latest intact one" in line
+    # The half-written step 4 is not a checkpoint; step 2 still restores.
+    assert [n for n in checkpoint_folders(tmp_path) if "orbax-checkpoint-tmp" not in n] == ["2"]
+    assert checkpoints.load_for_inference(tmp_path, "latest", make_mesh((1, 1, 1)))[-1] == 2
+
+
+def test_failed_background_save_is_reported_at_the_next_save_under_its_own_step(
+    uninterrupted, tmp_path
+):
+    shutil.copytree(uninterrupted, tmp_path, dirs_exist_ok=True)
+    _, abstract = checkpoints.init_state_abstract(tiny())
+    manager = checkpoints.Checkpoints(tmp_path, keep=3)
+    state = manager.restore(4, checkpoints.replicated_like(abstract, make_mesh((1, 1, 1))))
+    later = state._replace(step=state.step + 2)
+    with file_size_limit(FULL_DISK), pytest.raises(CtsegError) as failure:
+        manager.save(later)  # step 6: fails in orbax's background thread...
+        manager.save(state._replace(step=state.step + 4))  # ...and is reported here
+    manager.close()
+    # Orbax leaves the failed save's unfinished writes to the garbage collector, which
+    # warns about each: collect them here rather than in whichever test runs next.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        gc.collect()
+    message = str(failure.value)
+    assert message.startswith("could not save checkpoint 6 in ") and "\n" not in message
+    assert "File too large (step 4 is the latest intact one;" in message
+    reader = checkpoints.Checkpoints(tmp_path, keep=1, read_only=True)
+    assert reader.manager.all_steps() == [2, 4] and reader.resolve("latest") == 4
+    reader.close()
+    for got, want in zip(final_params(tmp_path), final_params(uninterrupted)):
+        np.testing.assert_array_equal(got, want)
+    # Resuming: the leftover temporary folder goes, and step 6 can be saved again.
+    manager = checkpoints.Checkpoints(tmp_path, keep=3)
+    manager.save(later)
+    manager.close()
+    assert checkpoint_folders(tmp_path) == ["2", "4", "6"]
+
+
+def test_metrics_log_on_a_full_disk_is_one_error_line(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    log = MetricsLog(tmp_path / "metrics.jsonl", resume_step=0)
+    log.path = Path("/dev/full")  # every write: ENOSPC
+    with pytest.raises(CtsegError, match="No space left on device"):
+        log.append({"step": 1, "loss": 0.5})
