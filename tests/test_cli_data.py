@@ -10,6 +10,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import SimpleITK as sitk
+from dicom_series import write_dicom_series
 from typer.testing import CliRunner
 
 import cli.main  # noqa: F401  (registers the commands)
@@ -104,23 +105,11 @@ SPACING, ORIGIN = (0.75, 0.5, 2.0), (-5.0, 12.0, 40.0)  # ITK: LPS, identity dir
 
 
 def _write_dicom_series(folder: Path, data: np.ndarray, series: int) -> None:
-    """`data` [x, y, z] int16 as one .dcm file per slice (as tests/test_volume.py does)."""
-    folder.mkdir(parents=True)
+    """`data` [x, y, z] int16 as a DICOM series with the spacing and origin above."""
     image = sitk.GetImageFromArray(data.transpose(2, 1, 0))  # ITK wants [z, y, x]
     image.SetSpacing(SPACING)
     image.SetOrigin(ORIGIN)
-    writer = sitk.ImageFileWriter()
-    writer.KeepOriginalImageUIDOn()
-    for z in range(image.GetDepth()):
-        slice_ = image[:, :, z]
-        slice_.SetMetaData("0020|000e", f"1.2.826.0.1.3680043.2.1125.1.{series}")  # series UID
-        slice_.SetMetaData("0008|0060", "CT")
-        slice_.SetMetaData("0020|0037", "1\\0\\0\\0\\1\\0")
-        point = image.TransformIndexToPhysicalPoint((0, 0, z))
-        slice_.SetMetaData("0020|0032", "\\".join(map(str, point)))
-        slice_.SetMetaData("0020|0013", str(z + 1))
-        writer.SetFileName(str(folder / f"slice{z:03d}.dcm"))
-        writer.Execute(slice_)
+    write_dicom_series(folder, image, series)
 
 
 def _ct(seed: int, shape=(12, 10, 5)) -> np.ndarray:

@@ -7,7 +7,8 @@ import nibabel as nib
 import numpy as np
 import pytest
 import SimpleITK as sitk
-from test_volume import _itk_image, _write_dicom_series
+from dicom_series import write_dicom_series
+from test_volume import _itk_image
 from typer.testing import CliRunner
 
 import cli.main  # noqa: F401  (registers the commands)
@@ -65,7 +66,7 @@ def _inputs(folder: Path) -> dict[str, Path]:
         paths[name] = folder / f"{name}.nii.gz"
         nib.save(nib.Nifti1Image(_ct(rng), affine), paths[name])
     image = _itk_image(_ct(rng, (14, 12, 9)))
-    _write_dicom_series(folder / "dicom", image)
+    write_dicom_series(folder / "dicom", image)
     paths["dicom"] = folder / "dicom"
     return paths
 

@@ -6,6 +6,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import SimpleITK as sitk
+from dicom_series import write_dicom_series
 
 from ctseg.errors import CtsegError
 from ctseg.volume import find_scans, read_scan, write_labels, write_volume
@@ -119,27 +120,10 @@ def test_itk_file_round_trip(tmp_path, suffix):
     np.testing.assert_array_equal(np.asarray(written.dataobj), data > 0)
 
 
-def _write_dicom_series(folder: Path, image: sitk.Image) -> None:
-    folder.mkdir()
-    direction = image.GetDirection()
-    writer = sitk.ImageFileWriter()
-    writer.KeepOriginalImageUIDOn()
-    for z in range(image.GetDepth()):
-        slice_ = image[:, :, z]
-        slice_.SetMetaData("0020|000e", "1.2.826.0.1.3680043.2.1125.1.99")  # series UID
-        slice_.SetMetaData("0008|0060", "CT")
-        slice_.SetMetaData("0020|0037", "\\".join(map(str, direction[0:7:3] + direction[1:8:3])))
-        point = image.TransformIndexToPhysicalPoint((0, 0, z))
-        slice_.SetMetaData("0020|0032", "\\".join(map(str, point)))
-        slice_.SetMetaData("0020|0013", str(z + 1))
-        writer.SetFileName(str(folder / f"slice{z:03d}.dcm"))
-        writer.Execute(slice_)
-
-
 def test_dicom_series(tmp_path):
     data = _volume(3)
     image = _itk_image(data)
-    _write_dicom_series(tmp_path / "series", image)
+    write_dicom_series(tmp_path / "series", image)
     scan = read_scan(tmp_path / "series")
     assert scan.name == "series"
     _assert_itk_geometry(scan, image, data)
