@@ -72,7 +72,9 @@ def test_level_wise_tiles_equal_whole_volume(depth, tiles, image):
     assert reference.shape == (RESOLUTION,) * 3 + (3,)
     assert np.ptp(reference.argmax(-1)) > 0  # a non-trivial labelling to compare
     for tile in tiles:
-        engine = infer.Engine(model, tile=tile)
+        # Four windows per step, one per device of the run's [2, 2, 1] mesh, as on
+        # accelerators (a CPU runs one at a time by default).
+        engine = infer.Engine(model, tile=tile, windows_per_step=4)
         assert [(s.kind, s.level) for s in engine.stages] == infer.stage_order(depth)
         assert f"cores ≤ {tile}³ ({2 * depth - 1} stages" in engine.description
         logits, calls = _progress(engine, image)
@@ -82,6 +84,14 @@ def test_level_wise_tiles_equal_whole_volume(depth, tiles, image):
         assert logits.dtype == np.float32 and logits.flags.writeable
         np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-4, err_msg=f"tile {tile}")
         np.testing.assert_array_equal(logits.argmax(-1), reference.argmax(-1))
+
+
+def test_a_cpu_runs_one_window_at_a_time_unless_told():
+    model = random_model(2)  # a [2, 2, 1] mesh: four devices
+    assert infer.Engine(model, tile=6).description.endswith(" windows)")
+    assert infer.Engine(model, tile=6, windows_per_step=4).description.endswith(
+        " windows, 4 at a time)"
+    )
 
 
 def test_level_wise_bfloat16_equals_whole_volume_bfloat16(image):
