@@ -176,8 +176,8 @@ _DEFAULT_PEAK_SIZE = 8192
 
 
 def measure_peak(dtype: str, size: int | None = None, repeats: int = 5) -> Peak:
-    """Best FLOP/s of a `size`² × `size`² matrix product in `dtype` on the first device."""
-    device = jax.devices()[0]
+    """Best FLOP/s of a `size`² × `size`² product in `dtype` on this process's first device."""
+    device = jax.local_devices()[0]  # every process of a multi-host bench measures its own
     n = size or _PEAK_SIZE.get(device.platform, _DEFAULT_PEAK_SIZE)
     a = jax.device_put(jnp.ones((n, n), dtype), device)
     product = jax.jit(jnp.matmul)
