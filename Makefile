@@ -27,7 +27,7 @@ bench: $(STAMP)
 # One 512×512 scan through `ctseg predict` with the lits512 model on ONNX Runtime:
 # wall time and peak memory (about 11 minutes on 2 cores).
 bench-predict512: $(STAMP)
-	$(PY) scripts/bench_predict512.py bench/predict512 --backend onnx
+	$(PY) scripts/bench_predict512.py bench/predict512 --backend onnx --cold-only
 
 experiment-resolution: $(STAMP)
 	bash scripts/experiment_resolution.sh

@@ -12,6 +12,8 @@ from cli.app import app
 from cli.options import (
     ConfigOption,
     CoordinatorOption,
+    DeviceChoice,
+    DeviceOption,
     NumProcessesOption,
     ProcessIdOption,
     SetOption,
@@ -24,12 +26,12 @@ from ctseg import atomic
 from ctseg.bench import (
     BenchResult,
     Peak,
-    auto_spatial,
     bench,
     devices_needed,
     measure_peak,
     ratio_to_one_partition,
 )
+from ctseg.devices import auto_spatial
 from ctseg.errors import CtsegError
 
 console = Console(highlight=False)
@@ -120,6 +122,7 @@ def bench_command(
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Also write the results as JSON to this file.")
     ] = None,
+    device: DeviceOption = DeviceChoice.auto,
     coordinator: CoordinatorOption = None,
     num_processes: NumProcessesOption = None,
     process_id: ProcessIdOption = None,
@@ -132,7 +135,8 @@ def bench_command(
     config = load_config(config_path, overrides)
     splits = _splits(partitions, spatial)
     partitioners = [p.strip() for p in partitioner.split(",") if p.strip()]
-    start_jax(config, coordinator, num_processes, process_id, devices_needed(config, splits))
+    needed = devices_needed(config, splits)
+    start_jax(config, coordinator, num_processes, process_id, needed, device=device.value)
     with counting("bench") as report:
         results = bench(config, splits, partitioners, steps, progress=report)
     measured_peak = measure_peak(config.model.dtype) if peak else None

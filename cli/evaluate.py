@@ -11,8 +11,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from cli.app import app
-from cli.options import start_jax
-from cli.predict import Backend, BackendOption, load_run_config
+from cli.options import CompileCacheOption, DeviceChoice, start_jax
+from cli.predict import BackendOption, load_run_config
 from cli.progress import counting
 from ctseg.errors import CtsegError
 from ctseg.evaluate import evaluate_folders, write_reports
@@ -78,18 +78,27 @@ def _run_with_progress(run: Callable[..., dict]) -> dict:
 
 
 def _evaluate_run(
-    run_dir: Path, data: Path, split: str, checkpoint: str, out: Path | None, backend: str
+    run_dir: Path,
+    data: Path,
+    split: str,
+    checkpoint: str,
+    out: Path | None,
+    backend: str | None,
+    device: str,
+    compile_cache: str | None,
 ) -> dict:
     """The RUN_DIR form: predict the store's split with the run's model, then score it."""
-    start_jax(load_run_config(run_dir))
+    start_jax(load_run_config(run_dir), devices=1, device=device, compile_cache=compile_cache)
     from ctseg.predict import evaluate_run  # after start_jax: imports start JAX
 
     out = run_dir / "eval" if out is None else out
-    run = partial(evaluate_run, run_dir, data, split, checkpoint, out, backend=backend)
+    run = partial(
+        evaluate_run, run_dir, data, split, checkpoint, out, backend=backend, device=device
+    )
     result = _run_with_progress(run)
     grid = result["summary"]["grid_dice"]
     console.print(
-        f"checkpoint step {result['run']['checkpoint_step']}, {escape(result['run']['tiling'])}; "
+        f"{escape(result['run']['device'])}; checkpoint step {result['run']['checkpoint_step']}; "
         f"grid Dice liver {_fmt(grid['liver'])}, tumour {_fmt(grid['tumor'])}; "
         f"reports in {escape(str(out))} (summary.json, metrics.csv)"
     )
@@ -134,7 +143,15 @@ def evaluate(
         Path | None,
         typer.Option(help="Folder for the predictions and reports (default: RUN_DIR/eval)."),
     ] = None,
+    device: Annotated[
+        DeviceChoice | None,
+        typer.Option(
+            help="Where to predict (RUN_DIR form): auto (the GPUs or TPUs here, else the "
+            "CPU), cpu, gpu or tpu (default: auto)."
+        ),
+    ] = None,
     backend: BackendOption = None,
+    compile_cache: CompileCacheOption = None,
     pred: Annotated[
         Path | None,
         typer.Option(help="Folder of predicted label maps (.nii / .nii.gz).", metavar="PRED_DIR"),
@@ -162,7 +179,9 @@ def evaluate(
         "split": split,
         "checkpoint": checkpoint,
         "out": out,
+        "device": device,
         "backend": backend,
+        "compile-cache": compile_cache,
     }
     _check_form(run_dir, pred, ref, run_options)
     if run_dir is not None:
@@ -171,7 +190,14 @@ def evaluate(
         if data is None:
             raise CtsegError("give --data PREP_DIR: the prepared store whose split to evaluate")
         result = _evaluate_run(
-            run_dir, data, split or "val", checkpoint or "best", out, (backend or Backend.jax).value
+            run_dir,
+            data,
+            split or "val",
+            checkpoint or "best",
+            out,
+            backend and backend.value,
+            (device or DeviceChoice.auto).value,
+            compile_cache,
         )
     else:
         result = _run_with_progress(partial(evaluate_folders, pred, ref))

@@ -1,5 +1,6 @@
 """Options shared by several commands, and the helpers that turn them into library calls."""
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -33,6 +34,34 @@ ProcessIdOption = Annotated[
 ]
 
 
+class DeviceChoice(StrEnum):
+    """`ctseg.devices.DEVICE_CHOICES`, as a choice for the command line."""
+
+    auto = "auto"
+    cpu = "cpu"
+    gpu = "gpu"
+    tpu = "tpu"
+
+
+DeviceOption = Annotated[
+    DeviceChoice,
+    typer.Option(
+        "--device",
+        help="Where to run: auto (the GPUs or TPUs here, else the CPU), cpu, gpu or tpu.",
+    ),
+]
+CompileCacheOption = Annotated[
+    str | None,
+    typer.Option(
+        "--compile-cache",
+        help="Folder of the persistent XLA compilation cache, or 'off'. Default: "
+        "$CTSEG_COMPILE_CACHE, else ~/.cache/ctseg/xla. A second run with the same "
+        "shapes compiles nothing.",
+        metavar="DIR|off",
+    ),
+]
+
+
 def load_config(path: Path | None, overrides: list[str] | None) -> cfg.Config:
     return cfg.load(path, overrides or ())
 
@@ -43,15 +72,21 @@ def start_jax(
     num_processes: int | None = None,
     process_id: int | None = None,
     devices: int | None = None,
+    device: str = "auto",
+    compile_cache: str | None = None,
 ) -> None:
-    """Join a multi-host job if asked, and make sure the mesh has enough devices.
+    """Start JAX for `device`, join a multi-host job if asked, and simulate CPU devices.
 
-    `devices`: the devices the command needs over all processes (default: the
-    config's mesh). Must run before anything touches JAX devices: simulated CPU
-    devices can only be configured before the backend starts.
+    `devices`: the CPU devices to simulate over all processes (default: the
+    config's mesh), used only where the CPU is what runs. `compile_cache`: the
+    `--compile-cache` option. Must run before anything touches JAX devices:
+    simulated CPU devices can only be configured before the backend starts.
     """
+    from ctseg import devices as dev
     from ctseg import partition  # imports JAX; keep `ctseg --help` fast
 
+    dev.prepare(device)
+    dev.use_compile_cache(dev.compile_cache_dir(compile_cache))
     partition.initialize_distributed(coordinator, num_processes, process_id)
     # Each process contributes its share of the mesh's devices.
     processes = num_processes or 1

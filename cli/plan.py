@@ -5,12 +5,15 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from cli.app import app
 from cli.options import (
     ConfigOption,
     CoordinatorOption,
+    DeviceChoice,
+    DeviceOption,
     NumProcessesOption,
     ProcessIdOption,
     SetOption,
@@ -19,7 +22,7 @@ from cli.options import (
 )
 from ctseg import atomic, unet
 from ctseg.config import Config
-from ctseg.plan import LayoutPlan, plan
+from ctseg.plan import LayoutPlan, plan, plan_layout
 
 console = Console(highlight=False)
 
@@ -70,6 +73,7 @@ def plan_command(
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Also write the plan as JSON to this file.")
     ] = None,
+    device: DeviceOption = DeviceChoice.auto,
     coordinator: CoordinatorOption = None,
     num_processes: NumProcessesOption = None,
     process_id: ProcessIdOption = None,
@@ -77,9 +81,17 @@ def plan_command(
     """Compile (not run) the training step and inference for the config's layout and report
     per-device memory, halo traffic and FLOPs next to the unpartitioned layout."""
     config = load_config(config_path, overrides)
-    start_jax(config, coordinator, num_processes, process_id)
+    start_jax(config, coordinator, num_processes, process_id, device=device.value)
+    from ctseg import devices as dev  # after start_jax: imports start JAX
+
+    visible = dev.visible(local=False)
+    found = dev.choose(device.value, visible)
+    # The asked-for layout compiles on the devices here when there are enough of them,
+    # else on simulated CPU devices (start_jax made as many as the config's mesh needs).
+    enough = len(found) >= config.num_devices
     with console.status("compiling") as status:
-        plans = plan(config, progress=lambda message: status.update(message))
+        plans = plan(config, lambda message: status.update(message), found if enough else None)
+        here = _this_machine(config, found, lambda message: status.update(message))
     console.print(_table(plans))
     r = config.data.resolution
     console.print(
@@ -90,9 +102,34 @@ def plan_command(
         "halo = bytes one interior partition sends per step (training counts the backward "
         "pass); FLOP = the whole step, all devices."
     )
+    fits = here["fits"]
+    verdict = "" if fits is None else f"; its step {'fits' if fits else 'does NOT fit'}: "
+    if fits is not None:
+        verdict += f"{human_bytes(here['train_bytes'])} of {human_bytes(here['free_bytes'])} free"
+    console.print(f"this machine: {escape(here['line'])}{verdict}")
     if json_path is not None:
-        atomic.write_json(json_path, _json(config, plans))
+        atomic.write_json(json_path, {**_json(config, plans), "this_machine": here})
         console.print(f"wrote {json_path}")
+
+
+def _this_machine(config: Config, found: list, progress) -> dict:
+    """Which layout `ctseg train` would choose here and, on accelerators, whether it fits."""
+    from ctseg import devices as dev
+
+    layout = dev.fit_training(config, found)
+    here = {
+        "devices": dev.describe(found, simulated=True),
+        "spatial": list(layout.config.mesh.spatial),
+        "data": layout.config.mesh.data,
+        "line": layout.line,
+        "fits": None,  # simulated CPU devices share the host's RAM: not judged
+    }
+    if dev.is_accelerator(found):
+        train = plan_layout(layout.config, progress, layout.devices)[0]
+        here["train_bytes"] = train.memory.total
+        here["free_bytes"] = dev.free_memory(layout.devices)
+        here["fits"] = here["train_bytes"] <= here["free_bytes"]
+    return here
 
 
 def _json(config: Config, plans: list[LayoutPlan]) -> dict:

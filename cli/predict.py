@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cli.app import app
-from cli.options import start_jax
+from cli.options import CompileCacheOption, DeviceChoice, DeviceOption, start_jax
 from ctseg import config as cfg
 from ctseg.errors import CtsegError
 
@@ -40,10 +40,11 @@ class Backend(StrEnum):
 
 
 BackendOption = Annotated[
-    Backend | None,  # None: not given (`ctseg evaluate` without RUN_DIR must not get it)
+    Backend | None,  # None: the device policy chooses
     typer.Option(
-        help="Inference backend: jax (the run's devices) or onnx (ONNX Runtime, several "
-        "times faster on a CPU; needs pip install 'ctseg\\[onnx]').",
+        help="Inference backend: jax (XLA on the chosen devices) or onnx (ONNX Runtime on "
+        "the CPU, several times faster than XLA there; needs pip install 'ctseg\\[onnx]'). "
+        "Default: jax on GPUs/TPUs, else onnx when installed.",
     ),
 ]
 
@@ -93,22 +94,31 @@ def predict(
     out: Annotated[Path, typer.Option("--out", help="Folder for the outputs.")],
     checkpoint: CheckpointOption = "best",
     tile: TileOption = None,
-    backend: BackendOption = Backend.jax,
+    device: DeviceOption = DeviceChoice.auto,
+    backend: BackendOption = None,
+    compile_cache: CompileCacheOption = None,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Print where each scan's time went.")
+    ] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing outputs.")] = False,
 ) -> None:
     """Segment liver and tumours: <name>_seg.nii.gz, _stats.json and _preview.png per scan.
 
-    The segmentation has exactly the input's geometry, so it overlays on the scan
-    in ITK-SNAP or 3D Slicer. Exits 1 when any scan failed; the others are written.
+    Runs on the GPUs or TPUs that are here, whatever layout trained the model
+    (else on the CPU, with ONNX Runtime when installed); the first line says
+    what runs where. The segmentation has exactly the input's geometry, so it
+    overlays on the scan in ITK-SNAP or 3D Slicer. Exits 1 when any scan
+    failed; the others are written.
     """
-    start_jax(load_run_config(run_dir))
-    from ctseg.predict import Predictor, expand_inputs, predict_file  # after start_jax
+    start_jax(load_run_config(run_dir), devices=1, device=device, compile_cache=compile_cache)
+    from ctseg.predict import Predictor, expand_inputs, predict_files  # after start_jax
 
     scans, outcomes = expand_inputs(inputs)
-    predictor = Predictor.from_run(run_dir, checkpoint, tile, backend.value)
+    predictor = Predictor.from_run(
+        run_dir, checkpoint, tile, backend and backend.value, device.value
+    )
     console.print(
-        f"checkpoint step {predictor.model.step}; {predictor.engine.description}; "
-        f"backend {predictor.engine.backend}; {len(scans)} scan(s)"
+        f"{escape(predictor.summary)}; checkpoint step {predictor.model.step}; {len(scans)} scan(s)"
     )
     columns = (
         TextColumn("{task.description}"),
@@ -119,22 +129,27 @@ def predict(
     with Progress(*columns, console=console, transient=True) as bar:
         scan_task = bar.add_task("scans", total=len(scans))
         tile_task = bar.add_task("", total=None)
-        for source in scans:
-            name = escape(source.name)
 
-            def report(stage: str, done: int, total: int, name: str = name) -> None:
-                if stage == "infer":
-                    bar.update(tile_task, description=f"{name}: tiles", completed=done, total=total)
-                else:
-                    bar.update(tile_task, description=f"{name}: {stage}")
+        def report(name: str, stage: str, done: int, total: int) -> None:
+            # Reading the next scan and writing the last run beside inference: show the latter.
+            if stage == "infer":
+                description = f"{escape(name)}: tiles"
+                bar.update(tile_task, description=description, completed=done, total=total)
 
-            bar.reset(tile_task, total=None, description=f"{name}: read")
-            outcome = predict_file(predictor, source, out, force, report)
+        for outcome in predict_files(predictor, scans, out, force, report):
             outcomes.append(outcome)
+            name = escape(outcome.name)
             for warning in outcome.warnings:
                 console.print(f"[yellow]warning:[/] {name}: {escape(warning)}")
             if outcome.error is not None:
                 console.print(f"[bold red]failed:[/] {name}: {escape(outcome.error)}")
+            elif verbose:
+                console.print(
+                    f"{name}: "
+                    + ", ".join(
+                        f"{phase} {seconds:.2f} s" for phase, seconds in outcome.seconds.items()
+                    )
+                )
             bar.advance(scan_task)
     console.print(_stats_table(outcomes))
     if any(o.error is not None for o in outcomes):

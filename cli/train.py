@@ -9,8 +9,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from cli.app import app
 from cli.options import (
+    CompileCacheOption,
     ConfigOption,
     CoordinatorOption,
+    DeviceChoice,
+    DeviceOption,
     NumProcessesOption,
     ProcessIdOption,
     SetOption,
@@ -33,19 +36,39 @@ def train(
     ],
     config: ConfigOption = None,
     set_: SetOption = None,
+    device: DeviceOption = DeviceChoice.auto,
+    exact_mesh: Annotated[
+        bool,
+        typer.Option(
+            "--exact-mesh",
+            help="Train on exactly the config's mesh: an error, not a fitted layout, when "
+            "there are fewer devices.",
+        ),
+    ] = False,
+    compile_cache: CompileCacheOption = None,
     coordinator: CoordinatorOption = None,
     num_processes: NumProcessesOption = None,
     process_id: ProcessIdOption = None,
 ) -> None:
-    """Train the U-Net on whole volumes, spatially partitioned over the config's mesh.
+    """Train the U-Net on whole volumes, spatially partitioned over the devices here.
 
-    Ctrl-C saves a checkpoint and stops; running the same command again resumes.
+    The config's mesh is a request: with fewer devices than it needs, the grid is
+    split over those there are (the same model: partitioned training equals
+    unpartitioned training); the first line says what runs where. On a machine
+    without accelerators the mesh's devices are simulated on the CPU. Ctrl-C
+    saves a checkpoint and stops; running the same command again resumes, on
+    this layout or another.
     """
     cfg = load_config(config, set_)
-    start_jax(cfg, coordinator, num_processes, process_id)
-    from ctseg.train import train_and_evaluate  # after start_jax: imports start JAX
+    start_jax(
+        cfg, coordinator, num_processes, process_id, device=device, compile_cache=compile_cache
+    )
+    from ctseg import devices as dev  # after start_jax: imports start JAX
+    from ctseg.train import train_and_evaluate
 
+    layout = dev.fit_training(cfg, dev.choose(device.value, dev.visible(local=False)), exact_mesh)
     console = Console(highlight=False)
+    console.print(layout.line)
     columns = (
         TextColumn("[bold]train[/]"),
         BarColumn(),
@@ -65,7 +88,9 @@ def train(
             bar.update(task, completed=p.step, status=status)
 
         try:
-            summary = train_and_evaluate(cfg, data, workdir, progress=report)
+            summary = train_and_evaluate(
+                layout.config, data, workdir, report, layout.devices, layout.line
+            )
         except KeyboardInterrupt:
             console.print(
                 "[yellow]interrupted:[/] checkpoint saved; run the same command to resume"

@@ -23,9 +23,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from ctseg import plan, step
-from ctseg.config import Config
+from ctseg.config import Config, with_mesh
 from ctseg.errors import CtsegError
-from ctseg.partition import ACTIVATION_SPEC, REPLICATED, make_global_array, make_mesh
+from ctseg.partition import (
+    ACTIVATION_SPEC,
+    REPLICATED,
+    make_global_array,
+    make_mesh,
+)
 
 # progress(done, total, description)
 Progress = Callable[[int, int, str], None]
@@ -92,29 +97,10 @@ class Peak:
         }
 
 
-def auto_spatial(partitions: int) -> tuple[int, int, int]:
-    """Split `partitions` over x, y, z: 1→[1,1,1], 2→[2,1,1], 4→[2,2,1], 8→[2,2,2], 16→[4,4,1].
-
-    The largest per-axis split is made as small as possible, which keeps the
-    local blocks thick and the halo a small share of them; among those, the
-    fewest partitions go to z (x and y first, as Google's 4×4 TPU layout
-    splits the in-plane axes), and x gets at least as many as y.
-    """
-    if partitions < 1:
-        raise CtsegError(f"a partition count must be positive, got {partitions}")
-    splits = [
-        (x, y, partitions // (x * y))
-        for x in range(1, partitions + 1)
-        for y in range(1, x + 1)
-        if partitions % (x * y) == 0
-    ]
-    return min(splits, key=lambda s: (max(s), s[2], -s[0]))
-
-
 def layout_config(config: Config, spatial: tuple[int, int, int], partitioner: str) -> Config:
     """`config` split as `spatial`; CtsegError if the split does not divide every level."""
     try:
-        return plan.with_spatial(config, spatial, partitioner)
+        return with_mesh(config, spatial, partitioner=partitioner)
     except CtsegError as exc:
         raise CtsegError(f"{math.prod(spatial)} partitions split {list(spatial)}: {exc}") from None
 
@@ -203,7 +189,7 @@ def bench(
 ) -> list[BenchResult]:
     """Time every (partitioner, spatial split) pair on `config`'s grid.
 
-    `splits` come from `auto_spatial` for plain partition counts.
+    `splits` come from `devices.auto_spatial` for plain partition counts.
     """
     if steps < 1:
         raise CtsegError(f"--steps must be at least 1, got {steps}")

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -32,6 +33,8 @@ from ctseg.partition import REPLICATED
 from ctseg.step import TrainState, init_state
 
 VAL_METRIC = "val_dice"  # mean of liver and tumour Dice on the validation split
+# The name under which CheckpointManager stores a single-item checkpoint in its step folder.
+_ITEM = "default"
 
 
 def _write_failure(exc: BaseException | None) -> str | None:
@@ -205,18 +208,28 @@ def load_run_config(run_dir: Path) -> cfg.Config:
 
 
 def load_for_inference(
-    run_dir: Path, which: str, mesh: Mesh
+    run_dir: Path, which: str
 ) -> tuple[cfg.Config, nnx.GraphDef, nnx.State, nnx.State, int]:
-    """(config, graphdef, params, batch_stats, step) of a run's checkpoint, replicated on `mesh`."""
+    """(config, graphdef, params, batch_stats, step) of a run's checkpoint, as host arrays.
+
+    Reads only what inference needs: the parameters and the normalisation
+    statistics, not the optimiser state (twice the parameters' size) nor any
+    device placement; each inference engine puts them on its own devices.
+    """
     config = load_run_config(run_dir)
     graphdef, abstract = init_state_abstract(config)
     checkpoints = Checkpoints(run_dir, keep=1, read_only=True)
     try:
         step = checkpoints.resolve(which)
-        state = checkpoints.restore(step, replicated_like(abstract, mesh))
     finally:
         checkpoints.close()
-    return config, graphdef, state.params, state.stats, step
+    item = {"params": abstract.params, "stats": abstract.stats}
+    on_host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+    restored = ocp.PyTreeCheckpointer().restore(
+        checkpoints.directory / str(step) / _ITEM,
+        args=ocp.args.PyTreeRestore(item=item, restore_args=on_host, partial_restore=True),
+    )
+    return config, graphdef, restored["params"], restored["stats"], step
 
 
 def init_state_abstract(config: cfg.Config) -> tuple[nnx.GraphDef, TrainState]:

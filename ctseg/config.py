@@ -198,6 +198,20 @@ def to_dict(config: Config) -> dict[str, dict[str, Any]]:
     }
 
 
+def with_mesh(
+    config: Config,
+    spatial: typing.Sequence[int] | None = None,
+    data: int | None = None,
+    partitioner: str | None = None,
+) -> Config:
+    """`config` with another layout (the arguments given), checked as a config file is."""
+    raw = to_dict(config)
+    changes = {"spatial": None if spatial is None else list(spatial), "data": data}
+    changes["partitioner"] = partitioner
+    raw["mesh"].update({key: value for key, value in changes.items() if value is not None})
+    return from_dict(raw)
+
+
 def _parse_override(item: str) -> tuple[str, str, Any]:
     if "=" not in item:
         raise CtsegError(f"--set expects section.key=value, got '{item}'")

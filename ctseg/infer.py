@@ -1,7 +1,9 @@
 """The inference engine: whole-volume partitioned inference and exact level-wise tiled inference.
 
-Whole volume (`tile == 0`): the grid is split over the run's spatial mesh and
-every convolution exchanges halos, exactly as in training.
+Whole volume (`tile == 0`): one pass over the engine's devices, the grid split
+over them when they are several (`devices.fit_layout`: halo exchange, exactly as
+in training), whatever mesh trained the model. XLA's memory analysis of the
+compiled pass is checked against the devices' free memory first.
 
 Level-wise tiles (`tile > 0`). Tiling the whole network would give every window
 a margin of the receptive-field radius (56 voxels for depth 4), so at 512³ the
@@ -34,10 +36,10 @@ Cost, counted as window voxels × multiply-adds per voxel of each stage against 
 whole pass: 512³, base 32, depth 4, cores of 128 — 147 windows in 7 stages, 1.47× the
 whole pass (1.28× from recomputing the skips, the rest from the margins); whole-network
 windows with the 56-voxel margin need 6.6× (64 windows of 240³), 14.5× for cores of 96.
-Each stage compiles once (all its windows have one shape); on accelerators JAX runs
-one window per device at a time, a batch sharded along the mesh's ``data`` axis, and
-on a CPU one window at a time (simulated devices share the cores, and larger windows
-repeat less margin).
+Each stage compiles once (all its windows have one shape); JAX runs one window per
+device at a time, a batch sharded along the mesh's ``data`` axis. The device policy
+(`ctseg.devices`, `predict.Predictor.from_run`) gives it all the accelerators, or one
+CPU device (simulated devices share the cores, and larger windows repeat less margin).
 
 Backends: ``jax`` runs the jitted network over the mesh; ``onnx`` runs the same
 inference-mode network (whole, or one ONNX graph per stage), exported by
@@ -60,6 +62,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from ctseg import devices as dev
 from ctseg import unet
 from ctseg.checkpoints import load_for_inference
 from ctseg.config import Config
@@ -68,6 +71,7 @@ from ctseg.partition import (
     ACTIVATION_SPEC,
     REPLICATED,
     Comm,
+    activation_sharding,
     make_mesh,
     partitioned,
     shard_global,
@@ -112,10 +116,11 @@ class Model:
 
 
 def load_model(run_dir: Path, checkpoint: str) -> Model:
-    """Restore a run's checkpoint (`best`, `latest` or a step number) for inference."""
-    mesh = make_mesh((1, 1, 1))  # parameters are replicated; engines place them on their mesh
-    config, graphdef, params, stats, step = load_for_inference(run_dir, checkpoint, mesh)
-    return Model(config, graphdef, params, stats, step)
+    """Restore a run's checkpoint (`best`, `latest` or a step number) for inference.
+
+    Host arrays, whatever mesh trained them: each engine places them on its devices.
+    """
+    return Model(*load_for_inference(run_dir, checkpoint))
 
 
 # --------------------------------------------------------------------------- tiles
@@ -309,27 +314,6 @@ def choose_stages(config: Config, windows_per_step: int, memory: int, itemsize: 
     return stages
 
 
-def available_memory() -> int:
-    """Bytes free for activations: the accelerator's free memory, else the host's available RAM."""
-    device = jax.devices()[0]
-    if device.platform != "cpu":
-        stats = device.memory_stats() or {}
-        if "bytes_limit" in stats:
-            return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return host_memory()
-
-
-def host_memory() -> int:
-    """Bytes of the host's RAM available to new allocations."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 # --------------------------------------------------------------------------- the stages
 
 
@@ -386,31 +370,47 @@ def _run_stage(
 # --------------------------------------------------------------------------- backends
 
 
-def _jax_forward(model: Model, mesh: Mesh) -> Forward:
-    """The jitted network over `mesh`, its parameters replicated there."""
-    predict = jax.jit(make_predict(model.graphdef, model.config, mesh))
+def _place(model: Model, mesh: Mesh) -> tuple[nnx.State, nnx.State]:
+    """The model's parameters and statistics, replicated on `mesh`."""
     replicated = NamedSharding(mesh, REPLICATED)
-    params = jax.device_put(model.params, replicated)
-    stats = jax.device_put(model.stats, replicated)
+    return jax.device_put(model.params, replicated), jax.device_put(model.stats, replicated)
+
+
+def _jax_whole_forward(model: Model, devices: Sequence[Any]) -> tuple[Forward, Config, int]:
+    """The whole network jitted over `devices`, the grid partitioned over them when several.
+
+    Compiled at once, so that the program's own memory need (XLA's memory
+    analysis, per device) can be checked before anything runs. Returns the
+    forward, the layout it runs with and those bytes.
+    """
+    config = dev.fit_layout(model.config, len(devices))
+    mesh = make_mesh(config.mesh.spatial, 1, devices)
+    params, stats = _place(model, mesh)
+    resolution = config.data.resolution
+    image = jax.ShapeDtypeStruct(
+        (1, resolution, resolution, resolution, 1), jnp.float32, sharding=activation_sharding(mesh)
+    )
+    compiled = jax.jit(make_predict(model.graphdef, config, mesh)).lower(params, stats, image)
+    compiled = compiled.compile()
+    memory = compiled.memory_analysis()
+    needed = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
 
     def forward(batch: np.ndarray) -> np.ndarray:
         # A writable copy: callers turn the logits into probabilities in place.
-        return np.array(predict(params, stats, shard_global(mesh, batch)))
+        return np.array(compiled(params, stats, shard_global(mesh, batch)))
 
-    return forward
+    return forward, config, needed
 
 
-def _jax_stage_forwards(model: Model, stages: list[Stage], devices: int) -> list[Forward]:
+def _jax_stage_forwards(model: Model, stages: list[Stage], devices: Sequence[Any]) -> list[Forward]:
     """Each stage jitted over a mesh of `stage_step` devices (windows along ``data``)."""
     placed: dict[int, tuple[Mesh, nnx.State, nnx.State]] = {}  # per mesh size, shared
     forwards = []
     for stage in stages:
-        step = stage_step(stage, devices)
+        step = stage_step(stage, len(devices))
         if step not in placed:
-            mesh = make_mesh((1, 1, 1), step)
-            replicated = NamedSharding(mesh, REPLICATED)
-            params = jax.device_put(model.params, replicated)
-            placed[step] = (mesh, params, jax.device_put(model.stats, replicated))
+            mesh = make_mesh((1, 1, 1), step, devices)
+            placed[step] = (mesh, *_place(model, mesh))
         forwards.append(_jax_stage_forward(model.graphdef, stage, *placed[step]))
     return forwards
 
@@ -489,45 +489,37 @@ def _onnx_forwards(model: Model, stages: list[Stage]) -> list[Forward]:
 
 
 class Engine:
-    """Logits of whole R³ grids, computed whole over the run's mesh or in exact level-wise tiles."""
+    """Logits of whole R³ grids: one pass over the devices, or exact level-wise tiles."""
 
     def __init__(
         self,
         model: Model,
         tile: int = -1,
         backend: str = "jax",
-        windows_per_step: int | None = None,
+        devices: Sequence[Any] | None = None,
     ):
         """`tile`: core side (even) at every level, 0 whole volume, −1 automatic.
 
-        `backend`: "jax" (the run's mesh and devices) or "onnx" (ONNX Runtime on the CPU).
-        `windows_per_step` (JAX, tiled): windows run side by side, one per device;
-        by default the run's device count on accelerators and 1 on a CPU.
+        `backend`: "jax" or "onnx" (ONNX Runtime on the host's CPU cores).
+        `devices` (JAX): where the network runs, by default this process's first
+        device (`ctseg.devices` chooses them for commands). A whole-volume pass
+        is partitioned over them; tiles run one window per device at a time.
         """
         if backend not in BACKENDS:
             raise CtsegError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         config = model.config
         self.resolution = config.data.resolution
         self.backend = backend
-        if backend == "onnx":
-            per_step = 1  # ONNX Runtime runs one window at a time on all host cores
-        elif windows_per_step is not None:
-            per_step = windows_per_step
-        elif jax.devices()[0].platform == "cpu":
-            # Simulated CPU devices share the host's cores: 16 windows side by side ran
-            # 4 % faster than one at a time (128³, the same windows), but each window
-            # then gets 1/16 of the memory, which at 512³ shrinks level 0's cores from
-            # 128 to 48–64 and raises the last stage's work from 1.2× to 1.7× its share
-            # of a whole pass.
-            per_step = 1
-        else:
-            per_step = config.num_devices
+        self.devices = list(devices or jax.local_devices()[:1]) if backend == "jax" else []
+        # ONNX Runtime runs one window at a time on all host cores.
+        per_step = len(self.devices) if backend == "jax" else 1
         self.windows_per_step = per_step
         # Materialised activations: the compute dtype under JAX, float32 in ONNX Runtime.
         dtype = jnp.dtype(config.model.dtype) if backend == "jax" else np.dtype(np.float32)
+        self.dtype = dtype.name
+        self.memory = dev.free_memory(self.devices) if backend == "jax" else dev.host_memory()
         if tile < 0:
-            memory = available_memory() if backend == "jax" else host_memory()
-            self.stages = choose_stages(config, per_step, memory, dtype.itemsize)
+            self.stages = choose_stages(config, per_step, self.memory, dtype.itemsize)
             tile = max((s.core for s in self.stages), default=0)
         elif tile % 2:
             raise CtsegError(
@@ -537,27 +529,38 @@ class Engine:
             # A core as large as the grid is one window: the whole-volume pass does it better.
             self.stages = plan_stages(config, tile) if 0 < tile < self.resolution else []
         self.tile = tile if self.stages else 0
+        self.spatial = (1, 1, 1)  # the whole-volume pass's split over the devices
         self._forwards: list[tuple[Forward, int]] = []  # (forward, windows per step) per stage
         if backend == "onnx":
             forwards = _onnx_forwards(model, self.stages)
             self._forwards = [(forward, 1) for forward in forwards]
         elif not self.stages:
-            self._forwards = [(_jax_forward(model, make_mesh(config.mesh.spatial, 1)), 1)]
+            forward, layout, needed = _jax_whole_forward(model, self.devices)
+            if needed > self.memory:
+                raise CtsegError(
+                    f"a whole-volume pass of the {self.resolution}³ grid needs "
+                    f"{dev.gib(needed)} per device, more than the {dev.gib(self.memory)} free "
+                    f"on {dev.describe(self.devices)}; use tiles (--tile -1 chooses them, or "
+                    "e.g. --tile 128)"
+                )
+            self.spatial = layout.mesh.spatial
+            self._forwards = [(forward, 1)]
         else:
             # A stage with fewer windows than devices runs on a smaller mesh rather than
             # repeating windows.
-            forwards = _jax_stage_forwards(model, self.stages, per_step)
+            forwards = _jax_stage_forwards(model, self.stages, self.devices)
             steps = [stage_step(stage, per_step) for stage in self.stages]
             self._forwards = list(zip(forwards, steps))
 
     @property
     def description(self) -> str:
         if not self.stages:
-            return f"whole volume {self.resolution}³"
+            split = "" if self.spatial == (1, 1, 1) else f" split {list(self.spatial)}"
+            return f"whole volume {self.resolution}³{split}"
         windows = sum(len(stage.windows()) for stage in self.stages)
         at_once = f", {self.windows_per_step} at a time" if self.windows_per_step > 1 else ""
         return (
-            f"level-wise tiles, cores ≤ {self.tile}³ "
+            f"level-wise tiles ≤ {self.tile}³ "
             f"({len(self.stages)} stages, {windows} windows{at_once})"
         )
 

@@ -79,22 +79,22 @@ def initialize_distributed(
     )
 
 
-def make_mesh(spatial: Sequence[int], data: int = 1) -> Mesh:
-    """A mesh with axes (data, x, y, z) over the first `data·x·y·z` devices.
+def make_mesh(spatial: Sequence[int], data: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
+    """A mesh with axes (data, x, y, z) over the first `data·x·y·z` of `devices`.
 
-    Uses the default backend's devices when there are enough of them, else the
-    (possibly simulated) CPU devices.
+    `devices`: by default all of JAX's default backend's devices (the
+    accelerators, else the CPU's); `ctseg.devices` chooses them for commands.
+    Too few is an error, never a quiet move to other devices.
     """
     shape = (data, *spatial)
     count = math.prod(shape)
-    devices = jax.devices()
-    if len(devices) < count:
-        devices = jax.devices("cpu")
+    devices = jax.devices() if devices is None else list(devices)
     if len(devices) < count:
         raise CtsegError(
             f"the mesh data={data} × spatial={list(spatial)} needs {count} devices but only "
-            f"{len(devices)} exist; on a CPU machine run through the ctseg CLI (it simulates "
-            "devices) or set jax_num_cpu_devices before JAX starts"
+            f"{len(devices)} {devices[0].platform.upper()} device(s) are here; on a CPU "
+            "machine run through the ctseg CLI (it simulates devices) or set "
+            "jax_num_cpu_devices before JAX starts"
         )
     grid = np.asarray(devices[:count], dtype=object).reshape(shape)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

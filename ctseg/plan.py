@@ -12,7 +12,7 @@ structure (`halo_bytes`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from ctseg import step
-from ctseg.config import Config, from_dict, to_dict
+from ctseg.config import Config, with_mesh
 from ctseg.partition import ACTIVATION_SPEC, REPLICATED, local_block_shape, make_mesh
 
 MODES = ("train", "predict")
@@ -71,13 +71,6 @@ class LayoutPlan:
 
 
 # --------------------------------------------------------------------------- layouts
-
-
-def with_spatial(config: Config, spatial: tuple[int, int, int], partitioner: str) -> Config:
-    """`config` with another spatial split and partitioner, checked as a config file is."""
-    raw = to_dict(config)
-    raw["mesh"] = {**raw["mesh"], "spatial": list(spatial), "partitioner": partitioner}
-    return from_dict(raw)
 
 
 def global_image_shape(config: Config) -> tuple[int, ...]:
@@ -226,9 +219,14 @@ def _mesh_shape(config: Config) -> dict[str, int]:
 # --------------------------------------------------------------------------- the plan
 
 
-def plan_layout(config: Config, progress: Callable[[str], None] | None = None) -> list[LayoutPlan]:
-    """Compile the training step and the inference pass for `config`'s layout; account both."""
-    mesh = make_mesh(config.mesh.spatial, config.mesh.data)
+def plan_layout(
+    config: Config,
+    progress: Callable[[str], None] | None = None,
+    devices: Sequence[Any] | None = None,
+) -> list[LayoutPlan]:
+    """Compile the training step and the inference pass for `config`'s layout on `devices`
+    (default: JAX's default devices); account both."""
+    mesh = make_mesh(config.mesh.spatial, config.mesh.data, devices)
     graphdef, state = abstract_state(config, mesh)
     image, label = abstract_batch(config, mesh)
     compilers = {
@@ -255,10 +253,14 @@ def plan_layout(config: Config, progress: Callable[[str], None] | None = None) -
     return plans
 
 
-def plan(config: Config, progress: Callable[[str], None] | None = None) -> list[LayoutPlan]:
+def plan(
+    config: Config,
+    progress: Callable[[str], None] | None = None,
+    devices: Sequence[Any] | None = None,
+) -> list[LayoutPlan]:
     """The config's layout, then the unpartitioned one with the same partitioner."""
-    plans = plan_layout(config, progress)
+    plans = plan_layout(config, progress, devices)
     if config.num_partitions > 1:
-        whole = with_spatial(config, (1, 1, 1), config.mesh.partitioner)
-        plans += plan_layout(whole, progress)
+        whole = with_mesh(config, (1, 1, 1))
+        plans += plan_layout(whole, progress, devices)
     return plans

@@ -7,12 +7,17 @@ are 26-connected, the convention `metrics` uses for lesions.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from scipy import ndimage, spatial
 
 from ctseg.metrics import LIVER, TUMOR, bounding_box, tumour_burden
 
 _CONNECTIVITY = ndimage.generate_binary_structure(3, 3)
+# Tumours (the largest by volume) whose largest diameter `scan_stats` measures: RECIST
+# follows at most 5 target lesions, and a noisy prediction can have tens of thousands.
+MEASURED_TUMOURS = 20
 
 
 def largest_component(mask: np.ndarray) -> np.ndarray:
@@ -71,31 +76,49 @@ def max_diameter_mm(voxels: np.ndarray, affine: np.ndarray) -> float:
     return float(spatial.distance.pdist(points).max())
 
 
-def scan_stats(labels: np.ndarray, affine: np.ndarray) -> dict[str, float | int]:
-    """Volumes (mL), tumour count and largest diameter (mm), tumour burden (%) of a label map.
+def scan_stats(labels: np.ndarray, affine: np.ndarray) -> dict[str, Any]:
+    """Volumes (mL), tumours (count, each one's volume and place, diameters), burden (%).
 
     `affine` maps the label map's voxel indices to mm; oblique and sheared
-    voxels are measured exactly through it.
+    voxels are measured exactly through it. Every tumour is listed, largest
+    first; the largest diameter is measured for the `MEASURED_TUMOURS` largest
+    (a noisy prediction has tens of thousands of specks, and a diameter costs a
+    convex hull each), and `largest_tumour_diameter_mm` is the longest of those.
     """
     voxel_ml = abs(float(np.linalg.det(affine[:3, :3]))) / 1000.0
     liver_voxels = int(np.count_nonzero(labels >= LIVER))
     tumour = labels == TUMOR
     tumour_voxels = int(np.count_nonzero(tumour))
-    diameters = []
+    tumours: list[dict[str, Any]] = []
     box = bounding_box(tumour)
-    count = 0
     if box is not None:
         origin = np.array([s.start for s in box])
         pieces, count = ndimage.label(tumour[box], structure=_CONNECTIVITY)
-        for index, piece in enumerate(ndimage.find_objects(pieces), start=1):
-            corner = np.array([s.start for s in piece]) + origin
-            voxels = np.argwhere(pieces[piece] == index) + corner
-            diameters.append(max_diameter_mm(voxels.astype(float), affine))
+        sizes = np.bincount(pieces.ravel())[1:]
+        objects = ndimage.find_objects(pieces)
+        # Where each tumour is: the centre of its bounding box, in mm.
+        centres = np.array([[(s.start + s.stop - 1) / 2 for s in o] for o in objects]) + origin
+        centres_mm = centres @ affine[:3, :3].T + affine[:3, 3]
+        order = np.argsort(-sizes, kind="stable")
+        for rank, piece in enumerate(order):
+            entry = {
+                "volume_ml": float(sizes[piece] * voxel_ml),
+                "box_centre_mm": [round(float(c), 2) for c in centres_mm[piece]],
+            }
+            if rank < MEASURED_TUMOURS:
+                where = objects[piece]
+                corner = np.array([s.start for s in where]) + origin
+                voxels = np.argwhere(pieces[where] == piece + 1) + corner
+                entry["diameter_mm"] = max_diameter_mm(voxels.astype(float), affine)
+            tumours.append(entry)
     burden = tumour_burden(labels)
     return {
         "liver_volume_ml": liver_voxels * voxel_ml,
         "tumour_volume_ml": tumour_voxels * voxel_ml,
-        "tumour_count": int(count),
-        "largest_tumour_diameter_mm": max(diameters, default=0.0),
+        "tumour_count": len(tumours),
+        "largest_tumour_diameter_mm": max(
+            (t["diameter_mm"] for t in tumours[:MEASURED_TUMOURS]), default=0.0
+        ),
         "tumour_burden_percent": 0.0 if burden is None else 100.0 * burden,
+        "tumours": tumours,
     }

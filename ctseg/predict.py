@@ -3,7 +3,7 @@
 One scan goes: read (canonical RAS) → the training preprocessing (resampling to
 the run's R³ grid as int16 HU, the HU window) → the inference engine (whole or
 exactly tiled) → class probabilities on the grid → resampled linearly back to
-the scan's own voxels → argmax → post-processing. `predict_file` writes, named
+the scan's own voxels → argmax → post-processing. `predict_files` writes, named
 after the input::
 
     OUT_DIR/<name>_seg.nii.gz     labels 0/1/2 in exactly the input's geometry
@@ -18,7 +18,10 @@ original geometry), plus the grid-level Dice that training reports.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,13 +29,18 @@ from typing import Any
 import numpy as np
 
 from ctseg import atomic, evaluate, metrics, postprocess, preprocess, report, volume
+from ctseg import devices as dev
 from ctseg.errors import CtsegError
 from ctseg.infer import Engine, Model, load_model, softmax_
 from ctseg.store import Store
 
 # (stage, done, total): stages "read", "infer" (windows done of total), "postprocess", "write".
 StageProgress = Callable[[str, int, int], None]
+FileProgress = Callable[[str, str, int, int], None]  # (scan name, stage, done, total)
 CaseProgress = Callable[[int, int, str], None]  # (cases done, cases in total, current case)
+# Where a scan's time goes, as each `<name>_stats.json` records it. "load" and "compile"
+# count once for the whole call (the first scan compiles; later ones find the programs).
+PHASES = ("load", "compile", "read", "resample", "infer", "postprocess", "write")
 
 # Percentiles of a CT scan in Hounsfield units lie within air (−1000) and dense bone or
 # contrast (~3000); a little slack for noise. Outside, the image is probably not in HU.
@@ -67,18 +75,45 @@ def hu_warnings(hu: np.ndarray) -> list[str]:
     return []
 
 
+@dataclass
+class Prepared:
+    """A scan read and brought to the run's grid, ready for the network."""
+
+    scan: volume.Scan
+    unit: np.ndarray  # the HU-windowed R³ grid, float32
+    seconds: dict[str, float]
+
+
+@contextlib.contextmanager
+def _timed(seconds: dict[str, float], phase: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
 class Predictor:
     """A run's model with its inference engine, predicting one scan at a time."""
 
-    def __init__(self, model: Model, tile: int | None = None, backend: str = "jax"):
+    def __init__(
+        self,
+        model: Model,
+        tile: int | None = None,
+        backend: str = "jax",
+        devices: Sequence[Any] | None = None,
+    ):
         """`tile`: core size of exact tiles, 0 whole, −1 automatic; None: the run's config.
 
-        `backend`: "jax", or "onnx" for ONNX Runtime on the CPU (`infer.Engine`).
+        `backend` and `devices`: as `infer.Engine` takes them; `from_run` chooses them.
         """
         self.model = model
         self.config = model.config
         tile = self.config.predict.tile if tile is None else tile
-        self.engine = Engine(model, tile, backend)
+        self.clock = dev.compile_clock()
+        self.engine = Engine(model, tile, backend, devices)
+        # One-off costs of the whole call, filled in by `from_run`.
+        self.seconds: dict[str, float] = {}
 
     @classmethod
     def from_run(
@@ -86,13 +121,85 @@ class Predictor:
         run_dir: Path,
         checkpoint: str = "best",
         tile: int | None = None,
-        backend: str = "jax",
+        backend: str | None = None,
+        device: str = "auto",
     ) -> Predictor:
-        try:
-            model = load_model(Path(run_dir), checkpoint)
-        except CtsegError as exc:
-            raise CtsegError(f"{run_dir}: {exc}") from None
-        return cls(model, tile, backend)
+        """The run's model on the devices `device` asks for (`ctseg.devices`), whatever
+        layout trained it. `backend` None: JAX on accelerators, else ONNX Runtime if
+        installed, else JAX."""
+        found = dev.choose(device, dev.visible())
+        backend = dev.inference_backend(backend, device, found, dev.onnx_available())
+        if backend == "jax" and not dev.is_accelerator(found):
+            # Simulated CPU devices share the host's cores: one window at a time, with all
+            # the memory (16 side by side ran 4 % faster but cut 512³ cores from 128 to 48).
+            found = found[:1]
+        seconds: dict[str, float] = {}
+        with _timed(seconds, "load"):
+            try:
+                model = load_model(Path(run_dir), checkpoint)
+            except CtsegError as exc:
+                raise CtsegError(f"{run_dir}: {exc}") from None
+        with _timed(seconds, "compile"):  # AOT compiles, ONNX export and sessions, placement
+            predictor = cls(model, tile, backend, found)
+        predictor.seconds = seconds
+        return predictor
+
+    @property
+    def summary(self) -> str:
+        """What runs where, e.g. `1 × NVIDIA H100 80GB HBM3, XLA, bfloat16, whole volume 512³`."""
+        engine = self.engine
+        runtime = "ONNX Runtime" if engine.backend == "onnx" else "XLA"
+        where = dev.describe(engine.devices or [_HOST])
+        return f"{where}, {runtime}, {engine.dtype}, {engine.description}"
+
+    def prepare(self, scan: volume.Scan, seconds: dict[str, float]) -> np.ndarray:
+        """The scan on the run's grid, HU-windowed: exactly the training preprocessing."""
+        data = self.config.data
+        with _timed(seconds, "resample"):
+            grid = preprocess.image_to_grid(scan.array, data.resolution)  # int16 HU, as the store
+            return preprocess.hu_to_unit(grid, data.hu_window)
+
+    def infer(
+        self, unit: np.ndarray, seconds: dict[str, float], progress: StageProgress | None = None
+    ) -> np.ndarray:
+        """Class probabilities [R, R, R, 3] on the grid; compiling is timed apart."""
+
+        def tiles(done: int, total: int) -> None:
+            if progress is not None:
+                progress("infer", done, total)
+
+        compiled_before = self.clock.seconds
+        with _timed(seconds, "infer"):
+            probabilities = softmax_(self.engine.logits(unit, tiles))
+        compiling = self.clock.seconds - compiled_before
+        seconds["infer"] -= compiling
+        seconds["compile"] = seconds.get("compile", 0.0) + compiling
+        return probabilities
+
+    def finish(
+        self,
+        scan: volume.Scan,
+        probabilities: np.ndarray,
+        seconds: dict[str, float],
+        with_probabilities: bool = False,
+    ) -> Prediction:
+        """Grid probabilities → post-processed labels on the scan's own canonical voxels."""
+        options = self.config.predict
+        grid_labels = probabilities.argmax(-1).astype(np.uint8)
+        with _timed(seconds, "resample"):
+            # Linear on probabilities, then argmax: smoother borders than resampling labels.
+            on_scan = preprocess.from_grid(probabilities, scan.array.shape, order=1)
+            labels = on_scan.argmax(-1).astype(np.uint8)
+        with _timed(seconds, "postprocess"):
+            labels = postprocess.clean_labels(
+                labels, options.keep_largest_liver, options.tumour_inside_liver
+            )
+        return Prediction(
+            labels=labels,
+            grid_labels=grid_labels,
+            probabilities=on_scan if with_probabilities else None,
+            warnings=hu_warnings(scan.array),
+        )
 
     def predict(
         self,
@@ -101,34 +208,22 @@ class Predictor:
         progress: StageProgress | None = None,
     ) -> Prediction:
         """Labels (and optionally probabilities) of a scan on its own canonical voxels."""
-        data, options = self.config.data, self.config.predict
-        grid = preprocess.image_to_grid(scan.array, data.resolution)  # int16 HU, as the store
-        unit = preprocess.hu_to_unit(grid, data.hu_window)
-        del grid
+        seconds: dict[str, float] = {}
+        probabilities = self.infer(self.prepare(scan, seconds), seconds, progress)
+        return self.finish(scan, probabilities, seconds, with_probabilities)
 
-        def tiles(done: int, total: int) -> None:
-            if progress is not None:
-                progress("infer", done, total)
 
-        probabilities = softmax_(self.engine.logits(unit, tiles))
-        del unit
-        grid_labels = probabilities.argmax(-1).astype(np.uint8)
-        if progress is not None:
-            progress("postprocess", 0, 1)
-        # Linear on probabilities, then argmax: smoother borders than resampling labels.
-        on_scan = preprocess.from_grid(probabilities, scan.array.shape, order=1)
-        del probabilities
-        labels = postprocess.clean_labels(
-            on_scan.argmax(-1).astype(np.uint8),
-            options.keep_largest_liver,
-            options.tumour_inside_liver,
-        )
-        return Prediction(
-            labels=labels,
-            grid_labels=grid_labels,
-            probabilities=on_scan if with_probabilities else None,
-            warnings=hu_warnings(scan.array),
-        )
+class _HostCPU:
+    """The host's CPU, as `devices.describe` reads a device (ONNX Runtime runs there)."""
+
+    platform = "cpu"
+    device_kind = "cpu"
+
+    def memory_stats(self) -> None:
+        return None
+
+
+_HOST = _HostCPU()
 
 
 # --------------------------------------------------------------------------- files
@@ -136,7 +231,7 @@ class Predictor:
 
 @dataclass
 class ScanOutcome:
-    """What `predict_file` did with one input."""
+    """What `predict_files` did with one input."""
 
     source: Path
     name: str
@@ -144,6 +239,7 @@ class ScanOutcome:
     outputs: list[Path] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     error: str | None = None  # the one-line reason the scan failed
+    seconds: dict[str, float] = field(default_factory=dict)  # per phase, `PHASES`
 
 
 def expand_inputs(inputs: Sequence[Path]) -> tuple[list[Path], list[ScanOutcome]]:
@@ -181,67 +277,149 @@ def output_paths(out_dir: Path, name: str, with_probabilities: bool) -> dict[str
     return paths
 
 
-def predict_file(
+def predict_files(
     predictor: Predictor,
-    source: Path,
+    sources: Sequence[Path],
     out_dir: Path,
     force: bool = False,
-    progress: StageProgress | None = None,
-) -> ScanOutcome:
-    """Predict one scan and write its outputs; a problem with it is returned, not raised."""
-    outcome = ScanOutcome(Path(source), volume.scan_name(Path(source)))
+    progress: FileProgress | None = None,
+) -> Iterator[ScanOutcome]:
+    """Predict scans one after another and write their outputs; yields each scan's outcome.
+
+    Reading and resampling the next scan, and post-processing and writing the
+    last one, run in threads beside the inference of the current one (the
+    network, NumPy, SciPy and the image libraries release the GIL). A problem
+    with a scan is its outcome's error, never an exception.
+    """
+    out_dir = Path(out_dir)
+    with (
+        ThreadPoolExecutor(1, thread_name_prefix="ctseg-read") as reader,
+        ThreadPoolExecutor(1, thread_name_prefix="ctseg-write") as writer,
+    ):
+        reads = [reader.submit(_read, predictor, Path(s), out_dir, force) for s in sources[:1]]
+        written: Future | None = None
+        for index in range(len(sources)):
+            outcome, prepared = reads[index].result()
+            if index + 1 < len(sources):
+                reads.append(
+                    reader.submit(_read, predictor, Path(sources[index + 1]), out_dir, force)
+                )
+            reads[index] = None  # the prepared grid is freed once inferred
+            probabilities = None
+            if prepared is not None:
+                probabilities = _guarded(
+                    outcome,
+                    predictor.infer,
+                    prepared.unit,
+                    prepared.seconds,
+                    _stage_progress(progress, outcome.name),
+                )
+                prepared.unit = None
+            if written is not None:
+                yield written.result()
+            written = writer.submit(_write, predictor, outcome, prepared, probabilities, out_dir)
+        if written is not None:
+            yield written.result()
+
+
+def _stage_progress(progress: FileProgress | None, name: str) -> StageProgress | None:
+    if progress is None:
+        return None
+    return lambda stage, done, total: progress(name, stage, done, total)
+
+
+def _guarded(outcome: ScanOutcome, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, or None with the scan's one-line error on `outcome`."""
     try:
-        _predict_file(predictor, outcome, Path(out_dir), force, progress)
+        return fn(*args)
     except CtsegError as exc:
         outcome.error = str(exc)
     except MemoryError:
         outcome.error = "out of memory; try a smaller --tile"
+    return None
+
+
+def _read(
+    predictor: Predictor, source: Path, out_dir: Path, force: bool
+) -> tuple[ScanOutcome, Prepared | None]:
+    outcome = ScanOutcome(source, volume.scan_name(source))
+
+    def read() -> Prepared:
+        paths = output_paths(out_dir, outcome.name, predictor.config.predict.save_probabilities)
+        existing = [p.name for p in paths.values() if p.exists()]
+        if existing and not force:
+            raise CtsegError(
+                f"{', '.join(existing)} already exist in {out_dir}; use --force to overwrite"
+            )
+        seconds: dict[str, float] = {}
+        with _timed(seconds, "read"):
+            scan = volume.read_scan(source)
+        return Prepared(scan, predictor.prepare(scan, seconds), seconds)
+
+    return outcome, _guarded(outcome, read)
+
+
+def _write(
+    predictor: Predictor,
+    outcome: ScanOutcome,
+    prepared: Prepared | None,
+    probabilities: np.ndarray | None,
+    out_dir: Path,
+) -> ScanOutcome:
+    if prepared is not None and probabilities is not None:
+        _guarded(outcome, _write_outputs, predictor, outcome, prepared, probabilities, out_dir)
     return outcome
 
 
-def _predict_file(
+def _write_outputs(
     predictor: Predictor,
     outcome: ScanOutcome,
+    prepared: Prepared,
+    probabilities: np.ndarray,
     out_dir: Path,
-    force: bool,
-    progress: StageProgress | None,
 ) -> None:
+    scan, seconds = prepared.scan, prepared.seconds
     with_probabilities = predictor.config.predict.save_probabilities
-    paths = output_paths(out_dir, outcome.name, with_probabilities)
-    existing = [p.name for p in paths.values() if p.exists()]
-    if existing and not force:
-        raise CtsegError(
-            f"{', '.join(existing)} already exist in {out_dir}; use --force to overwrite"
-        )
-    if progress is not None:
-        progress("read", 0, 1)
-    scan = volume.read_scan(outcome.source)
-    prediction = predictor.predict(scan, with_probabilities, progress)
+    prediction = predictor.finish(scan, probabilities, seconds, with_probabilities)
+    del probabilities
     outcome.warnings = prediction.warnings
-    if progress is not None:
-        progress("write", 0, 1)
-    stats = postprocess.scan_stats(prediction.labels, scan.affine)
-    volume.write_labels(scan, prediction.labels, paths["seg"])
-    if prediction.probabilities is not None:
-        volume.write_volume(scan, prediction.probabilities, paths["probs"], np.float32)
+    with _timed(seconds, "postprocess"):
+        stats = postprocess.scan_stats(prediction.labels, scan.affine)
+    paths = output_paths(out_dir, outcome.name, with_probabilities)
+    with _timed(seconds, "write"):
+        volume.write_labels(scan, prediction.labels, paths["seg"])
+        if prediction.probabilities is not None:
+            volume.write_volume(scan, prediction.probabilities, paths["probs"], np.float32)
+        report.plot_preview(
+            scan.array,
+            prediction.labels,
+            scan.spacing,
+            paths["preview"],
+            title=outcome.name,
+            window=predictor.config.data.hu_window,
+        )
+    # The call's one-off costs (loading, compiling ahead) beside this scan's own phases.
+    outcome.seconds = {
+        phase: round(predictor.seconds.get(phase, 0.0) + seconds.get(phase, 0.0), 3)
+        for phase in PHASES
+    }
     atomic.write_json(
         paths["stats"],
         {
             "scan": str(outcome.source),
             "run_step": predictor.model.step,
+            "device": predictor.summary,
             "shape": list(scan.original_shape),
             "spacing_mm": list(scan.spacing),
             **stats,
             "warnings": prediction.warnings,
+            "seconds": outcome.seconds,
+            # Programs this call compiled so far, and how many came from the persistent cache.
+            "compiled": {
+                "programs": predictor.clock.programs,
+                "from_cache": predictor.clock.cache_hits,
+            },
         },
-    )
-    report.plot_preview(
-        scan.array,
-        prediction.labels,
-        scan.spacing,
-        paths["preview"],
-        title=outcome.name,
-        window=predictor.config.data.hu_window,
     )
     outcome.stats = stats
     outcome.outputs = list(paths.values())
@@ -258,7 +436,8 @@ def evaluate_run(
     out_dir: Path | None = None,
     progress: CaseProgress | None = None,
     tile: int | None = None,
-    backend: str = "jax",
+    backend: str | None = None,
+    device: str = "auto",
 ) -> dict:
     """Predict a store's split with a run and score it; writes summary.json and metrics.csv.
 
@@ -278,7 +457,7 @@ def evaluate_run(
     cases = [case for case in cases if case.labelled]
     if not cases:
         raise CtsegError(f"the store at {data_dir} has no labelled cases in the {split!r} split")
-    predictor = Predictor.from_run(run_dir, checkpoint, tile, backend)
+    predictor = Predictor.from_run(run_dir, checkpoint, tile, backend, device)
     if store.resolution != predictor.config.data.resolution:
         raise CtsegError(
             f"{data_dir} holds a {store.resolution}³ grid but the run was trained on "
@@ -306,7 +485,8 @@ def evaluate_run(
             "data": str(data_dir),
             "split": split,
             "tiling": predictor.engine.description,
-            "backend": backend,
+            "backend": predictor.engine.backend,
+            "device": predictor.summary,
         },
         "cases": records,
         "summary": summary,

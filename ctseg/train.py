@@ -6,10 +6,12 @@ Run directory::
     RUN_DIR/checkpoints/     orbax checkpoints: the latest K plus the best by validation Dice
     RUN_DIR/metrics.jsonl    one JSON object per logged step; validation entries carry Dice
     RUN_DIR/curves.png       loss and validation Dice over steps, redrawn at each validation
+    RUN_DIR/layouts.jsonl    the layout (mesh) and devices of every start: which trained which steps
 
 Running the same command on an existing RUN_DIR resumes from its latest
 checkpoint; because batches and augmentation are functions of (seed, step),
-a resumed run ends with the same parameters as an uninterrupted one.
+a resumed run ends with the same parameters as an uninterrupted one (to the
+order of floating-point sums when it resumes on another layout).
 """
 
 from __future__ import annotations
@@ -28,14 +30,17 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from ctseg import atomic, metrics, report
+from ctseg import atomic, metrics, plan, report
 from ctseg import config as cfg
+from ctseg import devices as dev
 from ctseg.checkpoints import Checkpoints, replicated_like
 from ctseg.errors import CtsegError
 from ctseg.partition import REPLICATED, make_mesh
 from ctseg.pipeline import Prefetcher, validation_batches
 from ctseg.step import TrainState, init_state, make_predict, make_train_step
 from ctseg.store import Store
+
+LAYOUTS = "layouts.jsonl"  # which layout and devices trained which steps
 
 
 @dataclass
@@ -53,17 +58,23 @@ ProgressFn = Callable[[Progress], None]
 
 
 def check_run_dir(run_dir: Path, config: cfg.Config, write: bool = True) -> None:
-    """Write RUN_DIR/config.toml, or check that an existing run used the same config."""
+    """Write RUN_DIR/config.toml, or check that an existing run used the same config.
+
+    The mesh is not part of a run's identity: every layout trains the same model
+    (invariant 1), so a run may resume on another machine with another layout.
+    """
     path = run_dir / "config.toml"
     text = cfg.to_toml(config)
     if path.exists():
-        previous = cfg.load(path)
-        if previous != config:
+        previous, current = cfg.to_dict(cfg.load(path)), cfg.to_dict(config)
+        previous.pop("mesh")
+        current.pop("mesh")
+        if previous != current:
             changed = [
                 f"{section}.{key}"
-                for section, values in cfg.to_dict(config).items()
+                for section, values in current.items()
                 for key, value in values.items()
-                if cfg.to_dict(previous)[section][key] != value
+                if previous[section][key] != value
             ]
             raise CtsegError(
                 f"{run_dir} holds a run with a different config ({', '.join(changed)}); "
@@ -150,13 +161,42 @@ def _wait_fraction(prefetch: Prefetcher, compute_seconds: float) -> float:
     return prefetch.wait_seconds / max(prefetch.wait_seconds + compute_seconds, 1e-9)
 
 
+def record_layout(run_dir: Path, step: int, config: cfg.Config, where: str) -> None:
+    """Append to RUN_DIR/layouts.jsonl which layout and devices train from `step` on."""
+    entry = {"from_step": step, "mesh": cfg.to_dict(config)["mesh"], "devices": where}
+    path = run_dir / LAYOUTS
+    previous = path.read_text() if path.exists() else ""
+    atomic.write_text(path, previous + json.dumps(entry) + "\n")
+
+
+def check_memory(compiled: jax.stages.Compiled, config: cfg.Config, devices: list) -> None:
+    """On accelerators: the compiled step must fit the devices' free memory."""
+    if not dev.is_accelerator(devices):
+        return  # simulated CPU devices share the host's RAM; the OS has the last word
+    needed, free = plan.memory_of(compiled).total, dev.free_memory(devices)
+    if needed > free:
+        raise CtsegError(
+            f"the training step on {config.data.resolution}³ "
+            f"({list(config.mesh.spatial)}, batch {config.train.batch_size}) needs "
+            f"{dev.gib(needed)} per device but {dev.describe(devices)} has {dev.gib(free)} "
+            "free; use more devices, a lower data.resolution, model.remat = true, or "
+            "--device cpu"
+        )
+
+
 def train_and_evaluate(
     config: cfg.Config,
     data_dir: Path,
     run_dir: Path,
     progress: ProgressFn | None = None,
+    devices: list | None = None,
+    where: str = "",
 ) -> dict[str, Any]:
-    """Train (or resume) a run; returns a summary of the final state."""
+    """Train (or resume) a run; returns a summary of the final state.
+
+    `devices`: where the config's mesh goes (`devices.fit_training` chooses them
+    and `where` says it); by default JAX's default devices.
+    """
     run_dir = Path(run_dir)
     store = open_store(Path(data_dir), config)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -164,7 +204,8 @@ def train_and_evaluate(
     # run directory's files; orbax coordinates the checkpoints itself.
     main_process = jax.process_index() == 0
     check_run_dir(run_dir, config, write=main_process)
-    mesh = make_mesh(config.mesh.spatial, config.mesh.data)
+    mesh = make_mesh(config.mesh.spatial, config.mesh.data, devices)
+    devices = list(mesh.devices.flat)
     tc = config.train
 
     graphdef, state = init_state(config)
@@ -175,7 +216,19 @@ def train_and_evaluate(
         state = checkpoints.restore(start, replicated_like(state, mesh))
     start = int(state.step)
     log = MetricsLog(run_dir / "metrics.jsonl", start, write=main_process)
+    if main_process:
+        record_layout(run_dir, start, config, where or dev.describe(devices, simulated=True))
 
+    if dev.is_accelerator(devices):
+        # Compiled ahead to read its memory need; the loop's own compile then comes
+        # from the compilation cache.
+        check_memory(
+            plan.compile_train_step(
+                graphdef, config, mesh, state, *plan.abstract_batch(config, mesh)
+            ),
+            config,
+            devices,
+        )
     train_step = jax.jit(make_train_step(graphdef, config, mesh), donate_argnums=0)
     predict = make_predict(graphdef, config, mesh)
     segment = jax.jit(lambda *args: jnp.argmax(predict(*args), axis=-1).astype(jnp.uint8))

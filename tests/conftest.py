@@ -3,6 +3,8 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Commands run in tests keep no compilation cache unless a test gives one (--compile-cache).
+os.environ.setdefault("CTSEG_COMPILE_CACHE", "off")
 
 import jax  # noqa: E402
 

@@ -10,17 +10,20 @@ import pytest
 from ctseg import config as cfg
 from ctseg import infer, unet
 from ctseg.errors import CtsegError
+from ctseg.partition import LOCAL
 
 RESOLUTION = 32
 
 
-def random_model(depth: int, dtype: str = "float32") -> infer.Model:
+def random_model(
+    depth: int, dtype: str = "float32", spatial: tuple[int, int, int] = (2, 2, 1)
+) -> infer.Model:
     """An untrained tiny model whose batch-norm running statistics are not the identity."""
     config = cfg.from_dict(
         {
             "data": {"resolution": RESOLUTION},
             "model": {"base_filters": 2, "depth": depth, "dtype": dtype},
-            "mesh": {"spatial": [2, 2, 1]},
+            "mesh": {"spatial": list(spatial)},
         }
     )
     graphdef, params, stats = unet.create(config.model, seed=3)
@@ -72,11 +75,10 @@ def test_level_wise_tiles_equal_whole_volume(depth, tiles, image):
     assert reference.shape == (RESOLUTION,) * 3 + (3,)
     assert np.ptp(reference.argmax(-1)) > 0  # a non-trivial labelling to compare
     for tile in tiles:
-        # Four windows per step, one per device of the run's [2, 2, 1] mesh, as on
-        # accelerators (a CPU runs one at a time by default).
-        engine = infer.Engine(model, tile=tile, windows_per_step=4)
+        # Four windows per step, one per device, as on four accelerators.
+        engine = infer.Engine(model, tile=tile, devices=jax.devices()[:4])
         assert [(s.kind, s.level) for s in engine.stages] == infer.stage_order(depth)
-        assert f"cores ≤ {tile}³ ({2 * depth - 1} stages" in engine.description
+        assert f"tiles ≤ {tile}³ ({2 * depth - 1} stages" in engine.description
         logits, calls = _progress(engine, image)
         total = sum(len(s.windows()) for s in engine.stages)
         assert total > 2 * depth - 1  # some stage really is tiled
@@ -86,10 +88,42 @@ def test_level_wise_tiles_equal_whole_volume(depth, tiles, image):
         np.testing.assert_array_equal(logits.argmax(-1), reference.argmax(-1))
 
 
-def test_a_cpu_runs_one_window_at_a_time_unless_told():
-    model = random_model(2)  # a [2, 2, 1] mesh: four devices
+def test_a_model_trained_16_way_predicts_on_the_devices_there(image):
+    """The training mesh is a training fact: on 1 device or 4, whole or tiled, the logits are
+    those of one plain unpartitioned pass of the same weights."""
+    model = random_model(2, spatial=(4, 4, 1))
+    reference = np.asarray(
+        jax.jit(
+            lambda x: unet.apply(model.graphdef, model.params, model.stats, x, LOCAL, train=False)[
+                0
+            ]
+        )(image[None, ..., None])[0]
+    )
+    for count in (1, 4):
+        for tile in (0, 14):
+            engine = infer.Engine(model, tile=tile, devices=jax.devices()[:count])
+            if tile == 0:
+                assert engine.spatial == ((1, 1, 1) if count == 1 else (2, 2, 1))
+            logits = engine.logits(image)
+            np.testing.assert_allclose(
+                logits, reference, rtol=0, atol=1e-5, err_msg=f"{count} devices, tile {tile}"
+            )
+
+
+def test_a_whole_volume_that_does_not_fit_is_one_line(monkeypatch):
+    monkeypatch.setattr(infer.dev, "free_memory", lambda devices: 2**20)  # 1 MiB free
+    with pytest.raises(
+        CtsegError,
+        match=r"a whole-volume pass of the 32³ grid needs .* GiB per "
+        r"device, more than the 0\.0 GiB free on CPU .*; use tiles",
+    ):
+        infer.Engine(random_model(2), tile=0)
+
+
+def test_windows_run_one_per_device():
+    model = random_model(2)  # trained on a [2, 2, 1] mesh: that does not matter
     assert infer.Engine(model, tile=6).description.endswith(" windows)")
-    assert infer.Engine(model, tile=6, windows_per_step=4).description.endswith(
+    assert infer.Engine(model, tile=6, devices=jax.devices()[:4]).description.endswith(
         " windows, 4 at a time)"
     )
 

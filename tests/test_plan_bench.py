@@ -9,6 +9,7 @@ import cli.main  # noqa: F401  (registers the commands)
 from cli.app import app
 from ctseg import bench, plan
 from ctseg import config as cfg
+from ctseg.devices import auto_spatial
 from ctseg.errors import CtsegError
 
 TINY = [
@@ -69,14 +70,14 @@ def test_halo_bytes_match_a_hand_count():
     [(1, (1, 1, 1)), (2, (2, 1, 1)), (4, (2, 2, 1)), (8, (2, 2, 2)), (16, (4, 4, 1))],
 )
 def test_auto_spatial(partitions, split):
-    assert bench.auto_spatial(partitions) == split
+    assert auto_spatial(partitions) == split
 
 
 def test_bench_refuses_a_split_that_does_not_divide_the_grid():
     config = cfg.load(overrides=TINY[:3])  # depth 3: blocks must be multiples of 4
     # 16 / 3 partitions along x is not a multiple of the alignment 2^(depth-1) = 4.
     with pytest.raises(CtsegError, match=r"3 partitions split \[3, 1, 1\]"):
-        bench.bench(config, [(1, 1, 1), bench.auto_spatial(3)], ["halo"], steps=1)
+        bench.bench(config, [(1, 1, 1), auto_spatial(3)], ["halo"], steps=1)
 
 
 def test_bench_returns_one_result_per_layout():
@@ -85,7 +86,7 @@ def test_bench_returns_one_result_per_layout():
     seen = []
     results = bench.bench(
         config,
-        [bench.auto_spatial(1), bench.auto_spatial(2)],
+        [auto_spatial(1), auto_spatial(2)],
         ["halo"],
         steps=2,
         progress=lambda done, total, _: seen.append((done, total)),
@@ -134,6 +135,12 @@ def test_plan_cli_writes_the_json_schema(tmp_path):
     for d in layouts:
         assert isinstance(d["per_device_bytes"], int) and isinstance(d["halo_bytes"], int)
         assert isinstance(d["flops"], float) and len(d["local_shape"]) == 5
+    # What `ctseg train` would do here: on this CPU machine, the config's own mesh.
+    here = json.loads(out.read_text())["this_machine"]
+    assert here["spatial"] == [2, 1, 1] and here["fits"] is None
+    words = " ".join(result.output.split())  # as rich wraps them
+    assert "this machine: 16 simulated CPU devices" in words
+    assert "training [2, 1, 1] (2 partitions)" in words
 
 
 def test_bench_cli_reports_throughput_against_the_measured_peak(tmp_path):

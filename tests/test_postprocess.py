@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from ctseg.postprocess import clean_labels, largest_component, max_diameter_mm, scan_stats
+from ctseg.postprocess import (
+    MEASURED_TUMOURS,
+    clean_labels,
+    largest_component,
+    max_diameter_mm,
+    scan_stats,
+)
+from ctseg.report import plot_preview
 
 
 def phantom() -> tuple[np.ndarray, np.ndarray]:
@@ -27,6 +34,15 @@ def test_stats_of_a_phantom():
     assert stats["tumour_count"] == 2
     assert stats["largest_tumour_diameter_mm"] == pytest.approx(16.0)  # centres 8 mm either side
     assert stats["tumour_burden_percent"] == pytest.approx(100 * tumour_voxels * 0.002 / 32.0)
+    # Every tumour, largest first, with where it is (its bounding box's centre) in mm.
+    sphere, small = stats["tumours"]
+    assert sphere["volume_ml"] + small["volume_ml"] == pytest.approx(stats["tumour_volume_ml"])
+    assert sphere["box_centre_mm"] == [30.0, 30.0, 20.0] and sphere["diameter_mm"] == 16.0
+    assert small == {
+        "volume_ml": pytest.approx(0.016),
+        "box_centre_mm": [12.5, 12.5, 13.0],
+        "diameter_mm": pytest.approx(np.sqrt(1 + 1 + 4)),
+    }
 
 
 def test_stats_of_an_empty_map():
@@ -37,7 +53,27 @@ def test_stats_of_an_empty_map():
         "tumour_count": 0,
         "largest_tumour_diameter_mm": 0.0,
         "tumour_burden_percent": 0.0,
+        "tumours": [],
     }
+
+
+def test_a_noisy_prediction_with_20000_tumours_is_summed_up_quickly(tmp_path):
+    """Every tumour is listed; diameters are measured for the largest only (a hull each)."""
+    labels = np.ones((100, 100, 18), np.uint8)
+    labels[::2, ::2, 1:17:2] = 2  # 50 × 50 × 8 isolated voxels: 20,000 26-connected tumours
+    # One real tumour, which merges with the specks touching it: x and y in {40, …, 46}
+    # (4 each), z in {7, 9, 11} (3): 48 specks, 9 of them inside the block.
+    labels[40:46, 40:46, 8:11] = 2
+    stats = scan_stats(labels, np.diag([0.8, 0.8, 2.5, 1.0]))
+    assert stats["tumour_count"] == len(stats["tumours"]) == 20000 - 48 + 1
+    assert stats["tumours"][0]["volume_ml"] == pytest.approx((6 * 6 * 3 + 48 - 9) * 0.0016)
+    measured = [t for t in stats["tumours"] if "diameter_mm" in t]
+    assert len(measured) == MEASURED_TUMOURS
+    # From voxel (40, 40, 7) to (46, 46, 11).
+    assert stats["largest_tumour_diameter_mm"] == pytest.approx(np.hypot(np.hypot(4.8, 4.8), 10))
+    hu = np.zeros(labels.shape, np.int16)
+    plot_preview(hu, labels, (0.8, 0.8, 2.5), tmp_path / "preview.png")
+    assert (tmp_path / "preview.png").stat().st_size > 0
 
 
 def test_oblique_voxels_are_measured_through_the_affine():

@@ -1,8 +1,13 @@
 """`ctseg predict` and `ctseg evaluate RUN_DIR` end to end on one tiny trained run."""
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import nibabel as nib
 import numpy as np
 import pytest
@@ -14,8 +19,10 @@ from typer.testing import CliRunner
 import cli.main  # noqa: F401  (registers the commands)
 from cli.app import app
 from ctseg import config as cfg
+from ctseg.checkpoints import Checkpoints, load_for_inference
 from ctseg.errors import CtsegError
-from ctseg.predict import Predictor, expand_inputs, hu_warnings
+from ctseg.predict import PHASES, Predictor, expand_inputs, hu_warnings
+from ctseg.step import TrainState
 from ctseg.store import prepare
 from ctseg.train import train_and_evaluate
 from data_prep.synth import write_dataset
@@ -172,3 +179,62 @@ def test_scans_of_one_name_are_not_written_over_each_other(tmp_path):
     assert scans == [first]
     assert [(o.source, o.name) for o in failed] == [(second, "volume-0")]
     assert str(first) in failed[0].error and "--out" in failed[0].error
+
+
+def test_restoring_for_inference_reads_no_optimiser_state(trained, tmp_path):
+    """A checkpoint whose optimiser state no longer matches the model (another optimiser,
+    say) still loads for inference: only parameters and statistics are read."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained[0], run_dir)
+    _, _, params, stats, _ = load_for_inference(run_dir, "latest")
+    foreign = TrainState(jnp.asarray(99), params, stats, {"not": np.zeros(3, np.float32)})
+    checkpoints = Checkpoints(run_dir, keep=5)
+    checkpoints.save(foreign)
+    checkpoints.close()
+    _, _, got_params, got_stats, step = load_for_inference(run_dir, "99")
+    assert step == 99
+    for got, want in zip(
+        jax.tree.leaves((got_params, got_stats)), jax.tree.leaves((params, stats))
+    ):
+        assert isinstance(got, np.ndarray)  # host arrays: each engine places them itself
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_second_predict_in_a_new_process_compiles_nothing(trained, tmp_path):
+    run_dir, _, raw = trained
+    cache = tmp_path / "cache"
+    compiled = []
+    for attempt in ("first", "second"):
+        out = tmp_path / attempt
+        command = [sys.executable, "-m", "cli.main", "predict", str(run_dir)]
+        command += [str(raw / "volume-1.nii.gz"), "--out", str(out), "--backend", "jax"]
+        command += ["--compile-cache", str(cache), "--verbose"]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "compile " in done.stdout  # --verbose: where the time went
+        stats = json.loads((out / "volume-1_stats.json").read_text())
+        assert set(stats["seconds"]) == set(PHASES)
+        compiled.append(stats["compiled"])
+    assert compiled[0]["programs"] > 0 and compiled[0]["from_cache"] == 0
+    assert compiled[1] == {
+        "programs": compiled[0]["programs"],
+        "from_cache": compiled[0]["programs"],
+    }
+
+
+def test_an_accelerator_asked_for_on_a_cpu_machine_is_one_line(trained, tmp_path):
+    run_dir, _, raw = trained
+    result = runner.invoke(
+        app,
+        [
+            "predict",
+            str(run_dir),
+            str(raw / "volume-1.nii.gz"),
+            "--out",
+            str(tmp_path),
+            "--device",
+            "gpu",
+        ],
+    )
+    assert isinstance(result.exception, CtsegError)  # `ctseg` prints it as one line, exit 2
+    assert str(result.exception).startswith("--device gpu: JAX sees no GPU here")

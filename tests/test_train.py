@@ -2,6 +2,7 @@
 
 import contextlib
 import gc
+import json
 import os
 import resource
 import shutil
@@ -59,7 +60,7 @@ def uninterrupted(store_dir, tmp_path_factory):
 
 def final_params(run_dir):
     config = cfg.load(run_dir / "config.toml")
-    _, params, _, step = checkpoints.load_for_inference(run_dir, "latest", make_mesh((1, 1, 1)))[1:]
+    _, params, _, step = checkpoints.load_for_inference(run_dir, "latest")[1:]
     assert step == config.train.steps
     return jax.tree.leaves(jax.device_get(params))
 
@@ -108,16 +109,21 @@ def test_run_directory_holds_config_metrics_curves_and_best_checkpoint(uninterru
     manager.close()
 
 
-def test_crash_then_resume_ends_with_identical_parameters(store_dir, uninterrupted, tmp_path):
-    class Crash(Exception):
-        pass
+class Crash(Exception):
+    """Raised from the progress callback: the run dies after a chosen step."""
 
-    def crash_after_third_step(progress):
-        if progress.step == 3:
+
+def crash_after(step):
+    def progress(p):
+        if p.step == step:
             raise Crash
 
+    return progress
+
+
+def test_crash_then_resume_ends_with_identical_parameters(store_dir, uninterrupted, tmp_path):
     with pytest.raises(Crash):
-        train_and_evaluate(tiny(), store_dir, tmp_path, progress=crash_after_third_step)
+        train_and_evaluate(tiny(), store_dir, tmp_path, progress=crash_after(3))
     summary = train_and_evaluate(tiny(), store_dir, tmp_path)
     assert summary["step"] == 4
     for got, want in zip(final_params(tmp_path), final_params(uninterrupted)):
@@ -255,7 +261,7 @@ def test_full_disk_while_training_is_one_error_line_and_keeps_the_last_checkpoin
     assert "step 2 is the latest intact one" in line
     # The half-written step 4 is not a checkpoint; step 2 still restores.
     assert [n for n in checkpoint_folders(tmp_path) if "orbax-checkpoint-tmp" not in n] == ["2"]
-    assert checkpoints.load_for_inference(tmp_path, "latest", make_mesh((1, 1, 1)))[-1] == 2
+    assert checkpoints.load_for_inference(tmp_path, "latest")[-1] == 2
 
 
 def test_failed_background_save_is_reported_at_the_next_save_under_its_own_step(
@@ -297,3 +303,26 @@ def test_metrics_log_on_a_full_disk_is_one_error_line(tmp_path):
     log.path = Path("/dev/full")  # every write: ENOSPC
     with pytest.raises(CtsegError, match="No space left on device"):
         log.append({"step": 1, "loss": 0.5})
+
+
+def test_resume_on_another_layout_equals_the_run_that_never_moved(
+    store_dir, uninterrupted, tmp_path
+):
+    """2 steps on [4, 4, 1], 2 more on [1, 1, 1]: the 4-step run on [2, 2, 1], to float sums.
+    The mesh is not part of the run's identity; layouts.jsonl says which trained what."""
+
+    with pytest.raises(Crash):
+        train_and_evaluate(tiny("mesh.spatial=[4,4,1]"), store_dir, tmp_path, crash_after(2))
+    summary = train_and_evaluate(tiny("mesh.spatial=[1,1,1]"), store_dir, tmp_path)
+    assert summary["step"] == 4
+    for got, want in zip(final_params(tmp_path), final_params(uninterrupted)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    history = [json.loads(line) for line in (tmp_path / "layouts.jsonl").read_text().splitlines()]
+    assert [(h["from_step"], h["mesh"]["spatial"]) for h in history] == [
+        (0, [4, 4, 1]),
+        (2, [1, 1, 1]),
+    ]
+    assert history[0]["devices"] == "16 simulated CPU devices" + history[0]["devices"][24:]
+    # The rest of the config still is the run's identity.
+    with pytest.raises(CtsegError, match=r"different config \(model.base_filters\)"):
+        train_and_evaluate(tiny("model.base_filters=4"), store_dir, tmp_path)

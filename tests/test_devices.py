@@ -1,0 +1,194 @@
+"""The device policy over fake device lists: what runs where, and the line that says so."""
+
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+from ctseg import config as cfg
+from ctseg import devices as dev
+from ctseg import train
+from ctseg.errors import CtsegError
+
+GIB = 2**30
+
+
+@dataclass
+class FakeDevice:
+    platform: str
+    device_kind: str
+    free: int | None = None  # bytes; None: no memory statistics (a CPU)
+
+    def memory_stats(self):
+        if self.free is None:
+            return None
+        return {"bytes_limit": self.free + GIB, "bytes_in_use": GIB}
+
+
+CPU = [FakeDevice("cpu", "cpu") for _ in range(16)]  # simulated, as in the tests
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def gpus(count: int, free: int = 70 * GIB) -> list[FakeDevice]:
+    return [FakeDevice("gpu", H100, free) for _ in range(count)]
+
+
+def test_auto_takes_the_accelerators_else_the_cpu():
+    assert dev.choose("auto", {"cpu": CPU}) == CPU
+    one = gpus(1)
+    assert dev.choose("auto", {"gpu": one, "cpu": CPU}) == one
+    eight = gpus(8)
+    assert dev.choose("auto", {"gpu": eight, "cpu": CPU}) == eight
+    tpus = [FakeDevice("tpu", "TPU v5 lite") for _ in range(4)]
+    assert dev.choose("auto", {"tpu": tpus, "cpu": CPU}) == tpus
+    # Asked for the CPU on a GPU machine: the CPU, never the other way round.
+    assert dev.choose("cpu", {"gpu": one, "cpu": CPU}) == CPU
+
+
+def test_an_accelerator_that_is_not_there_is_one_line():
+    with pytest.raises(CtsegError, match=r"--device gpu: JAX sees no GPU here \(platforms: cpu\)"):
+        dev.choose("gpu", {"cpu": CPU})
+    with pytest.raises(CtsegError, match="no TPU"):
+        dev.choose("tpu", {"gpu": gpus(1), "cpu": CPU})
+
+
+def test_inference_backend():
+    # A CPU-only machine: ONNX Runtime when installed, else XLA.
+    assert dev.inference_backend(None, "auto", CPU, have_onnx=True) == "onnx"
+    assert dev.inference_backend(None, "cpu", CPU, have_onnx=False) == "jax"
+    # Accelerators run JAX; --backend stays the override on the CPU.
+    assert dev.inference_backend(None, "auto", gpus(1), have_onnx=True) == "jax"
+    assert dev.inference_backend("jax", "cpu", CPU, have_onnx=True) == "jax"
+    assert dev.inference_backend("onnx", "auto", gpus(1), have_onnx=True) == "onnx"
+    with pytest.raises(CtsegError, match="--backend onnx runs on the CPU, not on --device gpu"):
+        dev.inference_backend("onnx", "gpu", gpus(1), have_onnx=True)
+
+
+def test_what_runs_where_is_said_in_words():
+    assert dev.describe(gpus(1)) == f"1 × {H100}"
+    assert dev.describe(gpus(8)) == f"8 × {H100}"
+    cores = os.cpu_count()
+    assert dev.describe(CPU[:1]) == f"CPU ({cores} cores)"
+    assert dev.describe(CPU, simulated=True) == f"16 simulated CPU devices ({cores} cores)"
+
+
+def test_free_memory_is_the_least_free_accelerator_or_the_host():
+    mixed = [FakeDevice("gpu", H100, 70 * GIB), FakeDevice("gpu", H100, 30 * GIB)]
+    assert dev.free_memory(mixed) == 30 * GIB
+    assert dev.free_memory(CPU) == dev.host_memory() > 0
+
+
+@pytest.mark.parametrize(
+    ("resolution", "depth", "devices", "spatial"),
+    [
+        (32, 2, 1, [1, 1, 1]),
+        (32, 2, 4, [2, 2, 1]),
+        (32, 2, 8, [2, 2, 2]),
+        (32, 2, 16, [4, 4, 1]),
+        (32, 2, 3, [2, 1, 1]),  # 3 partitions cannot split a 32 grid: fewer devices
+        # alignment 8: 16 / 4 = 4 slices are not a multiple of 8, so [2, 2, 2] at most
+        (16, 4, 16, [2, 2, 2]),
+        (32, 4, 16, [4, 4, 1]),
+    ],
+)
+def test_a_trained_layout_is_refitted_to_the_devices(resolution, depth, devices, spatial):
+    trained = cfg.load(
+        None,
+        [
+            f"data.resolution={resolution}",
+            f"model.depth={depth}",
+            "mesh.spatial=[1,1,1]" if resolution == 16 else "mesh.spatial=[4,4,1]",
+        ],
+    )
+    fitted = dev.fit_layout(trained, devices)
+    assert list(fitted.mesh.spatial) == spatial and fitted.mesh.data == 1
+    assert fitted.model == trained.model  # the layout changes, never the model
+
+
+def test_compile_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv(dev.COMPILE_CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert dev.compile_cache_dir(None) == tmp_path / "ctseg" / "xla"
+    monkeypatch.setenv(dev.COMPILE_CACHE_ENV, str(tmp_path / "elsewhere"))
+    assert dev.compile_cache_dir(None) == tmp_path / "elsewhere"
+    assert dev.compile_cache_dir("off") is None
+    assert dev.compile_cache_dir(str(tmp_path / "given")) == tmp_path / "given"
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(CtsegError, match="cannot use .* as the compilation cache"):
+        dev.use_compile_cache(tmp_path / "a-file" / "cache")
+
+
+SIXTEEN_WAY = cfg.load(None, ["data.resolution=32", "model.depth=2", "mesh.spatial=[4,4,1]"])
+
+
+@pytest.mark.parametrize(
+    ("devices", "spatial", "line"),
+    [
+        (
+            CPU,
+            [4, 4, 1],
+            "16 simulated CPU devices ({cores} cores) here: training [4, 4, 1] (16 partitions)",
+        ),
+        (
+            gpus(1),
+            [1, 1, 1],
+            f"config asks [4, 4, 1] (16 devices); 1 × {H100} here: training unpartitioned",
+        ),
+        (
+            gpus(4),
+            [2, 2, 1],
+            f"config asks [4, 4, 1] (16 devices); 4 × {H100} here: "
+            "training [2, 2, 1] (4 partitions)",
+        ),
+        (
+            gpus(8),
+            [2, 2, 2],
+            f"config asks [4, 4, 1] (16 devices); 8 × {H100} here: "
+            "training [2, 2, 2] (8 partitions)",
+        ),
+        (gpus(16), [4, 4, 1], f"16 × {H100} here: training [4, 4, 1] (16 partitions)"),
+    ],
+)
+def test_training_fits_the_mesh_to_the_devices_here(devices, spatial, line):
+    layout = dev.fit_training(SIXTEEN_WAY, devices)
+    assert list(layout.config.mesh.spatial) == spatial
+    assert layout.devices == devices[: layout.config.num_devices]
+    assert layout.line == line.format(cores=os.cpu_count())
+    assert layout.config.model == SIXTEEN_WAY.model and layout.config.train == SIXTEEN_WAY.train
+
+
+def test_exact_mesh_is_an_error_where_the_devices_are_missing():
+    assert dev.fit_training(SIXTEEN_WAY, gpus(16), exact=True).config == SIXTEEN_WAY
+    with pytest.raises(
+        CtsegError,
+        match=r"config asks \[4, 4, 1\] \(16 devices\) but only 1 "
+        r"are here \(1 × NVIDIA H100 80GB HBM3\) and --exact-mesh",
+    ):
+        dev.fit_training(SIXTEEN_WAY, gpus(1), exact=True)
+
+
+@dataclass
+class FakeCompiled:
+    """What `plan.memory_of` reads of a compiled step."""
+
+    temp: int
+
+    def memory_analysis(self):
+        return SimpleNamespace(
+            argument_size_in_bytes=GIB,
+            output_size_in_bytes=GIB,
+            temp_size_in_bytes=self.temp,
+            alias_size_in_bytes=GIB,
+        )
+
+
+def test_a_step_too_large_for_the_gpu_is_one_line_with_the_ways_out():
+    train.check_memory(FakeCompiled(10 * GIB), SIXTEEN_WAY, gpus(1, free=70 * GIB))
+    with pytest.raises(
+        CtsegError,
+        match=r"needs 101\.0 GiB per device but 1 × NVIDIA H100 80GB "
+        r"HBM3 has 70\.0 GiB free; use more devices, a lower data.resolution",
+    ):
+        train.check_memory(FakeCompiled(100 * GIB), SIXTEEN_WAY, gpus(1, free=70 * GIB))
+    train.check_memory(FakeCompiled(100 * GIB), SIXTEEN_WAY, CPU)  # the OS has the last word
