@@ -278,6 +278,7 @@ def evaluate_run(
     cases = [case for case in cases if case.labelled]
     if not cases:
         raise CtsegError(f"the store at {data_dir} has no labelled cases in the {split!r} split")
+    atomic.claim_folder(out_dir, ("summary.json", "predictions"), force=None)
     predictor = Predictor.from_run(run_dir, checkpoint, tile, backend)
     if store.resolution != predictor.config.data.resolution:
         raise CtsegError(

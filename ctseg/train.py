@@ -159,7 +159,8 @@ def train_and_evaluate(
     """Train (or resume) a run; returns a summary of the final state."""
     run_dir = Path(run_dir)
     store = open_store(Path(data_dir), config)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # Never a folder of other files: orbax would delete folders it takes for its temporaries.
+    atomic.claim_folder(run_dir, ("config.toml", "checkpoints"), force=None)
     # In a multi-host job every process trains, but only process 0 writes the
     # run directory's files; orbax coordinates the checkpoints itself.
     main_process = jax.process_index() == 0

@@ -37,6 +37,12 @@ _LITS_IMAGE = re.compile(r"^volume-(\d+)\.nii(\.gz)?$")
 _LITS_LABEL = re.compile(r"^segmentation-(\d+)\.nii(\.gz)?$")
 _MSD_FILE = re.compile(r"^[A-Za-z]+_(\d+)\.nii(\.gz)?$")
 _NOT_IN_ID = re.compile(r"[^A-Za-z0-9-]+")
+_CASE_ID = re.compile(r"[A-Za-z0-9-]+")
+
+
+def is_case_id(value: object) -> bool:
+    """Whether `value` is a case id as this module makes them (safe as a folder name)."""
+    return isinstance(value, str) and _CASE_ID.fullmatch(value) is not None
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ def test_synth_then_preprocess(tmp_path):
     result = runner.invoke(app, ["synth", str(raw), "--cases", "3", "--size", "24", "--seed", "2"])
     assert result.exit_code == 0, result.output
     assert "wrote 3 synthetic cases" in result.output
-    assert sorted(p.name for p in raw.iterdir())[:2] == [
+    assert sorted(p.name for p in raw.glob("[!.]*"))[:2] == [
         "segmentation-0.nii.gz",
         "segmentation-1.nii.gz",
     ]
