@@ -395,3 +395,23 @@ def test_manifest_that_is_a_folder_or_out_that_is_a_file(raw, tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(CtsegError, match="is a file, not a folder"):
         prepare(raw, tmp_path / "file", _config())
+
+
+def test_symlinked_folders_are_followed_and_loops_walked_once(tmp_path):
+    elsewhere = tmp_path / "disk2" / "batch"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "volume-4.nii").write_bytes(b"")
+    (elsewhere / "segmentation-4.nii").write_bytes(b"")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "batch").symlink_to(elsewhere)
+    (raw / "again").symlink_to(elsewhere)  # a second link to the same folder
+    (elsewhere / "loop").symlink_to(raw)  # a link back up the tree
+    layout = find_cases(raw)
+    assert [(c.case_id, c.image.name) for c in layout.cases] == [("lits-4", "volume-4.nii")]
+
+
+def test_raw_path_that_is_a_file_says_so(tmp_path):
+    (tmp_path / "volume-0.nii").write_bytes(b"")
+    with pytest.raises(CtsegError, match="is a file, not a folder"):
+        find_cases(tmp_path / "volume-0.nii")
