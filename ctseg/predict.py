@@ -18,6 +18,7 @@ original geometry), plus the grid-level Dice that training reports.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,13 @@ CaseProgress = Callable[[int, int, str], None]  # (cases done, cases in total, c
 # contrast (~3000); a little slack for noise. Outside, the image is probably not in HU.
 _HU_RANGE = (-1100.0, 3100.0)
 _HU_SAMPLE_STEP = 4  # every 4th voxel along each axis is plenty for percentiles
+# CT voxels are 0.2–1 mm in-plane and 0.5–10 mm between slices; a scan of the
+# abdomen is a few cm to 2 m long (a whole body) and has more than a handful of slices.
+_SPACING_MM = (0.1, 10.0)
+_EXTENT_MM = (20.0, 2000.0)
+_MIN_VOXELS = 8
+# Adult livers measure 1–3 L; the largest ever (polycystic) about 10 L.
+_MAX_LIVER_ML = 12_000.0
 
 
 @dataclass
@@ -64,6 +72,36 @@ def hu_warnings(hu: np.ndarray) -> list[str]:
             f"the 1st–99th intensity percentiles {low:g}…{high:g} lie outside "
             f"[{_HU_RANGE[0]:g}, {_HU_RANGE[1]:g}]; the image may not be CT in Hounsfield units"
         ]
+    return []
+
+
+def geometry_warnings(scan: volume.Scan) -> list[str]:
+    """Warnings when a scan's voxels or extent are outside what a CT scan can be."""
+    spacing = np.array(scan.spacing)
+    extent = spacing * np.array(scan.array.shape)
+    warnings = []
+    if spacing.min() < _SPACING_MM[0] or spacing.max() > _SPACING_MM[1]:
+        warnings.append(
+            f"voxel spacing {' × '.join(f'{v:g}' for v in spacing)} mm is outside "
+            f"{_SPACING_MM[0]:g}–{_SPACING_MM[1]:g} mm: the header's geometry is probably wrong"
+        )
+    if min(scan.array.shape) < _MIN_VOXELS or not (
+        _EXTENT_MM[0] <= extent.min() and extent.max() <= _EXTENT_MM[1]
+    ):
+        warnings.append(
+            f"the scan is {' × '.join(str(n) for n in scan.array.shape)} voxels, "
+            f"{' × '.join(f'{v:.4g}' for v in extent)} mm: not the volume of an abdominal CT"
+        )
+    return warnings
+
+
+def volume_warnings(stats: dict[str, Any]) -> list[str]:
+    """Warnings when the predicted liver volume is not that of a human liver."""
+    liver = stats["liver_volume_ml"]
+    if liver == 0:
+        return ["no liver was found"]
+    if liver > _MAX_LIVER_ML:
+        return [f"a liver of {liver:,.0f} mL is larger than any human liver: check the geometry"]
     return []
 
 
@@ -127,7 +165,7 @@ class Predictor:
             labels=labels,
             grid_labels=grid_labels,
             probabilities=on_scan if with_probabilities else None,
-            warnings=hu_warnings(scan.array),
+            warnings=hu_warnings(scan.array) + geometry_warnings(scan),
         )
 
 
@@ -146,28 +184,52 @@ class ScanOutcome:
     error: str | None = None  # the one-line reason the scan failed
 
 
-def expand_inputs(inputs: Sequence[Path]) -> tuple[list[Path], list[ScanOutcome]]:
-    """Scans named by files, folders and DICOM series folders; inputs that fail, as outcomes."""
+def expand_inputs(
+    inputs: Sequence[Path], out_dir: Path | None = None
+) -> tuple[list[Path], list[ScanOutcome]]:
+    """Scans named by files, folders and DICOM series folders; inputs that fail, as outcomes.
+
+    Earlier outputs of `ctseg predict` are not scans and are left out; a scan whose
+    outputs in `out_dir` would overwrite an input of this call fails, even with --force.
+    """
     scans: list[Path] = []
     failed: list[ScanOutcome] = []
     for item in inputs:
         try:
-            scans.extend(volume.find_scans([Path(item)]))
+            scans.extend(s for s in volume.find_scans([Path(item)]) if not is_earlier_output(s))
         except CtsegError as exc:
             failed.append(ScanOutcome(Path(item), volume.scan_name(Path(item)), error=str(exc)))
     # Outputs are named after the scan, so two scans of one name (a/volume-0.nii and
     # b/volume-0.nii) would write the same files: the first keeps the name.
     first_of: dict[str, Path] = {}
     unique = []
+    input_paths = {scan.resolve() for scan in scans}
     for scan in dict.fromkeys(scans):
         name = volume.scan_name(scan)
         if name in first_of:
             reason = f"its outputs would overwrite those of {first_of[name]} (both are {name!r}); "
             failed.append(ScanOutcome(scan, name, error=reason + "predict it into another --out"))
+        elif clash := _inputs_overwritten(name, out_dir, input_paths):
+            reason = f"its output {clash} would overwrite an input of this call; use another --out"
+            failed.append(ScanOutcome(scan, name, error=reason))
         else:
             first_of[name] = scan
             unique.append(scan)
     return unique, failed
+
+
+def is_earlier_output(path: Path) -> bool:
+    """A label or probability map that `predict_file` wrote: its stats file lies beside it."""
+    match = re.fullmatch(r"(.+)_(seg|probs)\.nii\.gz", path.name)
+    return match is not None and (path.parent / f"{match[1]}_stats.json").is_file()
+
+
+def _inputs_overwritten(name: str, out_dir: Path | None, inputs: set[Path]) -> Path | None:
+    """The first output of scan `name` in `out_dir` that is one of the (resolved) `inputs`."""
+    if out_dir is None:
+        return None
+    outputs = output_paths(Path(out_dir), name, with_probabilities=True).values()
+    return next((path for path in outputs if path.resolve() in inputs), None)
 
 
 def output_paths(out_dir: Path, name: str, with_probabilities: bool) -> dict[str, Path]:
@@ -217,10 +279,10 @@ def _predict_file(
         progress("read", 0, 1)
     scan = volume.read_scan(outcome.source)
     prediction = predictor.predict(scan, with_probabilities, progress)
-    outcome.warnings = prediction.warnings
     if progress is not None:
         progress("write", 0, 1)
     stats = postprocess.scan_stats(prediction.labels, scan.affine)
+    outcome.warnings = prediction.warnings + volume_warnings(stats)
     volume.write_labels(scan, prediction.labels, paths["seg"])
     if prediction.probabilities is not None:
         volume.write_volume(scan, prediction.probabilities, paths["probs"], np.float32)
@@ -232,7 +294,7 @@ def _predict_file(
             "shape": list(scan.original_shape),
             "spacing_mm": list(scan.spacing),
             **stats,
-            "warnings": prediction.warnings,
+            "warnings": outcome.warnings,
         },
     )
     report.plot_preview(
@@ -320,6 +382,14 @@ def evaluate_run(
 
 def _evaluate_case(predictor: Predictor, store: Store, case: Any, out_dir: Path) -> dict:
     scan = volume.read_scan(case.image_source)
+    # A source is outside the store: use it only while it is the scan the case was made from.
+    if scan.original_shape != case.original_shape or not np.allclose(
+        scan.original_affine, case.original_affine, rtol=0, atol=evaluate.AFFINE_TOLERANCE_MM
+    ):
+        raise CtsegError(
+            f"{case.image_source} is not the scan case {case.id} was prepared from (its geometry "
+            "differs from the store manifest's); re-run `ctseg preprocess --force`"
+        )
     reference = volume.read_scan(case.label_source)
     same_affine = np.allclose(
         scan.original_affine, reference.original_affine, rtol=0, atol=evaluate.AFFINE_TOLERANCE_MM
