@@ -221,6 +221,8 @@ def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise CtsegError(f"{path} is a folder, not a config file (see configs/)")
         if not path.is_file():
             raise CtsegError(f"config file not found: {path}")
         try:

@@ -166,9 +166,7 @@ def _dicom_series(raw_dir: Path, folders: list[Path]) -> list[Path]:
     Hidden folders (and what is below them) and unreadable ones (``lost+found``) are skipped.
     """
     below = (
-        p
-        for p in folders
-        if not any(part.startswith(".") for part in p.relative_to(raw_dir).parts)
+        p for p in folders if not any(part.startswith(".") for part in p.relative_to(raw_dir).parts)
     )
     return [p for p in [raw_dir, *below] if _is_dicom_folder(p)]
 

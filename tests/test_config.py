@@ -216,3 +216,8 @@ def test_every_number_has_a_range(key):
     """A key added without a range check fails here: -10⁹ is nonsense for every one of them."""
     with pytest.raises(CtsegError, match=re.escape(key)):
         cfg.load(None, [f"{key}=-1000000000"])
+
+
+def test_config_path_that_is_a_folder_says_so(tmp_path):
+    with pytest.raises(CtsegError, match="is a folder, not a config file"):
+        cfg.load(tmp_path)
