@@ -324,3 +324,18 @@ def test_nan_loss_from_bad_labels_names_the_case(store_dir, tmp_path):
     label = bad / "cases" / case / "label.npy"
     np.save(label, np.full_like(np.load(label), 7))
     assert f"case {case} holds the value 7" in _nan_cause(Store.open(bad))
+
+
+def test_cli_warns_when_the_store_has_no_validation_cases(monkeypatch, store_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    import cli.main  # noqa: F401  (registers the commands)
+    import ctseg.train
+    from cli.app import app
+
+    summary = {"step": 4, "data_wait_fraction": 0.0, "run_dir": str(tmp_path), "val_cases": 0}
+    monkeypatch.setattr(ctseg.train, "train_and_evaluate", lambda *a, **k: summary)
+    args = ["train", "--data", str(store_dir), "--workdir", str(tmp_path)]
+    result = CliRunner().invoke(app, [*args, *[f"--set={o}" for o in TINY]])
+    assert result.exit_code == 0, result.output
+    assert "warning: the store has no validation cases" in " ".join(result.output.split())
