@@ -1,5 +1,6 @@
 """Entry point of the `ctseg` console script."""
 
+import logging
 import sys
 
 from rich.console import Console
@@ -10,6 +11,9 @@ from ctseg.errors import CtsegError
 
 
 def main() -> None:
+    # Libraries log what is theirs to know (orbax: "Given directory is read only" on every
+    # prediction); the user sees ctseg's own lines, and errors.
+    logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         app()
     except CtsegError as exc:

@@ -13,6 +13,7 @@ from rich.table import Table
 from cli.app import app
 from cli.options import CompileCacheOption, DeviceChoice, DeviceOption, start_jax
 from ctseg import config as cfg
+from ctseg.atomic import output_folder
 from ctseg.errors import CtsegError
 
 console = Console(highlight=False)
@@ -62,7 +63,7 @@ def _stats_table(outcomes: list) -> Table:
     table.add_column("scan")
     for heading in ("liver mL", "tumour mL", "tumours", "largest mm", "burden %"):
         table.add_column(heading, justify="right")
-    table.add_column("status")
+    table.add_column("status", overflow="fold")  # a failure's reason in full, however narrow
     for o in outcomes:
         if o.error is not None:
             table.add_row(escape(o.name), "", "", "", "", "", f"[red]failed:[/] {escape(o.error)}")
@@ -113,7 +114,8 @@ def predict(
     start_jax(load_run_config(run_dir), devices=1, device=device, compile_cache=compile_cache)
     from ctseg.predict import Predictor, expand_inputs, predict_files  # after start_jax
 
-    scans, outcomes = expand_inputs(inputs)
+    output_folder(out)  # a file in its place is one error line, not a failure per scan
+    scans, outcomes = expand_inputs(inputs, out)
     predictor = Predictor.from_run(
         run_dir, checkpoint, tile, backend and backend.value, device.value
     )

@@ -57,8 +57,9 @@ def preprocess(
 
 def _case_table(result: PrepareResult) -> Table:
     table = Table(title="preprocess")
-    for column in ("case", "split", "status"):
-        table.add_column(column)
+    table.add_column("case")
+    table.add_column("split")
+    table.add_column("status", overflow="fold")  # a failure's reason in full, however narrow
     for outcome in result.outcomes:
         style = _STATUS_STYLE[outcome.status]
         status = f"failed: {outcome.reason}" if outcome.reason else outcome.status

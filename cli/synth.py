@@ -24,10 +24,19 @@ def synth(
         ),
     ] = 96,
     seed: Annotated[int, typer.Option(help="Seed; the same seed writes identical files.")] = 0,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Write into a folder that holds other files (overwriting them)."
+        ),
+    ] = False,
 ) -> None:
-    """Write synthetic abdomen CT scans with liver and tumour labels, named as LiTS names them."""
+    """Write synthetic abdomen CT scans with liver and tumour labels, named as LiTS names them.
+
+    OUT_DIR must be new, empty or an earlier synth output, unless --force.
+    """
     with counting("synth") as report:
-        write_dataset(out_dir, cases, size, seed, progress=report)
+        write_dataset(out_dir, cases, size, seed, progress=report, force=force)
     Console(highlight=False).print(
         f"wrote {cases} synthetic cases to {out_dir}: volume-N.nii.gz and "
         f"segmentation-N.nii.gz for N = 0…{cases - 1}",

@@ -101,3 +101,9 @@ def train(
         f"of step time; run directory {summary['run_dir']} "
         "(metrics.jsonl, curves.png, checkpoints/)"
     )
+    if not summary["val_cases"]:
+        console.print(
+            "[yellow]warning:[/] the store has no validation cases: no validation Dice was "
+            "measured and `best` is simply the latest checkpoint (preprocess with "
+            "data.val_fraction > 0)"
+        )

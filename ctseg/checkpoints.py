@@ -110,6 +110,10 @@ class Checkpoints:
         )
         options = ocp.CheckpointManagerOptions(
             preservation_policy=policy,
+            # Without best_fn orbax keeps a step's metrics in memory only: a later reader
+            # (predict, a resumed run) would see no scores, and "best" would be the latest.
+            best_fn=lambda m: m[VAL_METRIC],
+            best_mode="max",
             enable_async_checkpointing=not read_only,
             read_only=read_only,
             create=not read_only,
@@ -125,7 +129,10 @@ class Checkpoints:
 
     def save(self, state: TrainState, val_dice: float | None = None) -> None:
         step = int(state.step)
-        metrics = None if val_dice is None else {VAL_METRIC: float(val_dice)}
+        # A NaN score is no score: handed to orbax, it upsets the ordering of its best-N
+        # policy, which then deletes the true best checkpoint.
+        scored = val_dice is not None and math.isfinite(val_dice)
+        metrics = {VAL_METRIC: float(val_dice)} if scored else None
         # Saves finish in the background, and a failed one raises at the next call into
         # orbax: wait here so that it is reported under its own step, not this one.
         self.wait()
@@ -184,7 +191,14 @@ class Checkpoints:
     def restore(self, step: int, like: TrainState) -> TrainState:
         """Restore `step` into arrays shaped and sharded like `like` (abstract is fine)."""
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-        return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        try:
+            return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # a folder ctseg did not write
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise CtsegError(
+                f"checkpoint {step} in {self.directory} cannot be read ({first_line}); "
+                "move it out of checkpoints/ if ctseg did not write it"
+            ) from None
 
     def close(self) -> None:
         """Wait for the last save (CtsegError if it failed), then release orbax's threads."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -157,6 +158,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise CtsegError(f"{key} must be a number, got {value!r}")
+        # TOML has nan and inf; no setting means anything with them.
+        if not math.isfinite(value):
+            raise CtsegError(f"{key} must be a finite number, got {value!r}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
@@ -231,6 +235,8 @@ def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise CtsegError(f"{path} is a folder, not a config file (see configs/)")
         if not path.is_file():
             raise CtsegError(f"config file not found: {path}")
         try:
@@ -270,6 +276,8 @@ def _validate_data(d: DataConfig) -> None:
     _require(
         0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}"
     )
+    # numpy's generators, which draw the split and the augmentation, take no negative seeds.
+    _require(d.split_seed >= 0, f"data.split_seed must not be negative, got {d.split_seed}")
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -325,7 +333,9 @@ def _validate_train(t: TrainConfig, mesh: MeshConfig) -> None:
         value = getattr(t, key)
         _require(value >= 1, f"train.{key} must be at least 1, got {value}")
     _require(t.learning_rate > 0, f"train.learning_rate must be positive, got {t.learning_rate}")
-    for key in ("warmup_steps", "weight_decay", "dice_weight", "intensity_shift"):
+    # A clipping threshold ≤ 0 turns every gradient into zero or reverses it: training uphill.
+    _require(t.grad_clip > 0, f"train.grad_clip must be positive, got {t.grad_clip}")
+    for key in ("warmup_steps", "weight_decay", "dice_weight", "intensity_shift", "seed"):
         value = getattr(t, key)
         _require(value >= 0, f"train.{key} must not be negative, got {value}")
     _require(

@@ -19,6 +19,7 @@ original geometry), plus the grid-level Dice that training reports.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +47,13 @@ PHASES = ("load", "compile", "read", "resample", "infer", "postprocess", "write"
 # contrast (~3000); a little slack for noise. Outside, the image is probably not in HU.
 _HU_RANGE = (-1100.0, 3100.0)
 _HU_SAMPLE_STEP = 4  # every 4th voxel along each axis is plenty for percentiles
+# CT voxels are 0.2–1 mm in-plane and 0.5–10 mm between slices; a scan of the
+# abdomen is a few cm to 2 m long (a whole body) and has more than a handful of slices.
+_SPACING_MM = (0.1, 10.0)
+_EXTENT_MM = (20.0, 2000.0)
+_MIN_VOXELS = 8
+# Adult livers measure 1–3 L; the largest ever (polycystic) about 10 L.
+_MAX_LIVER_ML = 12_000.0
 
 
 @dataclass
@@ -91,6 +99,36 @@ def _timed(seconds: dict[str, float], phase: str) -> Iterator[None]:
         yield
     finally:
         seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+def geometry_warnings(scan: volume.Scan) -> list[str]:
+    """Warnings when a scan's voxels or extent are outside what a CT scan can be."""
+    spacing = np.array(scan.spacing)
+    extent = spacing * np.array(scan.array.shape)
+    warnings = []
+    if spacing.min() < _SPACING_MM[0] or spacing.max() > _SPACING_MM[1]:
+        warnings.append(
+            f"voxel spacing {' × '.join(f'{v:g}' for v in spacing)} mm is outside "
+            f"{_SPACING_MM[0]:g}–{_SPACING_MM[1]:g} mm: the header's geometry is probably wrong"
+        )
+    if min(scan.array.shape) < _MIN_VOXELS or not (
+        _EXTENT_MM[0] <= extent.min() and extent.max() <= _EXTENT_MM[1]
+    ):
+        warnings.append(
+            f"the scan is {' × '.join(str(n) for n in scan.array.shape)} voxels, "
+            f"{' × '.join(f'{v:.4g}' for v in extent)} mm: not the volume of an abdominal CT"
+        )
+    return warnings
+
+
+def volume_warnings(stats: dict[str, Any]) -> list[str]:
+    """Warnings when the predicted liver volume is not that of a human liver."""
+    liver = stats["liver_volume_ml"]
+    if liver == 0:
+        return ["no liver was found"]
+    if liver > _MAX_LIVER_ML:
+        return [f"a liver of {liver:,.0f} mL is larger than any human liver: check the geometry"]
+    return []
 
 
 class Predictor:
@@ -198,7 +236,7 @@ class Predictor:
             labels=labels,
             grid_labels=grid_labels,
             probabilities=on_scan if with_probabilities else None,
-            warnings=hu_warnings(scan.array),
+            warnings=hu_warnings(scan.array) + geometry_warnings(scan),
         )
 
     def predict(
@@ -242,28 +280,52 @@ class ScanOutcome:
     seconds: dict[str, float] = field(default_factory=dict)  # per phase, `PHASES`
 
 
-def expand_inputs(inputs: Sequence[Path]) -> tuple[list[Path], list[ScanOutcome]]:
-    """Scans named by files, folders and DICOM series folders; inputs that fail, as outcomes."""
+def expand_inputs(
+    inputs: Sequence[Path], out_dir: Path | None = None
+) -> tuple[list[Path], list[ScanOutcome]]:
+    """Scans named by files, folders and DICOM series folders; inputs that fail, as outcomes.
+
+    Earlier outputs of `ctseg predict` are not scans and are left out; a scan whose
+    outputs in `out_dir` would overwrite an input of this call fails, even with --force.
+    """
     scans: list[Path] = []
     failed: list[ScanOutcome] = []
     for item in inputs:
         try:
-            scans.extend(volume.find_scans([Path(item)]))
+            scans.extend(s for s in volume.find_scans([Path(item)]) if not is_earlier_output(s))
         except CtsegError as exc:
             failed.append(ScanOutcome(Path(item), volume.scan_name(Path(item)), error=str(exc)))
     # Outputs are named after the scan, so two scans of one name (a/volume-0.nii and
     # b/volume-0.nii) would write the same files: the first keeps the name.
     first_of: dict[str, Path] = {}
     unique = []
+    input_paths = {scan.resolve() for scan in scans}
     for scan in dict.fromkeys(scans):
         name = volume.scan_name(scan)
         if name in first_of:
             reason = f"its outputs would overwrite those of {first_of[name]} (both are {name!r}); "
             failed.append(ScanOutcome(scan, name, error=reason + "predict it into another --out"))
+        elif clash := _inputs_overwritten(name, out_dir, input_paths):
+            reason = f"its output {clash} would overwrite an input of this call; use another --out"
+            failed.append(ScanOutcome(scan, name, error=reason))
         else:
             first_of[name] = scan
             unique.append(scan)
     return unique, failed
+
+
+def is_earlier_output(path: Path) -> bool:
+    """A label or probability map that `predict_files` wrote: its stats file lies beside it."""
+    match = re.fullmatch(r"(.+)_(seg|probs)\.nii\.gz", path.name)
+    return match is not None and (path.parent / f"{match[1]}_stats.json").is_file()
+
+
+def _inputs_overwritten(name: str, out_dir: Path | None, inputs: set[Path]) -> Path | None:
+    """The first output of scan `name` in `out_dir` that is one of the (resolved) `inputs`."""
+    if out_dir is None:
+        return None
+    outputs = output_paths(Path(out_dir), name, with_probabilities=True).values()
+    return next((path for path in outputs if path.resolve() in inputs), None)
 
 
 def output_paths(out_dir: Path, name: str, with_probabilities: bool) -> dict[str, Path]:
@@ -382,9 +444,9 @@ def _write_outputs(
     with_probabilities = predictor.config.predict.save_probabilities
     prediction = predictor.finish(scan, probabilities, seconds, with_probabilities)
     del probabilities
-    outcome.warnings = prediction.warnings
     with _timed(seconds, "postprocess"):
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
+    outcome.warnings = prediction.warnings + volume_warnings(stats)
     paths = output_paths(out_dir, outcome.name, with_probabilities)
     with _timed(seconds, "write"):
         volume.write_labels(scan, prediction.labels, paths["seg"])
@@ -412,7 +474,7 @@ def _write_outputs(
             "shape": list(scan.original_shape),
             "spacing_mm": list(scan.spacing),
             **stats,
-            "warnings": prediction.warnings,
+            "warnings": outcome.warnings,
             "seconds": outcome.seconds,
             # Programs this call compiled so far, and how many came from the persistent cache.
             "compiled": {
@@ -457,6 +519,7 @@ def evaluate_run(
     cases = [case for case in cases if case.labelled]
     if not cases:
         raise CtsegError(f"the store at {data_dir} has no labelled cases in the {split!r} split")
+    atomic.claim_folder(out_dir, ("summary.json", "predictions"), force=None)
     predictor = Predictor.from_run(run_dir, checkpoint, tile, backend, device)
     if store.resolution != predictor.config.data.resolution:
         raise CtsegError(
@@ -499,6 +562,14 @@ def evaluate_run(
 
 def _evaluate_case(predictor: Predictor, store: Store, case: Any, out_dir: Path) -> dict:
     scan = volume.read_scan(case.image_source)
+    # A source is outside the store: use it only while it is the scan the case was made from.
+    if scan.original_shape != case.original_shape or not np.allclose(
+        scan.original_affine, case.original_affine, rtol=0, atol=evaluate.AFFINE_TOLERANCE_MM
+    ):
+        raise CtsegError(
+            f"{case.image_source} is not the scan case {case.id} was prepared from (its geometry "
+            "differs from the store manifest's); re-run `ctseg preprocess --force`"
+        )
     reference = volume.read_scan(case.label_source)
     same_affine = np.allclose(
         scan.original_affine, reference.original_affine, rtol=0, atol=evaluate.AFFINE_TOLERANCE_MM

@@ -15,7 +15,9 @@ manifest.json::
                 "original_shape", "original_affine", "canonical_shape",
                 "canonical_affine", "spacing", "label_counts": [n0, n1, n2]}]}
 
-Sources are absolute paths (of a scan file, or of a DICOM series folder);
+Sources are absolute, normalised paths (of a scan file, or of a DICOM series folder);
+case ids hold only letters, digits and ``-`` (`data_prep.layouts`), so that no
+manifest names a file outside the store's own folder;
 affines are 4×4 voxel -> RAS mm lists; `spacing` is the canonical voxel size in
 mm; `label_counts` counts the voxels of each class in label.npy. A case prepared
 from a scan without a label (a predict-only store) has split "test" and
@@ -29,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -39,11 +42,11 @@ from typing import Any, Literal
 import numpy as np
 
 from ctseg import preprocess
-from ctseg.atomic import write_json, write_npy
+from ctseg.atomic import claim_folder, write_json, write_npy
 from ctseg.config import Config
 from ctseg.errors import CtsegError
 from ctseg.volume import Scan, read_scan
-from data_prep.layouts import Layout, RawCase, find_cases
+from data_prep.layouts import Layout, RawCase, find_cases, is_case_id
 
 FORMAT = "ctseg-store"
 VERSION = 1
@@ -113,13 +116,10 @@ class Store:
             ) from None
         if not cases:
             raise CtsegError(f"the store at {path} holds no cases")
+        _check_entries(path / MANIFEST, cases)
         for case in cases:
             for kind in ("image", "label") if case.labelled else ("image",):
-                if not _array_path(path, case.id, kind).is_file():
-                    raise CtsegError(
-                        f"the store at {path} lacks {kind}.npy of case {case.id}; "
-                        "re-run `ctseg preprocess`"
-                    )
+                _check_array(path, case.id, kind, resolution)
         return cls(path=path, resolution=resolution, cases=cases)
 
     def split(self, name: str) -> list[CaseEntry]:
@@ -151,6 +151,58 @@ class Store:
         return np.load(_array_path(self.path, case_id, kind), mmap_mode="r", allow_pickle=False)
 
 
+def _check_entries(manifest: Path, cases: list[CaseEntry]) -> None:
+    """CtsegError naming the key of the first entry that could lead outside the store.
+
+    Ids become paths below the store (and output names of `ctseg evaluate`); sources
+    are read by `ctseg evaluate`, which checks that each is still the scan prepared.
+    """
+    seen: set[str] = set()
+    for index, case in enumerate(cases):
+        where = f"{manifest}: cases[{index}]"
+        if not is_case_id(case.id):
+            raise CtsegError(
+                f"{where}.id = {case.id!r} is not a case id (letters, digits and '-' only)"
+            )
+        if case.id.lower() in seen:
+            raise CtsegError(f"{where}.id = {case.id!r} appears twice")
+        seen.add(case.id.lower())
+        if case.split not in SPLITS:
+            raise CtsegError(f"{where}.split = {case.split!r} is not one of {list(SPLITS)}")
+        sources = {"image_source": case.image_source, "label_source": case.label_source}
+        for key, source in sources.items():
+            if not (source is None and key == "label_source") and not _is_source(source):
+                raise CtsegError(
+                    f"{where}.{key} = {source!r} is not an absolute, normalised path of a scan"
+                )
+
+
+def _is_source(value: object) -> bool:
+    return isinstance(value, str) and os.path.isabs(value) and os.path.normpath(value) == value
+
+
+def _check_array(root: Path, case_id: str, kind: str, resolution: int) -> None:
+    """CtsegError unless the case's array is a readable [R, R, R] array of its dtype."""
+    path = _array_path(root, case_id, kind)
+    if not path.is_file():
+        raise CtsegError(
+            f"the store at {root} lacks {kind}.npy of case {case_id}; re-run `ctseg preprocess`"
+        )
+    expected = (np.dtype(np.int16) if kind == "image" else np.dtype(np.uint8), (resolution,) * 3)
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+        found = (array.dtype, array.shape)
+    except (OSError, ValueError, EOFError) as exc:  # truncated, empty, not .npy, object dtype
+        raise CtsegError(
+            f"{path} cannot be read as an array ({exc}); re-run `ctseg preprocess --force`"
+        ) from None
+    if found != expected:
+        raise CtsegError(
+            f"{path} holds {found[0]} {list(found[1])}, not {expected[0]} {list(expected[1])}; "
+            "re-run `ctseg preprocess --force`"
+        )
+
+
 def _array_path(root: Path, case_id: str, kind: str) -> Path:
     return root / "cases" / case_id / f"{kind}.npy"
 
@@ -159,10 +211,20 @@ def _case_json_path(root: Path, case_id: str) -> Path:
     return root / "cases" / case_id / "case.json"
 
 
+def _manifest_file(path: Path) -> Path | None:
+    """PATH/manifest.json, None if there is none; CtsegError if something else stands there."""
+    file = path / MANIFEST
+    if not file.exists():
+        return None
+    if not file.is_file():
+        raise CtsegError(f"{file} is not a file; move it away (it is where the manifest goes)")
+    return file
+
+
 def _read_manifest(path: Path) -> dict[str, Any] | None:
     """The manifest's content, None if there is none; CtsegError if it is not a store's."""
-    file = path / MANIFEST
-    if not file.is_file():
+    file = _manifest_file(path)
+    if file is None:
         return None
     try:
         manifest = json.loads(file.read_text())
@@ -298,6 +360,10 @@ def _write_manifest(out_dir: Path, resolution: int, entries: list[CaseEntry]) ->
 
 
 def _check_existing_store(out_dir: Path, resolution: int, force: bool) -> None:
+    """Refuse a folder that is not a store (unless `force`), or a store of another grid."""
+    # A killed first run leaves cases/ without a manifest: the folder is still the store's.
+    claim_folder(out_dir, (MANIFEST, "cases"), force)
+    _manifest_file(out_dir)
     manifest = None if force else _read_manifest(out_dir)
     if manifest is not None and manifest.get("resolution") != resolution:
         raise CtsegError(

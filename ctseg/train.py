@@ -156,6 +156,19 @@ def validate(
     return {k: float(np.mean([s[k] for s in scores])) for k in ("liver", "tumor")}
 
 
+def _nan_cause(store: Store) -> str:
+    """What in the training data can have made the loss non-finite; else the learning rate."""
+    # The store's images are int16 (checked when it is opened): only labels can be out of range.
+    for case in store.split("train"):
+        top = int(np.max(store.label(case.id)))
+        if top > metrics.TUMOR:
+            return (
+                f"The label map of case {case.id} holds the value {top} (labels are 0, 1, 2): "
+                "re-run `ctseg preprocess --force`"
+            )
+    return "The training data look sound (labels 0–2): lower train.learning_rate"
+
+
 def _wait_fraction(prefetch: Prefetcher, compute_seconds: float) -> float:
     """Share of the loop's time spent waiting for input rather than computing."""
     return prefetch.wait_seconds / max(prefetch.wait_seconds + compute_seconds, 1e-9)
@@ -199,7 +212,8 @@ def train_and_evaluate(
     """
     run_dir = Path(run_dir)
     store = open_store(Path(data_dir), config)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # Never a folder of other files: orbax would delete folders it takes for its temporaries.
+    atomic.claim_folder(run_dir, ("config.toml", "checkpoints"), force=None)
     # In a multi-host job every process trains, but only process 0 writes the
     # run directory's files; orbax coordinates the checkpoints itself.
     main_process = jax.process_index() == 0
@@ -244,10 +258,11 @@ def train_and_evaluate(
             compute_seconds += time.perf_counter() - began
             done = step + 1
             if not math.isfinite(loss):
+                latest = checkpoints.latest_step()
+                kept = "no checkpoint before it" if latest is None else f"last good one: {latest}"
                 raise CtsegError(
-                    f"the loss became {loss} at step {done}; training stopped. The last good "
-                    f"checkpoint is step {checkpoints.latest_step() or 'none'}: lower "
-                    "train.learning_rate or check the data"
+                    f"the loss became {loss} at step {done}; training stopped ({kept}). "
+                    + _nan_cause(store)
                 )
             window_steps += 1
             rate = window_steps / (time.perf_counter() - window_start)
@@ -285,4 +300,5 @@ def train_and_evaluate(
         "val_dice": val_dice,
         "data_wait_fraction": _wait_fraction(prefetch, compute_seconds),
         "run_dir": str(run_dir),
+        "val_cases": len(store.split("val")),
     }

@@ -37,6 +37,12 @@ _LITS_IMAGE = re.compile(r"^volume-(\d+)\.nii(\.gz)?$")
 _LITS_LABEL = re.compile(r"^segmentation-(\d+)\.nii(\.gz)?$")
 _MSD_FILE = re.compile(r"^[A-Za-z]+_(\d+)\.nii(\.gz)?$")
 _NOT_IN_ID = re.compile(r"[^A-Za-z0-9-]+")
+_CASE_ID = re.compile(r"[A-Za-z0-9-]+")
+
+
+def is_case_id(value: object) -> bool:
+    """Whether `value` is a case id as this module makes them (safe as a folder name)."""
+    return isinstance(value, str) and _CASE_ID.fullmatch(value) is not None
 
 
 @dataclass(frozen=True)
@@ -55,13 +61,16 @@ class Layout:
 def find_cases(raw_dir: str | Path) -> Layout:
     """The cases under `raw_dir`: LiTS and MSD training cases, or else plain scans."""
     raw_dir = Path(raw_dir)
+    if raw_dir.exists() and not raw_dir.is_dir():
+        raise CtsegError(f"{raw_dir} is a file, not a folder: give the folder that holds the scans")
     if not raw_dir.is_dir():
         raise CtsegError(f"raw data folder not found: {raw_dir}")
-    files = sorted(p for p in raw_dir.rglob("*") if not p.name.startswith(".") and p.is_file())
+    all_files, folders = _tree(raw_dir)
+    files = [p for p in all_files if not p.name.startswith(".") and p.is_file()]
     lits_labels = _numbered(files, _LITS_LABEL)
     msd_labels = _numbered(_in_folder(files, "labelsTr"), _MSD_FILE)
     if not lits_labels and not msd_labels:
-        return Layout(cases=_plain_scans(raw_dir, files), predict_only=True)
+        return Layout(cases=_plain_scans(raw_dir, files, folders), predict_only=True)
     cases = _pair_up("lits", _numbered(files, _LITS_IMAGE), lits_labels) + _pair_up(
         "msd", _numbered(_in_folder(files, "imagesTr"), _MSD_FILE), msd_labels
     )
@@ -70,6 +79,28 @@ def find_cases(raw_dir: str | Path) -> Layout:
             f"{raw_dir} holds labels but no LiTS volume-N or MSD imagesTr/ images to go with them"
         )
     return Layout(cases=cases, predict_only=False)
+
+
+def _tree(raw_dir: Path) -> tuple[list[Path], list[Path]]:
+    """Files and folders below `raw_dir`, symlinked folders followed, each real folder once.
+
+    `Path.rglob` does not follow symlinked folders (before Python 3.13): a RAW folder
+    made of links to where the scans really lie would silently lose them. A link back
+    up the tree (a loop), or a second link to one folder, is walked no further.
+    """
+    files: list[Path] = []
+    folders: list[Path] = []
+    seen: set[str] = set()
+    for top, subfolders, names in os.walk(raw_dir, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:
+            subfolders.clear()
+            continue
+        seen.add(real)
+        subfolders.sort()  # the first of two links to one folder wins, the same every run
+        folders.append(Path(top))
+        files.extend(Path(top) / name for name in names)
+    return sorted(files), sorted(folders[1:])
 
 
 def _numbered(files: Iterable[Path], pattern: re.Pattern[str]) -> dict[int, Path]:
@@ -97,9 +128,10 @@ def _pair_up(prefix: str, images: dict[int, Path], labels: dict[int, Path]) -> l
     ]
 
 
-def _plain_scans(raw_dir: Path, files: list[Path]) -> list[RawCase]:
+def _plain_scans(raw_dir: Path, files: list[Path], folders: list[Path]) -> list[RawCase]:
     scans = sorted(
-        [p for p in files if p.name.lower().endswith(SCAN_SUFFIXES)] + _dicom_series(raw_dir)
+        [p for p in files if p.name.lower().endswith(SCAN_SUFFIXES)]
+        + _dicom_series(raw_dir, folders)
     )
     if not scans:
         raise CtsegError(
@@ -126,17 +158,15 @@ def _plain_scans(raw_dir: Path, files: list[Path]) -> list[RawCase]:
     return [RawCase(case_id, path, None) for case_id, path in by_key.values()]
 
 
-def _dicom_series(raw_dir: Path) -> list[Path]:
-    """`raw_dir` and the folders below it that hold a DICOM series.
+def _dicom_series(raw_dir: Path, folders: list[Path]) -> list[Path]:
+    """`raw_dir` and the `folders` below it that hold a DICOM series.
 
     Each such folder is one scan: `volume.read_scan` reads the largest series directly
     in it, as `ctseg predict` does with the folders that `volume.find_scans` gives.
     Hidden folders (and what is below them) and unreadable ones (``lost+found``) are skipped.
     """
     below = (
-        p
-        for p in raw_dir.rglob("*")
-        if p.is_dir() and not any(part.startswith(".") for part in p.relative_to(raw_dir).parts)
+        p for p in folders if not any(part.startswith(".") for part in p.relative_to(raw_dir).parts)
     )
     return [p for p in [raw_dir, *below] if _is_dicom_folder(p)]
 

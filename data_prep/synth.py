@@ -23,7 +23,7 @@ import nibabel as nib
 import numpy as np
 from scipy import ndimage
 
-from ctseg.atomic import atomic_path
+from ctseg.atomic import atomic_path, claim_folder, write_text
 
 HU_AIR, HU_FAT, HU_SOFT_TISSUE = -1000.0, -100.0, 40.0
 HU_BONE, HU_DISC, HU_SPINAL_CANAL = 700.0, 100.0, 20.0
@@ -229,11 +229,25 @@ def write_case(out_dir: Path, index: int, size: int, seed: int) -> tuple[Path, P
     return volume_path, label_path
 
 
+# Written first into the output folder: it marks the folder as synth's own, to write into again.
+MARKER = ".ctseg-synth"
+
+
 def write_dataset(
-    out_dir: str | Path, cases: int, size: int, seed: int, progress: Progress | None = None
+    out_dir: str | Path,
+    cases: int,
+    size: int,
+    seed: int,
+    progress: Progress | None = None,
+    force: bool = False,
 ) -> list[tuple[Path, Path]]:
-    """Write `cases` synthetic LiTS-style cases of size×size×(0.4–1.0·size) voxels."""
-    out_dir = Path(out_dir)
+    """Write `cases` synthetic LiTS-style cases of size×size×(0.4–1.0·size) voxels.
+
+    Into a new or empty folder, one that synth wrote before, or (`force`) any folder:
+    pointed at real data by mistake, it must not overwrite a LiTS volume-0.nii.gz.
+    """
+    out_dir = claim_folder(out_dir, (MARKER,), force)
+    write_text(out_dir / MARKER, "synthetic cases written by `ctseg synth`\n")
     written = []
     for index in range(cases):
         written.append(write_case(out_dir, index, size, seed))

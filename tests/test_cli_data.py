@@ -9,6 +9,7 @@ from pathlib import Path
 
 import nibabel as nib
 import numpy as np
+import pytest
 import SimpleITK as sitk
 from dicom_series import write_dicom_series
 from typer.testing import CliRunner
@@ -38,7 +39,7 @@ def test_synth_then_preprocess(tmp_path):
     result = runner.invoke(app, ["synth", str(raw), "--cases", "3", "--size", "24", "--seed", "2"])
     assert result.exit_code == 0, result.output
     assert "wrote 3 synthetic cases" in result.output
-    assert sorted(p.name for p in raw.iterdir())[:2] == [
+    assert sorted(p.name for p in raw.glob("[!.]*"))[:2] == [
         "segmentation-0.nii.gz",
         "segmentation-1.nii.gz",
     ]
@@ -172,3 +173,30 @@ def test_preprocess_duplicate_case_ids_are_an_error(tmp_path):
     assert "cases 'PATIENT-A' and 'patient-a', which differ only in letter case" in str(
         result.exception
     )
+
+
+def test_failure_reasons_are_folded_not_cut_in_a_narrow_terminal(tmp_path):
+    raw = tmp_path / "raw"
+    assert runner.invoke(app, ["synth", str(raw), "--cases", "1", "--size", "16"]).exit_code == 0
+    (raw / "volume-7.nii.gz").write_bytes(b"")  # a training image without its label
+    result = subprocess.run(
+        [sys.executable, "-m", "cli.main", "preprocess", str(raw), str(tmp_path / "p")]
+        + ["--set", "data.resolution=8"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "60"},
+    )
+    assert result.returncode == 1, result.stderr
+    assert "…" not in result.stdout  # rich cuts a long word with an ellipsis unless folded
+    assert "failed: training case" in result.stdout
+
+
+def test_library_log_lines_are_kept_off_the_terminal(monkeypatch):
+    import logging
+
+    from cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["ctseg", "--version"])
+    with pytest.raises(SystemExit):
+        main()
+    assert logging.getLogger("absl").getEffectiveLevel() == logging.ERROR

@@ -127,6 +127,12 @@ def test_bad_files(tmp_path):
         (["data.val_fraction=1.0"], r"data.val_fraction must be in \[0, 1\)"),
         (["mesh.spatial=[0, 1, 1]"], r"mesh.spatial and mesh.data must be positive"),
         (["train.learning_rate=0"], r"train.learning_rate must be positive"),
+        (["train.grad_clip=-1"], r"train.grad_clip must be positive, got -1.0"),
+        (["train.grad_clip=0"], r"train.grad_clip must be positive"),
+        (["train.seed=-3"], r"train.seed must not be negative"),
+        (["data.split_seed=-1"], r"data.split_seed must not be negative"),
+        (["train.learning_rate=nan"], r"train.learning_rate must be a finite number, got nan"),
+        (["data.hu_window=[-inf, 250]"], r"data.hu_window\[0\] must be a finite number"),
         (["train.class_weights=[0, 0, 0]"], r"train.class_weights must be non-negative"),
         (["model.bn_momentum=1.5"], r"model.bn_momentum must be in \[0, 1\)"),
         (["predict.tile=13"], r"predict.tile = 13 must be even"),
@@ -196,3 +202,22 @@ def test_readme_holds_the_generated_config_reference():
         "README.md's config reference differs from config.reference_markdown(); "
         f"replace the text between the markers with:\n{expected}"
     )
+
+
+def _scalar_number_keys():
+    for section, values in cfg.to_dict(cfg.Config()).items():
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield f"{section}.{key}"
+
+
+@pytest.mark.parametrize("key", list(_scalar_number_keys()))
+def test_every_number_has_a_range(key):
+    """A key added without a range check fails here: -10⁹ is nonsense for every one of them."""
+    with pytest.raises(CtsegError, match=re.escape(key)):
+        cfg.load(None, [f"{key}=-1000000000"])
+
+
+def test_config_path_that_is_a_folder_says_so(tmp_path):
+    with pytest.raises(CtsegError, match="is a folder, not a config file"):
+        cfg.load(tmp_path)

@@ -113,3 +113,26 @@ def test_tumour_outside_liver_is_dropped():
     assert np.count_nonzero(cleaned == 2) == np.count_nonzero(phantom()[0] == 2)
     unchanged = clean_labels(labels, keep_largest_liver=False, tumour_inside_liver=False)
     np.testing.assert_array_equal(unchanged, labels)
+
+
+def test_default_post_processing_applies_both_rules_together():
+    """A tumour inside a detached liver piece goes with the piece (keep-largest first)."""
+    labels, _ = phantom()
+    labels[52:58, 52:58, 20:25] = 1
+    labels[54, 54, 22] = 2  # a tumour in the detached piece: inside *a* liver, not *the* liver
+    labels[0:3, 55:58, 0:3] = 2  # a tumour with no liver at all
+    cleaned = clean_labels(labels, keep_largest_liver=True, tumour_inside_liver=True)
+    expected = phantom()[0]
+    np.testing.assert_array_equal(cleaned, expected)
+    from ctseg.config import PredictConfig
+
+    defaults = PredictConfig()
+    assert defaults.keep_largest_liver and defaults.tumour_inside_liver
+
+
+def test_stats_on_a_negative_determinant_affine_equal_those_on_ras():
+    labels, ras = phantom()
+    lps = ras.copy()
+    lps[0, 0] = -1.0  # one axis stored reversed: a negative determinant, no longer a rotation
+    assert np.linalg.det(lps) < 0
+    assert scan_stats(labels, lps) == pytest.approx(scan_stats(labels, ras))

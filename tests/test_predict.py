@@ -238,3 +238,84 @@ def test_an_accelerator_asked_for_on_a_cpu_machine_is_one_line(trained, tmp_path
     )
     assert isinstance(result.exception, CtsegError)  # `ctseg` prints it as one line, exit 2
     assert str(result.exception).startswith("--device gpu: JAX sees no GPU here")
+
+
+def test_force_never_overwrites_an_input_and_outputs_are_not_inputs(trained, tmp_path):
+    run_dir, _, raw = trained
+    folder = tmp_path / "scans"
+    folder.mkdir()
+    shutil.copy(raw / "volume-0.nii.gz", folder / "a.nii.gz")
+    shutil.copy(raw / "volume-1.nii.gz", folder / "a_seg.nii.gz")  # a scan, by its name an output
+    kept = (folder / "a_seg.nii.gz").read_bytes()
+    args = ["predict", str(run_dir), str(folder), "--out", str(folder), "--tile", "0", "--force"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert "failed" in result.output
+    assert (folder / "a_seg.nii.gz").read_bytes() == kept
+    assert (folder / "a_seg_seg.nii.gz").is_file()  # a_seg itself is a scan of this call
+    # Predicting the folder again: a_seg_seg.nii.gz, an output of the first call, is no input.
+    scans, failed = expand_inputs([folder], folder)
+    assert sorted(s.name for s in scans) == ["a_seg.nii.gz"]
+    assert [o.name for o in failed] == ["a"]
+    assert "a_seg.nii.gz would overwrite an input of this call" in failed[0].error
+
+
+def test_scans_outside_what_a_ct_can_be_are_warned_about(tmp_path):
+    from ctseg.predict import geometry_warnings, volume_warnings
+    from ctseg.volume import read_scan
+
+    rng = np.random.default_rng(0)
+    cases = {
+        "ok": ((64, 64, 40), [0.8, 0.8, 2.5], 0),
+        "tiny": ((64, 64, 40), [0.001, 0.001, 0.001], 2),  # spacing and extent
+        "huge": ((64, 64, 40), [100.0, 100.0, 100.0], 2),
+        "slice": ((64, 64, 1), [0.8, 0.8, 2.5], 1),
+    }
+    for name, (shape, spacing, count) in cases.items():
+        nib.save(
+            nib.Nifti1Image(_ct(rng, shape), np.diag([*spacing, 1.0])), tmp_path / f"{name}.nii"
+        )
+        warnings = geometry_warnings(read_scan(tmp_path / f"{name}.nii"))
+        assert len(warnings) == count, (name, warnings)
+    assert volume_warnings({"liver_volume_ml": 1500.0}) == []
+    assert volume_warnings({"liver_volume_ml": 0.0}) == ["no liver was found"]
+    assert "larger than any human liver" in volume_warnings({"liver_volume_ml": 14_625_000.0})[0]
+
+
+def test_evaluate_refuses_a_source_that_is_not_the_scan_prepared(trained, tmp_path):
+    run_dir, store, raw = trained
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    elsewhere = tmp_path / "other.nii.gz"
+    nib.save(nib.Nifti1Image(_ct(np.random.default_rng(1)), np.eye(4)), elsewhere)
+    for case in manifest["cases"]:
+        case["image_source"] = str(elsewhere)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    out = tmp_path / "eval"
+    args = ["evaluate", str(run_dir), "--data", str(copy), "--split", "train", "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    errors = json.loads((out / "summary.json").read_text())["errors"]
+    assert errors and all("is not the scan case" in e["message"] for e in errors)
+    assert not list(out.glob("predictions/*"))  # nothing of the other scan was written
+
+
+def test_evaluate_and_predict_out_of_files_are_one_error_line(trained, tmp_path):
+    run_dir, store, raw = trained
+    (tmp_path / "file").write_text("")
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("")
+    for args, message in [
+        (
+            ["evaluate", str(run_dir), "--data", str(store), "--out", str(tmp_path / "file")],
+            "is a file",
+        ),
+        (
+            ["evaluate", str(run_dir), "--data", str(store), "--out", str(tmp_path / "theirs")],
+            "did not write",
+        ),
+        (["predict", str(run_dir), str(raw), "--out", str(tmp_path / "file")], "is a file"),
+    ]:
+        result = runner.invoke(app, args)
+        assert isinstance(result.exception, CtsegError) and message in str(result.exception), args

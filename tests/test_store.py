@@ -321,3 +321,97 @@ def test_labels_without_images(tmp_path):
     (tmp_path / "volume-01.nii").write_bytes(b"")
     with pytest.raises(CtsegError, match="case 1 appears twice"):
         find_cases(tmp_path)
+
+
+def _edit_manifest(store, **fields):
+    path = store.path / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["cases"][0].update(fields)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("id", "../../elsewhere/x"),
+        ("id", "/etc/passwd"),
+        ("id", "lits-1"),  # a second lits-1: both would share one folder
+        ("split", "../val"),
+        ("image_source", "relative/volume-0.nii.gz"),
+        ("label_source", "/data/../etc/secret.nii"),
+    ],
+)
+def test_manifest_naming_paths_outside_the_store_is_refused(store, key, value):
+    _edit_manifest(store, **{key: value})
+    with pytest.raises(CtsegError) as error:
+        Store.open(store.path)
+    message = str(error.value)
+    assert str(store.path / "manifest.json") in message and f"].{key} = {value!r}" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (lambda good: good[: len(good) // 2], "cannot be read"),  # truncated
+        (lambda good: np.random.default_rng(0).bytes(len(good)), "cannot be read"),  # random
+        (lambda good: b"", "cannot be read"),  # empty: np.load raises EOFError
+        (lambda good: _npy(np.zeros((4, 4, 4), np.int16)), "not int16 [16, 16, 16]"),
+        (lambda good: _npy(np.zeros((16,) * 3, np.float32)), "float32 [16, 16, 16]"),
+        (lambda good: _npy(np.array([None] * 4, object), allow_pickle=True), "cannot be read"),
+    ],
+)
+def test_damaged_image_array_is_one_line_naming_it(store, content, expected):
+    path = store.path / "cases" / "lits-0" / "image.npy"
+    path.write_bytes(content(path.read_bytes()))
+    with pytest.raises(CtsegError, match=re.escape(expected)) as error:
+        Store.open(store.path)
+    assert str(path) in str(error.value)
+
+
+def _npy(array, allow_pickle=False):
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=allow_pickle)
+    return buffer.getvalue()
+
+
+def test_preprocess_refuses_a_folder_of_other_files_unless_forced(raw, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.docx").write_text("precious")
+    with pytest.raises(CtsegError, match="already holds files that ctseg did not write"):
+        prepare(raw, out, _config())
+    assert prepare(raw, out, _config(), force=True).store is not None
+    assert (out / "thesis.docx").read_text() == "precious"
+
+
+def test_manifest_that_is_a_folder_or_out_that_is_a_file(raw, tmp_path):
+    (tmp_path / "prep" / "manifest.json").mkdir(parents=True)
+    for force in (False, True):
+        with pytest.raises(CtsegError, match="manifest.json is not a file"):
+            prepare(raw, tmp_path / "prep", _config(), force=force)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CtsegError, match="is a file, not a folder"):
+        prepare(raw, tmp_path / "file", _config())
+
+
+def test_symlinked_folders_are_followed_and_loops_walked_once(tmp_path):
+    elsewhere = tmp_path / "disk2" / "batch"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "volume-4.nii").write_bytes(b"")
+    (elsewhere / "segmentation-4.nii").write_bytes(b"")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "batch").symlink_to(elsewhere)
+    (raw / "again").symlink_to(elsewhere)  # a second link to the same folder
+    (elsewhere / "loop").symlink_to(raw)  # a link back up the tree
+    layout = find_cases(raw)
+    assert [(c.case_id, c.image.name) for c in layout.cases] == [("lits-4", "volume-4.nii")]
+
+
+def test_raw_path_that_is_a_file_says_so(tmp_path):
+    (tmp_path / "volume-0.nii").write_bytes(b"")
+    with pytest.raises(CtsegError, match="is a file, not a folder"):
+        find_cases(tmp_path / "volume-0.nii")

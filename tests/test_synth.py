@@ -6,6 +6,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 
+from ctseg.errors import CtsegError
 from ctseg.volume import read_scan
 from data_prep.synth import write_dataset
 
@@ -84,3 +85,16 @@ def test_orientations_and_storage(dataset):
         assert labels.get_data_dtype() == np.uint8
         np.testing.assert_array_equal(labels.affine, volume.affine)
     assert {("L", "P", "S"), ("R", "A", "S")} <= codes
+
+
+def test_synth_never_overwrites_a_folder_it_did_not_write(tmp_path):
+    precious = tmp_path / "lits" / "volume-0.nii.gz"
+    precious.parent.mkdir()
+    precious.write_bytes(b"a real scan")
+    with pytest.raises(CtsegError, match="already holds files that ctseg did not write"):
+        write_dataset(precious.parent, 1, 16, seed=0)
+    assert precious.read_bytes() == b"a real scan"
+    write_dataset(tmp_path / "own", 1, 16, seed=0)
+    write_dataset(tmp_path / "own", 1, 16, seed=0)  # its own folder: written again
+    write_dataset(precious.parent, 1, 16, seed=0, force=True)
+    assert precious.read_bytes() != b"a real scan"

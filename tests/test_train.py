@@ -59,10 +59,11 @@ def uninterrupted(store_dir, tmp_path_factory):
 
 
 def final_params(run_dir):
+    """Parameters and batch-norm statistics of the run's last checkpoint, as leaves."""
     config = cfg.load(run_dir / "config.toml")
-    _, params, _, step = checkpoints.load_for_inference(run_dir, "latest")[1:]
+    _, params, stats, step = checkpoints.load_for_inference(run_dir, "latest")[1:]
     assert step == config.train.steps
-    return jax.tree.leaves(jax.device_get(params))
+    return jax.tree.leaves(jax.device_get((params, stats)))  # batch-norm statistics too
 
 
 def test_augmented_block_equals_block_of_augmented_volume():
@@ -155,10 +156,14 @@ def test_sigkill_at_any_moment_then_resume_is_bit_identical(store_dir, uninterru
         assert time.monotonic() < deadline, "training subprocess made no checkpoint"
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    # Proof that the run was cut short: it died by the signal, before its last checkpoint.
+    assert proc.wait() == -signal.SIGKILL
+    assert not (tmp_path / "checkpoints" / "4").exists()
     train_and_evaluate(tiny(), store_dir, tmp_path)
-    for got, want in zip(final_params(tmp_path), final_params(uninterrupted)):
-        np.testing.assert_array_equal(got, want)
+    got, want = final_params(tmp_path), final_params(uninterrupted)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(store_dir, tmp_path):
@@ -188,8 +193,9 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(store
         "train.eval_every=100",
         "train.steps=6",
     )
-    with pytest.raises(CtsegError, match=r"loss became nan at step \d"):
+    with pytest.raises(CtsegError, match=r"loss became nan at step \d") as error:
         train_and_evaluate(config, store_dir, tmp_path)
+    assert "data look sound" in str(error.value) and "last good one" in str(error.value)
     manager = checkpoints.Checkpoints(tmp_path, keep=1, read_only=True)
     assert manager.latest_step() is not None and manager.latest_step() < 6
     manager.close()
@@ -326,3 +332,37 @@ def test_resume_on_another_layout_equals_the_run_that_never_moved(
     # The rest of the config still is the run's identity.
     with pytest.raises(CtsegError, match=r"different config \(model.base_filters\)"):
         train_and_evaluate(tiny("model.base_filters=4"), store_dir, tmp_path)
+
+
+def test_workdir_of_other_files_or_a_file_is_refused(store_dir, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(CtsegError, match="already holds files that ctseg did not write"):
+        train_and_evaluate(tiny(), store_dir, tmp_path)
+    with pytest.raises(CtsegError, match="is a file, not a folder"):
+        train_and_evaluate(tiny(), store_dir, tmp_path / "notes.txt")
+
+
+def test_nan_loss_from_bad_labels_names_the_case(store_dir, tmp_path):
+    from ctseg.train import _nan_cause
+
+    bad = tmp_path / "prep"
+    shutil.copytree(store_dir, bad)
+    case = Store.open(bad).split("train")[0].id
+    label = bad / "cases" / case / "label.npy"
+    np.save(label, np.full_like(np.load(label), 7))
+    assert f"case {case} holds the value 7" in _nan_cause(Store.open(bad))
+
+
+def test_cli_warns_when_the_store_has_no_validation_cases(monkeypatch, store_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    import cli.main  # noqa: F401  (registers the commands)
+    import ctseg.train
+    from cli.app import app
+
+    summary = {"step": 4, "data_wait_fraction": 0.0, "run_dir": str(tmp_path), "val_cases": 0}
+    monkeypatch.setattr(ctseg.train, "train_and_evaluate", lambda *a, **k: summary)
+    args = ["train", "--data", str(store_dir), "--workdir", str(tmp_path)]
+    result = CliRunner().invoke(app, [*args, *[f"--set={o}" for o in TINY]])
+    assert result.exit_code == 0, result.output
+    assert "warning: the store has no validation cases" in " ".join(result.output.split())
