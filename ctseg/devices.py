@@ -171,19 +171,19 @@ def auto_spatial(partitions: int) -> tuple[int, int, int]:
     return min(splits, key=lambda s: (max(s), s[2], -s[0]))
 
 
-def fit_layout(config: Config, devices: int) -> Config:
-    """`config` spatially split over as many of `devices` as its grid allows (no data axis).
+def fit_layout(config: Config, devices: int, data: int = 1) -> Config:
+    """`config` on as many of `devices` as its grid allows, with `data` replicas.
 
-    The `auto_spatial` split of the most partitions, at most `devices`, that passes
-    the config's own mesh check (invariant 3: every level's blocks even, thicker
-    than the halo).
+    The `auto_spatial` split of the most partitions, at most `devices // data`, that
+    passes the config's own mesh check (invariant 3: every level's blocks even,
+    thicker than the halo).
     """
-    for count in range(devices, 1, -1):
+    for count in range(devices // data, 1, -1):
         try:
-            return with_mesh(config, auto_spatial(count), data=1)
+            return with_mesh(config, auto_spatial(count), data=data)
         except CtsegError:
             continue
-    return with_mesh(config, (1, 1, 1), data=1)
+    return with_mesh(config, (1, 1, 1), data=data)
 
 
 # --------------------------------------------------------------------------- compilation cache
@@ -287,9 +287,11 @@ def fit_training(config: Config, devices: Sequence[Device], exact: bool = False)
     """The layout to train `config` on `devices` (invariant 7: the mesh is a request).
 
     Enough devices: the config's own mesh, on the first of them. Fewer: the grid
-    split over as many as it allows (`fit_layout`; partitioned training equals
-    unpartitioned training, so the model is the same), unless `exact`, which makes
-    it an error. Memory is checked when the step is compiled (`ctseg.train`).
+    split over as many as it allows, with data replicas where the batch divides
+    among them and the grid alone cannot use every device (`fit_layout`;
+    partitioned training equals unpartitioned training, so the model is the
+    same), unless `exact`, which makes it an error. Memory is checked when the
+    step is compiled (`ctseg.train`).
     """
     need = config.num_devices
     simulated = not is_accelerator(devices)
@@ -305,7 +307,13 @@ def fit_training(config: Config, devices: Sequence[Device], exact: bool = False)
             "--exact-mesh keeps the config's mesh; leave --exact-mesh out to fit the layout "
             "to this machine, or use --device cpu to simulate the devices"
         )
-    fitted = fit_layout(config, len(devices))
+    # The most devices the grid and the batch allow: data replicas where the grid alone
+    # cannot use them all (the batch must divide among them); spatial splits first.
+    replicas = [d for d in range(1, len(devices) + 1) if config.train.batch_size % d == 0]
+    fitted = max(
+        (fit_layout(config, len(devices), data) for data in replicas),
+        key=lambda layout: layout.num_devices,
+    )
     return Layout(
         fitted,
         list(devices[: fitted.num_devices]),

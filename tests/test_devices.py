@@ -158,6 +158,49 @@ def test_training_fits_the_mesh_to_the_devices_here(devices, spatial, line):
     assert layout.config.model == SIXTEEN_WAY.model and layout.config.train == SIXTEEN_WAY.train
 
 
+def test_data_replicas_take_the_devices_the_grid_cannot():
+    """16³ at depth 4 splits at most 8 ways ([2, 2, 2]): replicas take the other devices
+    where the batch divides among them; a tie keeps the spatial split."""
+    config = cfg.load(
+        None,
+        [
+            "data.resolution=16",
+            "model.depth=4",
+            "mesh.data=2",
+            "train.batch_size=2",
+            "mesh.spatial=[2,2,2]",
+        ],
+    )
+    fitted = dev.fit_training(config, gpus(12)).config  # 12 GPUs: 8 either way
+    assert (list(fitted.mesh.spatial), fitted.mesh.data) == ([2, 2, 2], 1)
+    # A batch of 3 over 12 GPUs: [2, 2, 1] × 3 replicas uses all 12, [2, 2, 2] only 8.
+    odd = cfg.load(
+        None,
+        [
+            "data.resolution=16",
+            "model.depth=4",
+            "train.batch_size=3",
+            "mesh.data=3",
+            "mesh.spatial=[2,2,2]",
+        ],
+    )
+    layout = dev.fit_training(odd, gpus(12))
+    assert (list(layout.config.mesh.spatial), layout.config.mesh.data) == ([2, 2, 1], 3)
+    big = cfg.load(
+        None,
+        [
+            "data.resolution=16",
+            "model.depth=4",
+            "train.batch_size=4",
+            "mesh.spatial=[2,2,2]",
+            "mesh.data=4",
+        ],
+    )
+    layout = dev.fit_training(big, gpus(16))
+    assert (list(layout.config.mesh.spatial), layout.config.mesh.data) == ([2, 2, 2], 2)
+    assert layout.line.endswith("training [2, 2, 2] (8 partitions) × 2 data replicas")
+
+
 def test_exact_mesh_is_an_error_where_the_devices_are_missing():
     assert dev.fit_training(SIXTEEN_WAY, gpus(16), exact=True).config == SIXTEEN_WAY
     with pytest.raises(
