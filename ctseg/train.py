@@ -16,10 +16,13 @@ order of floating-point sums when it resumes on another layout).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,6 +159,26 @@ def validate(
     return {k: float(np.mean([s[k] for s in scores])) for k in ("liver", "tumor")}
 
 
+@contextlib.contextmanager
+def _interrupt_after_step() -> Iterator[None]:
+    """Hold a Ctrl-C that lands during a step until the new state is bound.
+
+    The step consumes (donates) the old state's buffers: interrupted inside it, the
+    loop would have no whole state left to save, and Ctrl-C would end in a traceback.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread; elsewhere Ctrl-C is not ours
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
+
+
 def _nan_cause(store: Store) -> str:
     """What in the training data can have made the loss non-finite; else the learning rate."""
     # The store's images are int16 (checked when it is opened): only labels can be out of range.
@@ -212,11 +235,15 @@ def train_and_evaluate(
     """
     run_dir = Path(run_dir)
     store = open_store(Path(data_dir), config)
-    # Never a folder of other files: orbax would delete folders it takes for its temporaries.
-    atomic.claim_folder(run_dir, ("config.toml", "checkpoints"), force=None)
     # In a multi-host job every process trains, but only process 0 writes the
     # run directory's files; orbax coordinates the checkpoints itself.
     main_process = jax.process_index() == 0
+    if main_process:
+        # Never a folder of others' files: orbax deletes folders it takes for its temporaries.
+        # (Only the writer looks: the others could see its config.toml half-written.)
+        atomic.claim_folder(run_dir, ("config.toml", "checkpoints"), force=None)
+    else:
+        atomic.output_folder(run_dir)
     check_run_dir(run_dir, config, write=main_process)
     mesh = make_mesh(config.mesh.spatial, config.mesh.data, devices)
     devices = list(mesh.devices.flat)
@@ -253,7 +280,8 @@ def train_and_evaluate(
     try:
         for step, (image, label) in prefetch:
             began = time.perf_counter()
-            state, step_metrics = train_step(state, image, label)
+            with _interrupt_after_step():
+                state, step_metrics = train_step(state, image, label)
             loss = float(step_metrics["loss"])
             compute_seconds += time.perf_counter() - began
             done = step + 1
