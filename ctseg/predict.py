@@ -366,7 +366,7 @@ def predict_files(
                 reads.append(
                     reader.submit(_read, predictor, Path(sources[index + 1]), out_dir, force)
                 )
-            reads[index] = None  # the prepared grid is freed once inferred
+            reads[index] = None  # done with: `prepared` holds what is left of it
             probabilities = None
             if prepared is not None:
                 probabilities = _guarded(
@@ -376,7 +376,7 @@ def predict_files(
                     prepared.seconds,
                     _stage_progress(progress, outcome.name),
                 )
-                prepared.unit = None
+                prepared.unit = None  # the grid is freed once inferred
             if written is not None:
                 yield written.result()
             written = writer.submit(_write, predictor, outcome, prepared, probabilities, out_dir)
