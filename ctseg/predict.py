@@ -187,7 +187,7 @@ class Predictor:
         """What runs where, e.g. `1 × NVIDIA H100 80GB HBM3, XLA, bfloat16, whole volume 512³`."""
         engine = self.engine
         runtime = "ONNX Runtime" if engine.backend == "onnx" else "XLA"
-        where = dev.describe(engine.devices or [_HOST])
+        where = dev.describe(engine.devices)  # none under ONNX Runtime: the host's CPU
         return f"{where}, {runtime}, {engine.dtype}, {engine.description}"
 
     def prepare(self, scan: volume.Scan, seconds: dict[str, float]) -> np.ndarray:
@@ -249,19 +249,6 @@ class Predictor:
         seconds: dict[str, float] = {}
         probabilities = self.infer(self.prepare(scan, seconds), seconds, progress)
         return self.finish(scan, probabilities, seconds, with_probabilities)
-
-
-class _HostCPU:
-    """The host's CPU, as `devices.describe` reads a device (ONNX Runtime runs there)."""
-
-    platform = "cpu"
-    device_kind = "cpu"
-
-    def memory_stats(self) -> None:
-        return None
-
-
-_HOST = _HostCPU()
 
 
 # --------------------------------------------------------------------------- files

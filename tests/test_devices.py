@@ -158,47 +158,28 @@ def test_training_fits_the_mesh_to_the_devices_here(devices, spatial, line):
     assert layout.config.model == SIXTEEN_WAY.model and layout.config.train == SIXTEEN_WAY.train
 
 
-def test_data_replicas_take_the_devices_the_grid_cannot():
-    """16³ at depth 4 splits at most 8 ways ([2, 2, 2]): replicas take the other devices
-    where the batch divides among them; a tie keeps the spatial split."""
-    config = cfg.load(
-        None,
-        [
-            "data.resolution=16",
-            "model.depth=4",
-            "mesh.data=2",
-            "train.batch_size=2",
-            "mesh.spatial=[2,2,2]",
-        ],
-    )
-    fitted = dev.fit_training(config, gpus(12)).config  # 12 GPUs: 8 either way
-    assert (list(fitted.mesh.spatial), fitted.mesh.data) == ([2, 2, 2], 1)
-    # A batch of 3 over 12 GPUs: [2, 2, 1] × 3 replicas uses all 12, [2, 2, 2] only 8.
-    odd = cfg.load(
-        None,
-        [
-            "data.resolution=16",
-            "model.depth=4",
-            "train.batch_size=3",
-            "mesh.data=3",
-            "mesh.spatial=[2,2,2]",
-        ],
-    )
-    layout = dev.fit_training(odd, gpus(12))
-    assert (list(layout.config.mesh.spatial), layout.config.mesh.data) == ([2, 2, 1], 3)
-    big = cfg.load(
-        None,
-        [
-            "data.resolution=16",
-            "model.depth=4",
-            "train.batch_size=4",
-            "mesh.spatial=[2,2,2]",
-            "mesh.data=4",
-        ],
-    )
-    layout = dev.fit_training(big, gpus(16))
-    assert (list(layout.config.mesh.spatial), layout.config.mesh.data) == ([2, 2, 2], 2)
-    assert layout.line.endswith("training [2, 2, 2] (8 partitions) × 2 data replicas")
+def replicated(batch: int, data: int) -> cfg.Config:
+    """16³ at depth 4 (at most 8 partitions, [2, 2, 2]) asking for `data` replicas."""
+    overrides = ["data.resolution=16", "model.depth=4", "mesh.spatial=[2,2,2]"]
+    return cfg.load(None, [*overrides, f"train.batch_size={batch}", f"mesh.data={data}"])
+
+
+@pytest.mark.parametrize(
+    ("batch", "data", "gpu_count", "spatial", "replicas"),
+    [
+        (2, 2, 12, [2, 2, 2], 1),  # 8 devices either way: a tie keeps the spatial split
+        (3, 3, 12, [2, 2, 1], 3),  # 4 × 3 uses all 12, [2, 2, 2] only 8
+        (4, 4, 16, [2, 2, 2], 2),  # 8 × 2 = 16 (as does 4 × 4: the tie keeps the larger split)
+    ],
+)
+def test_data_replicas_take_the_devices_the_grid_cannot(batch, data, gpu_count, spatial, replicas):
+    layout = dev.fit_training(replicated(batch, data), gpus(gpu_count))
+    assert (list(layout.config.mesh.spatial), layout.config.mesh.data) == (spatial, replicas)
+    if replicas > 1:
+        partitions = 8 if spatial == [2, 2, 2] else 4
+        assert layout.line.endswith(
+            f"training {spatial} ({partitions} partitions) × {replicas} data replicas"
+        )
 
 
 def test_exact_mesh_is_an_error_where_the_devices_are_missing():
