@@ -12,7 +12,7 @@ from rich.table import Table
 
 from cli.app import app
 from cli.options import CompileCacheOption, DeviceChoice, start_jax
-from cli.predict import BackendOption, load_run_config
+from cli.predict import BackendOption, TtaOption, load_run_config
 from cli.progress import counting
 from ctseg.errors import CtsegError
 from ctseg.evaluate import evaluate_folders, write_reports
@@ -85,6 +85,7 @@ def _evaluate_run(
     out: Path | None,
     backend: str | None,
     device: str,
+    tta: bool | None,
     compile_cache: str | None,
 ) -> dict:
     """The RUN_DIR form: predict the store's split with the run's model, then score it."""
@@ -93,7 +94,15 @@ def _evaluate_run(
 
     out = run_dir / "eval" if out is None else out
     run = partial(
-        evaluate_run, run_dir, data, split, checkpoint, out, backend=backend, device=device
+        evaluate_run,
+        run_dir,
+        data,
+        split,
+        checkpoint,
+        out,
+        backend=backend,
+        device=device,
+        tta=tta,
     )
     result = _run_with_progress(run)
     grid = result["summary"]["grid_dice"]
@@ -151,6 +160,7 @@ def evaluate(
         ),
     ] = None,
     backend: BackendOption = None,
+    tta: TtaOption = None,
     compile_cache: CompileCacheOption = None,
     pred: Annotated[
         Path | None,
@@ -181,6 +191,7 @@ def evaluate(
         "out": out,
         "device": device,
         "backend": backend,
+        "tta": tta,
         "compile-cache": compile_cache,
     }
     _check_form(run_dir, pred, ref, run_options)
@@ -197,6 +208,7 @@ def evaluate(
             out,
             backend and backend.value,
             (device or DeviceChoice.auto).value,
+            tta,
             compile_cache,
         )
     else:

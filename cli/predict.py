@@ -50,6 +50,18 @@ BackendOption = Annotated[
 ]
 
 
+TtaOption = Annotated[
+    bool | None,
+    typer.Option(
+        "--tta/--no-tta",
+        help="Test-time augmentation: average the probabilities of the 8 mirrorings of each "
+        "scan (8× the inference time; models trained with flips). Default: the run's "
+        "predict.tta.",
+        show_default=False,
+    ),
+]
+
+
 def load_run_config(run_dir: Path) -> cfg.Config:
     """The run's config, read without starting JAX (devices must be set up first)."""
     path = run_dir / "config.toml"
@@ -97,6 +109,7 @@ def predict(
     tile: TileOption = None,
     device: DeviceOption = DeviceChoice.auto,
     backend: BackendOption = None,
+    tta: TtaOption = None,
     compile_cache: CompileCacheOption = None,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Print where each scan's time went.")
@@ -117,7 +130,7 @@ def predict(
     output_folder(out)  # a file in its place is one error line, not a failure per scan
     scans, outcomes = expand_inputs(inputs, out)
     predictor = Predictor.from_run(
-        run_dir, checkpoint, tile, backend and backend.value, device.value
+        run_dir, checkpoint, tile, backend and backend.value, device.value, tta
     )
     console.print(
         f"{escape(predictor.summary)}; checkpoint step {predictor.model.step}; {len(scans)} scan(s)"

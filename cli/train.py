@@ -22,6 +22,10 @@ from cli.options import (
 )
 
 
+def _dice(entry: dict) -> str:
+    return f"liver {entry['liver']:.3f}, tumour {entry['tumor']:.3f}"
+
+
 @app.command()
 def train(
     data: Annotated[
@@ -100,6 +104,17 @@ def train(
         f"done: step {summary['step']}, data wait {100 * summary['data_wait_fraction']:.1f} % "
         f"of step time; run directory {summary['run_dir']} "
         "(metrics.jsonl, curves.png, checkpoints/)"
+    )
+    best, last = summary["best_validation"], summary["last_validation"]
+    if last:
+        console.print(
+            f"validation Dice: last (step {last['step']}) {_dice(last)}; "
+            f"best (step {best['step']}) {_dice(best)}"
+        )
+    which = "best" if best else "latest"
+    console.print(
+        f"`ctseg predict` and `ctseg evaluate` use checkpoint {summary['predict_checkpoint']} "
+        f"({which}; --checkpoint latest or a step number for another)"
     )
     if not summary["val_cases"]:
         console.print(

@@ -49,7 +49,11 @@ class ModelConfig:
     remat: bool = _f(
         False, "Recompute each level's activations in the backward pass (saves memory)."
     )
-    bn_momentum: float = _f(0.9, "Momentum of the batch-norm running averages used at inference.")
+    bn_momentum: float = _f(
+        0.9,
+        "Momentum of the batch-norm running averages (inference uses them if "
+        "train.bn_population_volumes = 0).",
+    )
     bn_epsilon: float = _f(1e-5, "Epsilon added to the batch-norm variance.")
 
 
@@ -82,6 +86,11 @@ class TrainConfig:
     rotate90: bool = _f(False, "Random in-plane 90° rotations.")
     intensity_scale: float = _f(0.1, "Random intensity scale is drawn from 1 ± this.")
     intensity_shift: float = _f(0.1, "Random intensity shift is drawn from ± this (after scaling).")
+    bn_population_volumes: int = _f(
+        16,
+        "Training volumes whose batch-norm statistics are pooled for inference at every "
+        "validation and checkpoint; 0 = running averages (model.bn_momentum).",
+    )
     checkpoint_every: int = _f(100, "Save a checkpoint every this many steps.")
     eval_every: int = _f(100, "Validate every this many steps.")
     keep_checkpoints: int = _f(3, "Keep this many latest checkpoints, plus the best.")
@@ -99,6 +108,11 @@ class PredictConfig:
     keep_largest_liver: bool = _f(True, "Keep only the largest connected liver component.")
     tumour_inside_liver: bool = _f(True, "Drop tumour voxels outside the (post-processed) liver.")
     save_probabilities: bool = _f(False, "Also write the class probabilities as a NIfTI.")
+    tta: bool = _f(
+        False,
+        "Test-time augmentation: average the probabilities of the 8 mirrorings of the grid "
+        "(8× the inference time; models trained with train.flip only).",
+    )
 
 
 @dataclass(frozen=True)
@@ -335,7 +349,14 @@ def _validate_train(t: TrainConfig, mesh: MeshConfig) -> None:
     _require(t.learning_rate > 0, f"train.learning_rate must be positive, got {t.learning_rate}")
     # A clipping threshold ≤ 0 turns every gradient into zero or reverses it: training uphill.
     _require(t.grad_clip > 0, f"train.grad_clip must be positive, got {t.grad_clip}")
-    for key in ("warmup_steps", "weight_decay", "dice_weight", "intensity_shift", "seed"):
+    for key in (
+        "warmup_steps",
+        "weight_decay",
+        "dice_weight",
+        "intensity_shift",
+        "seed",
+        "bn_population_volumes",
+    ):
         value = getattr(t, key)
         _require(value >= 0, f"train.{key} must not be negative, got {value}")
     _require(

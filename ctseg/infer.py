@@ -49,6 +49,7 @@ than XLA:CPU there), one window at a time.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -595,6 +596,38 @@ class Engine:
                 below = _run_stage(stage, forward, step, [levels.pop(), below], tick)
         assert below is not None and below.dtype == np.float32
         return below
+
+
+# nnU-Net's test-time augmentation: every subset of the three axes, the identity first.
+MIRRORINGS = tuple(axes for n in range(4) for axes in itertools.combinations((0, 1, 2), n))
+
+
+def probabilities(
+    engine: Engine, image: np.ndarray, mirrored: bool, progress: TileProgress | None = None
+) -> np.ndarray:
+    """Class probabilities [R, R, R, 3] float32 of a unit-scaled image [R, R, R].
+
+    `mirrored`: the mean of the probabilities of the 8 mirrorings of the image,
+    each flipped back. Every pass is the engine's own (tiled passes equal the
+    whole pass), so the mean is exact too.
+    """
+    if not mirrored:
+        return softmax_(engine.logits(image, progress))
+    total: np.ndarray | None = None
+    for index, axes in enumerate(MIRRORINGS):
+
+        def tick(done: int, count: int, index: int = index) -> None:
+            if progress is not None:
+                progress(index * count + done, len(MIRRORINGS) * count)
+
+        # The flips are views: the engine copies the image it reads, and `total` the first pass.
+        flipped = np.flip(softmax_(engine.logits(np.flip(image, axes), tick)), axes)
+        if total is None:
+            total = np.array(flipped)
+        else:
+            total += flipped
+    total /= len(MIRRORINGS)
+    return total
 
 
 def _batches(windows: list[Window], size: int) -> Iterator[list[Window]]:

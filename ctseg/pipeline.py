@@ -187,3 +187,23 @@ def validation_batches(
         image, _ = make_batch(store, padded, [identity] * size, mesh, config.data.hu_window)
         labels = np.stack([np.asarray(store.label(i)) for i in ids])
         yield ids, image, labels
+
+
+def statistics_batches(store: Store, config: Config, mesh: Mesh) -> Iterator[jax.Array]:
+    """Unaugmented training images whose batch-norm statistics are pooled for inference.
+
+    `train.bn_population_volumes` volumes (at least one batch) of a seeded
+    permutation of the training split, in batches of `train.batch_size`: always
+    the same volumes, so the statistics depend on the parameters alone.
+    """
+    ids = [c.id for c in store.split("train")]
+    size = config.train.batch_size
+    count = -(-min(config.train.bn_population_volumes, len(ids)) // size) * size
+    order = np.random.default_rng([config.train.seed, 0, 1]).permutation(len(ids))
+    picks = [ids[order[i % len(ids)]] for i in range(count)]
+    identity = Augmentation()
+    for start in range(0, count, size):
+        image, _ = make_batch(
+            store, picks[start : start + size], [identity] * size, mesh, config.data.hu_window
+        )
+        yield image

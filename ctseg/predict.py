@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from ctseg import atomic, evaluate, metrics, postprocess, preprocess, report, volume
+from ctseg import atomic, evaluate, infer, metrics, postprocess, preprocess, report, volume
 from ctseg import devices as dev
 from ctseg.errors import CtsegError
-from ctseg.infer import Engine, Model, load_model, softmax_
+from ctseg.infer import Engine, Model, load_model
 from ctseg.store import Store
 
 # (stage, done, total): stages "read", "infer" (windows done of total), "postprocess", "write".
@@ -140,14 +140,22 @@ class Predictor:
         tile: int | None = None,
         backend: str = "jax",
         devices: Sequence[Any] | None = None,
+        tta: bool | None = None,
     ):
         """`tile`: core size of exact tiles, 0 whole, −1 automatic; None: the run's config.
 
         `backend` and `devices`: as `infer.Engine` takes them; `from_run` chooses them.
+        `tta`: mirrored test-time augmentation (`infer.probabilities`); None: the run's config.
         """
         self.model = model
         self.config = model.config
         tile = self.config.predict.tile if tile is None else tile
+        self.tta = self.config.predict.tta if tta is None else tta
+        if self.tta and not self.config.train.flip:
+            raise CtsegError(
+                "test-time augmentation mirrors the scan, but this model was trained without "
+                "flips (train.flip = false) and has never seen mirrored anatomy; leave out --tta"
+            )
         self.clock = dev.compile_clock()
         self.engine = Engine(model, tile, backend, devices)
         # One-off costs of the whole call, filled in by `from_run`.
@@ -161,6 +169,7 @@ class Predictor:
         tile: int | None = None,
         backend: str | None = None,
         device: str = "auto",
+        tta: bool | None = None,
     ) -> Predictor:
         """The run's model on the devices `device` asks for (`ctseg.devices`), whatever
         layout trained it. `backend` None: JAX on accelerators, else ONNX Runtime if
@@ -178,7 +187,7 @@ class Predictor:
             except CtsegError as exc:
                 raise CtsegError(f"{run_dir}: {exc}") from None
         with _timed(seconds, "compile"):  # AOT compiles, ONNX export and sessions, placement
-            predictor = cls(model, tile, backend, found)
+            predictor = cls(model, tile, backend, found, tta)
         predictor.seconds = seconds
         return predictor
 
@@ -188,7 +197,8 @@ class Predictor:
         engine = self.engine
         runtime = "ONNX Runtime" if engine.backend == "onnx" else "XLA"
         where = dev.describe(engine.devices)  # none under ONNX Runtime: the host's CPU
-        return f"{where}, {runtime}, {engine.dtype}, {engine.description}"
+        mirrored = ", mirrored 8× (TTA)" if self.tta else ""
+        return f"{where}, {runtime}, {engine.dtype}, {engine.description}{mirrored}"
 
     def prepare(self, scan: volume.Scan, seconds: dict[str, float]) -> np.ndarray:
         """The scan on the run's grid, HU-windowed: exactly the training preprocessing."""
@@ -208,7 +218,7 @@ class Predictor:
 
         compiled_before = self.clock.seconds
         with _timed(seconds, "infer"):
-            probabilities = softmax_(self.engine.logits(unit, tiles))
+            probabilities = infer.probabilities(self.engine, unit, self.tta, tiles)
         compiling = self.clock.seconds - compiled_before
         seconds["infer"] -= compiling
         seconds["compile"] = seconds.get("compile", 0.0) + compiling
@@ -487,6 +497,7 @@ def evaluate_run(
     tile: int | None = None,
     backend: str | None = None,
     device: str = "auto",
+    tta: bool | None = None,
 ) -> dict:
     """Predict a store's split with a run and score it; writes summary.json and metrics.csv.
 
@@ -507,7 +518,7 @@ def evaluate_run(
     if not cases:
         raise CtsegError(f"the store at {data_dir} has no labelled cases in the {split!r} split")
     atomic.claim_folder(out_dir, ("summary.json", "predictions"), force=None)
-    predictor = Predictor.from_run(run_dir, checkpoint, tile, backend, device)
+    predictor = Predictor.from_run(run_dir, checkpoint, tile, backend, device, tta)
     if store.resolution != predictor.config.data.resolution:
         raise CtsegError(
             f"{data_dir} holds a {store.resolution}³ grid but the run was trained on "
@@ -536,6 +547,7 @@ def evaluate_run(
             "split": split,
             "tiling": predictor.engine.description,
             "backend": predictor.engine.backend,
+            "tta": predictor.tta,
             "device": predictor.summary,
         },
         "cases": records,

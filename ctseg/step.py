@@ -1,8 +1,10 @@
-"""Pure, jit-able steps: the partitioned training step and the inference pass.
+"""Pure, jit-able steps: the partitioned training step, the inference pass, and
+the population statistics of batch normalisation.
 
-`make_train_step` and `make_predict` return functions of plain pytrees that
-run over a mesh with the config's partitioner; the loop (`train.py`), the
-inference engine (`infer.py`), `ctseg plan` and `ctseg bench` all use them.
+`make_train_step`, `make_predict` and `make_batch_statistics` return functions
+of plain pytrees that run over a mesh with the config's partitioner; the loop
+(`train.py`), the inference engine (`infer.py`), `ctseg plan` and `ctseg bench`
+use them.
 """
 
 from __future__ import annotations
@@ -94,6 +96,17 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config, mesh: Mesh) -> Calla
     return train_step
 
 
+def _of_image(body: Callable[..., Any], config: Config, mesh: Mesh, out_specs: Any):
+    """`body(comm, params, stats, image)` partitioned over `mesh`, the image sharded."""
+    return partitioned(
+        body,
+        mesh,
+        config.mesh.partitioner,
+        in_specs=(REPLICATED, REPLICATED, ACTIVATION_SPEC),
+        out_specs=out_specs,
+    )
+
+
 def make_predict(graphdef: nnx.GraphDef, config: Config, mesh: Mesh) -> Callable[..., Any]:
     """predict(params, stats, image) -> logits [b, x, y, z, 3], inference mode.
 
@@ -105,10 +118,37 @@ def make_predict(graphdef: nnx.GraphDef, config: Config, mesh: Mesh) -> Callable
         logits, _ = unet.apply(graphdef, params, stats, image, comm, train=False)
         return logits
 
-    return partitioned(
-        body,
-        mesh,
-        config.mesh.partitioner,
-        in_specs=(REPLICATED, REPLICATED, ACTIVATION_SPEC),
-        out_specs=ACTIVATION_SPEC,
-    )
+    return _of_image(body, config, mesh, out_specs=ACTIVATION_SPEC)
+
+
+def make_batch_statistics(graphdef: nnx.GraphDef, config: Config, mesh: Mesh) -> Callable[..., Any]:
+    """batch_statistics(params, stats, image) -> every batch norm's mean and variance on `image`."""
+
+    def body(comm: Comm, params, stats, image):
+        return unet.batch_statistics(graphdef, params, stats, image, comm)
+
+    return _of_image(body, config, mesh, out_specs=REPLICATED)
+
+
+def pool_statistics(per_batch: list[nnx.State]) -> nnx.State:
+    """Population statistics from equal-sized batches' own statistics.
+
+    The mean of their means, and their pooled variance: the mean within-batch
+    variance plus the variance of the batch means, as if every voxel of every
+    batch had been one batch (so the result does not depend on how the volumes
+    were grouped into batches). These replace the running averages for
+    inference: "precise batch norm" (Wu & Johnson, 2021). Still one mean and
+    variance per channel, so inference stays a per-voxel affine map (invariant 6).
+    """
+
+    def pool(nodes: list[dict]) -> dict:
+        if set(nodes[0]) == {"mean", "var"}:
+            means = jnp.stack([n["mean"] for n in nodes])
+            mean = means.mean(axis=0)
+            within = jnp.stack([n["var"] for n in nodes]).mean(axis=0)
+            return {"mean": mean, "var": within + jnp.square(means - mean).mean(axis=0)}
+        return {key: pool([n[key] for n in nodes]) for key in nodes[0]}
+
+    pooled = jax.tree.map(lambda leaf: leaf, per_batch[0])  # a new State of the same form
+    nnx.replace_by_pure_dict(pooled, pool([nnx.to_pure_dict(s) for s in per_batch]))
+    return pooled

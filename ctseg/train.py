@@ -39,8 +39,15 @@ from ctseg import devices as dev
 from ctseg.checkpoints import Checkpoints, replicated_like
 from ctseg.errors import CtsegError
 from ctseg.partition import REPLICATED, make_mesh
-from ctseg.pipeline import Prefetcher, validation_batches
-from ctseg.step import TrainState, init_state, make_predict, make_train_step
+from ctseg.pipeline import Prefetcher, statistics_batches, validation_batches
+from ctseg.step import (
+    TrainState,
+    init_state,
+    make_batch_statistics,
+    make_predict,
+    make_train_step,
+    pool_statistics,
+)
 from ctseg.store import Store
 
 LAYOUTS = "layouts.jsonl"  # which layout and devices trained which steps
@@ -159,6 +166,26 @@ def validate(
     return {k: float(np.mean([s[k] for s in scores])) for k in ("liver", "tumor")}
 
 
+def population_statistics(
+    batch_statistics, pool, state: TrainState, store: Store, config: cfg.Config, mesh
+) -> TrainState:
+    """`state` with the batch-norm statistics that inference will use.
+
+    With `train.bn_population_volumes` > 0: pooled over that many training
+    volumes at the current parameters, so that they depend on the parameters
+    alone. The running averages they replace trail the parameters by about
+    1 / (1 − momentum) steps and follow the last few volumes, which with one
+    whole volume per step can put the liver far outside the liver.
+    """
+    if config.train.bn_population_volumes == 0:
+        return state
+    per_batch = [
+        batch_statistics(state.params, state.stats, image)
+        for image in statistics_batches(store, config, mesh)
+    ]
+    return state._replace(stats=pool(per_batch))
+
+
 @contextlib.contextmanager
 def _interrupt_after_step() -> Iterator[None]:
     """Hold a Ctrl-C that lands during a step until the new state is bound.
@@ -195,6 +222,15 @@ def _nan_cause(store: Store) -> str:
 def _wait_fraction(prefetch: Prefetcher, compute_seconds: float) -> float:
     """Share of the loop's time spent waiting for input rather than computing."""
     return prefetch.wait_seconds / max(prefetch.wait_seconds + compute_seconds, 1e-9)
+
+
+def _dice_of(entry: dict[str, Any]) -> dict[str, float]:
+    """A validation entry of metrics.jsonl as {step, liver, tumor}."""
+    return {
+        "step": entry["step"],
+        "liver": entry["val_dice_liver"],
+        "tumor": entry["val_dice_tumor"],
+    }
 
 
 def record_layout(run_dir: Path, step: int, config: cfg.Config, where: str) -> None:
@@ -273,6 +309,12 @@ def train_and_evaluate(
     train_step = jax.jit(make_train_step(graphdef, config, mesh), donate_argnums=0)
     predict = make_predict(graphdef, config, mesh)
     segment = jax.jit(lambda *args: jnp.argmax(predict(*args), axis=-1).astype(jnp.uint8))
+    batch_statistics = jax.jit(make_batch_statistics(graphdef, config, mesh))
+    pool = jax.jit(pool_statistics, out_shardings=NamedSharding(mesh, REPLICATED))
+
+    def for_inference(state: TrainState) -> TrainState:
+        return population_statistics(batch_statistics, pool, state, store, config, mesh)
+
     has_val = bool(store.split("val"))
     val_dice: dict[str, float] | None = None
     prefetch = Prefetcher(store, config, mesh, start, tc.steps)
@@ -295,6 +337,10 @@ def train_and_evaluate(
             window_steps += 1
             rate = window_steps / (time.perf_counter() - window_start)
             validating = has_val and (done % tc.eval_every == 0 or done == tc.steps)
+            saving = validating or done % tc.checkpoint_every == 0 or done == tc.steps
+            if saving:
+                # Every checkpoint carries the statistics that inference will use.
+                state = for_inference(state)
             if validating:
                 val_dice = validate(segment, state, store, config, mesh)
             if done % tc.log_every == 0 or validating or done == tc.steps:
@@ -308,24 +354,34 @@ def train_and_evaluate(
                 checkpoints.save(state, 0.5 * (val_dice["liver"] + val_dice["tumor"]))
                 if main_process:
                     report.plot_curves(log.entries, run_dir / "curves.png")
-            elif done % tc.checkpoint_every == 0 or done == tc.steps:
+            elif saving:
                 checkpoints.save(state)
             if progress:
                 progress(Progress(done, tc.steps, loss, rate, val_dice))
+        predict_step = checkpoints.resolve("best")
     except KeyboardInterrupt:
         # Ctrl-C: keep what was learnt, so that re-running the command resumes here.
         # `state` is only rebound after a step completes, so it is always whole.
         if int(state.step) > (checkpoints.latest_step() or 0):
-            checkpoints.save(state)
+            checkpoints.save(for_inference(state))
         raise
     finally:
         prefetch.close()
         # Waits for the last save: a failed one (full disk) raises CtsegError here,
         # naming its step and the latest intact one, and still releases orbax's threads.
         checkpoints.close()
+    validations = [e for e in log.entries if "val_dice_liver" in e]
     return {
         "step": int(state.step),
         "val_dice": val_dice,
+        "last_validation": _dice_of(validations[-1]) if validations else None,
+        # The best by the checkpoints' score, ties to the later step, as `best` resolves.
+        "best_validation": _dice_of(
+            max(validations, key=lambda e: (e["val_dice_liver"] + e["val_dice_tumor"], e["step"]))
+        )
+        if validations
+        else None,
+        "predict_checkpoint": predict_step,
         "data_wait_fraction": _wait_fraction(prefetch, compute_seconds),
         "run_dir": str(run_dir),
         "val_cases": len(store.split("val")),

@@ -223,6 +223,24 @@ def apply(
     return logits, nnx.state(model, nnx.BatchStat)
 
 
+def batch_statistics(
+    graphdef: nnx.GraphDef, params: nnx.State, stats: nnx.State, x: jax.Array, comm: Comm
+) -> nnx.State:
+    """Every batch norm's own mean and variance on the batch `x` (`stats` gives the shapes).
+
+    A training-mode forward pass, so each layer sees its input normalised by the
+    batch, exactly as in training; the statistics are global over partitions
+    and replicas (invariant 4). `ctseg.step.pool_statistics` averages them over
+    batches into the population statistics inference uses.
+    """
+    model = nnx.merge(graphdef, params, stats, copy=True)
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, BatchNorm):
+            module.momentum = 0.0  # the running average becomes this batch's statistics
+    model(x, comm, train=True)
+    return nnx.state(model, nnx.BatchStat)
+
+
 # --------------------------------------------------------------------------- geometry of the net
 
 

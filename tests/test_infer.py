@@ -110,6 +110,23 @@ def test_a_model_trained_16_way_predicts_on_the_devices_there(image):
             )
 
 
+def test_mirrored_tta_is_the_mean_of_eight_flipped_passes_and_mirror_equivariant(image):
+    engine = infer.Engine(random_model(2), tile=0)
+    calls: list[tuple[int, int]] = []
+    mirrored = infer.probabilities(engine, image, True, lambda *call: calls.append(call))
+    assert calls[-1] == (8, 8)
+    passes = []
+    for axes in [(), (0,), (1,), (2,), (0, 1), (0, 2), (1, 2), (0, 1, 2)]:
+        logits = engine.logits(np.ascontiguousarray(np.flip(image, axes)))
+        passes.append(np.flip(jax.nn.softmax(logits, axis=-1), axes))
+    np.testing.assert_allclose(mirrored, np.mean(passes, axis=0), rtol=0, atol=1e-6)
+    # Mirroring the scan mirrors the prediction: no axis is preferred any more.
+    flipped = infer.probabilities(engine, np.flip(image, (0, 2)), True)
+    np.testing.assert_allclose(np.flip(flipped, (0, 2)), mirrored, rtol=0, atol=1e-6)
+    plain = infer.probabilities(engine, image, False)
+    assert np.abs(plain - mirrored).max() > 1e-3  # the passes do differ on this model
+
+
 def test_a_whole_volume_that_does_not_fit_is_one_line(monkeypatch):
     monkeypatch.setattr(infer.dev, "free_memory", lambda devices: 2**20)  # 1 MiB free
     with pytest.raises(

@@ -1,5 +1,6 @@
 """`ctseg predict` and `ctseg evaluate RUN_DIR` end to end on one tiny trained run."""
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -131,6 +132,25 @@ def test_tiled_pipeline_equals_whole(trained, tmp_path):
     np.testing.assert_array_equal(whole.labels, tiled.labels)
 
 
+def test_tta_tiled_equals_tta_whole_and_needs_a_model_trained_with_flips(trained):
+    run_dir, _, raw = trained
+    from ctseg.volume import read_scan
+
+    whole = Predictor.from_run(run_dir, "latest", tile=0, tta=True)
+    tiled = Predictor.from_run(run_dir, "latest", tile=8, tta=True)
+    assert whole.summary.endswith("mirrored 8× (TTA)")
+    seconds: dict[str, float] = {}
+    unit = whole.prepare(read_scan(raw / "volume-0.nii.gz"), seconds)
+    np.testing.assert_allclose(tiled.infer(unit, seconds), whole.infer(unit, seconds), atol=1e-5)
+
+    model = whole.model
+    unflipped = dataclasses.replace(
+        model, config=dataclasses.replace(model.config, train=cfg.TrainConfig(flip=False))
+    )
+    with pytest.raises(CtsegError, match=r"trained without flips \(train.flip = false\)"):
+        Predictor(unflipped, tile=0, tta=True)
+
+
 def test_run_without_checkpoints(trained, tmp_path):
     run_dir, _, raw = trained
     empty = tmp_path / "empty_run"
@@ -148,10 +168,13 @@ def test_evaluate_run_dir(trained, tmp_path):
     run_dir, store, _ = trained
     out = tmp_path / "eval"
     result = runner.invoke(
-        app, ["evaluate", str(run_dir), "--data", str(store), "--split", "train", "--out", str(out)]
+        app,
+        ["evaluate", str(run_dir), "--data", str(store), "--split", "train", "--out", str(out)]
+        + ["--tta"],
     )
     assert result.exit_code == 0, result.output
     report = json.loads((out / "summary.json").read_text())
+    assert report["run"]["tta"] is True and "mirrored 8×" in report["run"]["device"]
     assert set(report) >= {"run", "cases", "summary", "errors"}
     assert report["errors"] == [] and len(report["cases"]) == report["summary"]["n_cases"] >= 1
     case = report["cases"][0]

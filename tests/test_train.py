@@ -100,6 +100,58 @@ def test_global_batch_is_the_same_on_every_layout(store_dir):
     assert not np.array_equal(batches[0][1][0], batches[0][1][1])  # two different cases
 
 
+def population_statistics_on(config, store):
+    """The pooled batch-norm statistics of a fresh model on `config`'s mesh, on the host."""
+    from jax.sharding import NamedSharding
+
+    from ctseg import step, train
+    from ctseg.partition import REPLICATED
+
+    mesh = make_mesh(config.mesh.spatial, config.mesh.data)
+    graphdef, state = step.init_state(config)
+    state = jax.device_put(state, NamedSharding(mesh, REPLICATED))
+    batch_statistics = jax.jit(step.make_batch_statistics(graphdef, config, mesh))
+    pool = jax.jit(step.pool_statistics)
+    updated = train.population_statistics(batch_statistics, pool, state, store, config, mesh)
+    return state.params, jax.device_get(updated.stats)
+
+
+def test_population_statistics_are_the_same_on_every_layout(store_dir):
+    """1 and 16 partitions and data parallelism: one set of statistics,
+    and its first layer's is the moments of the first convolution over every volume."""
+    store = Store.open(store_dir)
+    layouts = (
+        ["mesh.spatial=[1,1,1]"],
+        ["mesh.spatial=[4,4,1]"],
+        ["mesh.spatial=[1,2,4]", "mesh.data=2"],
+    )
+    runs = [
+        population_statistics_on(
+            tiny("train.batch_size=2", "train.bn_population_volumes=3", *o), store
+        )
+        for o in layouts
+    ]
+    params, want = runs[0]
+    for _, got in runs[1:]:
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    # Independent reference for the first layer: 3 volumes cycled into 2 batches of 2.
+    config = tiny("train.batch_size=2", "train.bn_population_volumes=3")
+    images = np.concatenate(
+        list(jax.device_get(list(pipeline.statistics_batches(store, config, make_mesh((1, 1, 1))))))
+    )
+    assert images.shape[0] == 4
+    kernel = np.asarray(params["down"][0]["first"]["conv"]["kernel"][...])
+    conv = jax.lax.conv_general_dilated(
+        images, kernel, (1, 1, 1), "SAME", dimension_numbers=("NDHWC", "DHWIO", "NDHWC")
+    )
+    conv = np.asarray(conv, np.float64).reshape(-1, kernel.shape[-1])
+    first = want["down"][0]["first"]["norm"]
+    np.testing.assert_allclose(first["mean"][...], conv.mean(axis=0), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(first["var"][...], conv.var(axis=0), rtol=1e-4, atol=1e-6)
+
+
 def test_run_directory_holds_config_metrics_curves_and_best_checkpoint(uninterrupted):
     assert cfg.load(uninterrupted / "config.toml") == tiny()
     entries = [line for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
@@ -134,6 +186,13 @@ def test_crash_then_resume_ends_with_identical_parameters(store_dir, uninterrupt
         for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
     ]
     assert steps == [1, 2, 3, 4]  # the lost step 3 was logged once, not twice
+    # The summary names the best and the last validation and the checkpoint predict takes.
+    entries = MetricsLog.read(tmp_path / "metrics.jsonl")
+    validated = [e for e in entries if "val_dice_liver" in e]
+    best = max(validated, key=lambda e: (e["val_dice_liver"] + e["val_dice_tumor"], e["step"]))
+    assert summary["last_validation"]["step"] == 4
+    assert summary["best_validation"]["step"] == best["step"] == summary["predict_checkpoint"]
+    assert summary["best_validation"]["liver"] == best["val_dice_liver"]
 
 
 def start_train_command(store_dir, run_dir, overrides, **popen):
@@ -361,8 +420,12 @@ def test_cli_warns_when_the_store_has_no_validation_cases(monkeypatch, store_dir
     from cli.app import app
 
     summary = {"step": 4, "data_wait_fraction": 0.0, "run_dir": str(tmp_path), "val_cases": 0}
+    summary.update(last_validation=None, best_validation=None, predict_checkpoint=4)
     monkeypatch.setattr(ctseg.train, "train_and_evaluate", lambda *a, **k: summary)
     args = ["train", "--data", str(store_dir), "--workdir", str(tmp_path)]
     result = CliRunner().invoke(app, [*args, *[f"--set={o}" for o in TINY]])
     assert result.exit_code == 0, result.output
-    assert "warning: the store has no validation cases" in " ".join(result.output.split())
+    output = " ".join(result.output.split())
+    assert "warning: the store has no validation cases" in output
+    assert "`ctseg predict` and `ctseg evaluate` use checkpoint 4 (latest;" in output
+    assert "validation Dice:" not in output
