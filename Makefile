@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Two workers, one test file each at a time (module fixtures are built once): most of
+# the suite is single-threaded compiling, so the two cores of CI both work.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 demo: $(STAMP)
 	bash scripts/demo.sh
