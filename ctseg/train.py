@@ -358,6 +358,7 @@ def train_and_evaluate(
                 checkpoints.save(state)
             if progress:
                 progress(Progress(done, tc.steps, loss, rate, val_dice))
+        checkpoints.wait()  # the last save counts: orbax lists a step once it is written
         predict_step = checkpoints.resolve("best")
     except KeyboardInterrupt:
         # Ctrl-C: keep what was learnt, so that re-running the command resumes here.

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from ctseg import checkpoints, pipeline
+from ctseg import checkpoints, pipeline, train
 from ctseg import config as cfg
 from ctseg.errors import CtsegError
 from ctseg.partition import make_mesh
@@ -104,7 +104,7 @@ def population_statistics_on(config, store):
     """The pooled batch-norm statistics of a fresh model on `config`'s mesh, on the host."""
     from jax.sharding import NamedSharding
 
-    from ctseg import step, train
+    from ctseg import step
     from ctseg.partition import REPLICATED
 
     mesh = make_mesh(config.mesh.spatial, config.mesh.data)
@@ -174,9 +174,21 @@ def crash_after(step):
     return progress
 
 
-def test_crash_then_resume_ends_with_identical_parameters(store_dir, uninterrupted, tmp_path):
+def test_crash_then_resume_ends_with_identical_parameters(
+    store_dir, uninterrupted, tmp_path, monkeypatch
+):
     with pytest.raises(Crash):
         train_and_evaluate(tiny(), store_dir, tmp_path, progress=crash_after(3))
+    # The resumed run's last validation is its best (validation changes no parameter):
+    # the summary must count the final checkpoint, whose save finishes after the loop.
+    monkeypatch.setattr(train, "validate", lambda *args: {"liver": 0.9, "tumor": 0.9})
+    resolve = checkpoints.Checkpoints.resolve
+
+    def resolve_once_written(self, which):
+        assert self._pending is None, "`best` resolved while the last save was being written"
+        return resolve(self, which)
+
+    monkeypatch.setattr(checkpoints.Checkpoints, "resolve", resolve_once_written)
     summary = train_and_evaluate(tiny(), store_dir, tmp_path)
     assert summary["step"] == 4
     for got, want in zip(final_params(tmp_path), final_params(uninterrupted)):
@@ -191,7 +203,7 @@ def test_crash_then_resume_ends_with_identical_parameters(store_dir, uninterrupt
     validated = [e for e in entries if "val_dice_liver" in e]
     best = max(validated, key=lambda e: (e["val_dice_liver"] + e["val_dice_tumor"], e["step"]))
     assert summary["last_validation"]["step"] == 4
-    assert summary["best_validation"]["step"] == best["step"] == summary["predict_checkpoint"]
+    assert summary["best_validation"]["step"] == best["step"] == summary["predict_checkpoint"] == 4
     assert summary["best_validation"]["liver"] == best["val_dice_liver"]
 
 
