@@ -134,11 +134,11 @@ def pool_statistics(per_batch: list[nnx.State]) -> nnx.State:
     """Population statistics from equal-sized batches' own statistics.
 
     The mean of their means, and their pooled variance: the mean within-batch
-    variance plus the variance of the batch means, as if every voxel of every
-    batch had been one batch (so the result does not depend on how the volumes
-    were grouped into batches). These replace the running averages for
-    inference: "precise batch norm" (Wu & Johnson, 2021). Still one mean and
-    variance per channel, so inference stays a per-voxel affine map (invariant 6).
+    variance plus the variance of the batch means, which is the variance of all
+    their voxels taken together (no E[x²] − E[x]² cancellation). These replace
+    the running averages for inference: "precise batch norm" (Wu & Johnson,
+    2021). Still one mean and variance per channel, so inference stays a
+    per-voxel affine map (invariant 6).
     """
 
     def pool(nodes: list[dict]) -> dict:
