@@ -371,17 +371,13 @@ def train_and_evaluate(
         # Waits for the last save: a failed one (full disk) raises CtsegError here,
         # naming its step and the latest intact one, and still releases orbax's threads.
         checkpoints.close()
-    validations = [e for e in log.entries if "val_dice_liver" in e]
+    validations = {e["step"]: _dice_of(e) for e in log.entries if "val_dice_liver" in e}
     return {
         "step": int(state.step),
         "val_dice": val_dice,
-        "last_validation": _dice_of(validations[-1]) if validations else None,
-        # The best by the checkpoints' score, ties to the later step, as `best` resolves.
-        "best_validation": _dice_of(
-            max(validations, key=lambda e: (e["val_dice_liver"] + e["val_dice_tumor"], e["step"]))
-        )
-        if validations
-        else None,
+        "last_validation": validations[max(validations)] if validations else None,
+        # The checkpoints' own choice of best (no second ranking here to drift from it).
+        "best_validation": validations.get(predict_step),
         "predict_checkpoint": predict_step,
         "data_wait_fraction": _wait_fraction(prefetch, compute_seconds),
         "run_dir": str(run_dir),
