@@ -165,7 +165,7 @@ def export_stage(
         raise ValueError(f"no stage {kind!r} at level {level} in a depth-{depth} U-Net")
     if (kind == BOTTOM) != (level == depth - 1):
         raise ValueError(f"the bottom stage is level {depth - 1}, not a {kind} stage at {level}")
-    widths = [model.cfg.base_filters * 2**i for i in range(depth)]
+    widths = unet.level_widths(model.cfg)
     g = _GraphBuilder()
     inputs = {STAGE_INPUT: 1 if level == 0 else widths[level - 1]}
     h = _level(g, model.down[level], g.channels_first(STAGE_INPUT))

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from ctseg import step
 from ctseg.config import Config, with_mesh
 from ctseg.partition import ACTIVATION_SPEC, REPLICATED, local_block_shape, make_mesh
+from ctseg.unet import level_widths
 
 MODES = ("train", "predict")
 LABEL_DTYPE = jnp.uint8  # labels as the prepared store holds them
@@ -155,7 +156,7 @@ def flops_of(compiled: jax.stages.Compiled, devices: int) -> float:
 
 def _conv_input_channels(config: Config) -> list[tuple[int, int]]:
     """(level, input channels) of every k×k×k convolution of the U-Net, in order."""
-    widths = [config.model.base_filters * 2**level for level in range(config.model.depth)]
+    widths = level_widths(config.model)
     convs = []
     for level, width in enumerate(widths):
         convs += [(level, 1 if level == 0 else widths[level - 1]), (level, width)]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from ctseg import atomic, evaluate, infer, metrics, postprocess, preprocess, report, volume
@@ -61,9 +62,14 @@ class Prediction:
     """A scan's prediction in canonical (RAS) voxel order, plus what was noticed on the way."""
 
     labels: np.ndarray  # post-processed, uint8, the scan's canonical shape
-    grid_labels: np.ndarray  # raw argmax on the R³ grid, uint8 (for grid-level Dice)
+    grid_probabilities: Any  # [R, R, R, 3] on the engine's devices (a host array in ONNX)
     probabilities: np.ndarray | None  # [..., 3] float32 on the scan's voxels, when asked for
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def grid_labels(self) -> np.ndarray:
+        """The raw argmax on the R³ grid, uint8 (for grid-level Dice); fetched when asked."""
+        return infer.grid_labels(self.grid_probabilities)
 
 
 def hu_warnings(hu: np.ndarray) -> list[str]:
@@ -208,9 +214,19 @@ class Predictor:
             return preprocess.hu_to_unit(grid, data.hu_window)
 
     def infer(
-        self, unit: np.ndarray, seconds: dict[str, float], progress: StageProgress | None = None
-    ) -> np.ndarray:
-        """Class probabilities [R, R, R, 3] on the grid; compiling is timed apart."""
+        self,
+        unit: np.ndarray,
+        seconds: dict[str, float],
+        progress: StageProgress | None = None,
+        warnings: list[str] | None = None,
+    ) -> Any:
+        """Class probabilities [R, R, R, 3] on the grid, on the engine's devices; compiling is
+        timed apart.
+
+        An accelerator that runs out of memory is tried once more with smaller tiles
+        (the engine is replaced for the scans after too), which `warnings` records;
+        a second failure is this scan's `CtsegError`.
+        """
 
         def tiles(done: int, total: int) -> None:
             if progress is not None:
@@ -218,11 +234,41 @@ class Predictor:
 
         compiled_before = self.clock.seconds
         with _timed(seconds, "infer"):
-            probabilities = infer.probabilities(self.engine, unit, self.tta, tiles)
+            try:
+                probabilities = self._probabilities(unit, tiles)
+            except Exception as exc:
+                if not infer.is_out_of_memory(exc):
+                    raise
+                before = self.engine.description
+                self.engine = self._smaller_engine()
+                if warnings is not None:
+                    warnings.append(
+                        f"out of memory with {before}; retried with {self.engine.description}"
+                    )
+                try:
+                    probabilities = self._probabilities(unit, tiles)
+                except Exception as again:
+                    if not infer.is_out_of_memory(again):
+                        raise
+                    raise CtsegError(
+                        f"out of memory on {dev.describe(self.engine.devices)}, also with "
+                        f"{self.engine.description}; try a smaller --tile"
+                    ) from None
         compiling = self.clock.seconds - compiled_before
         seconds["infer"] -= compiling
         seconds["compile"] = seconds.get("compile", 0.0) + compiling
         return probabilities
+
+    def _probabilities(self, unit: np.ndarray, progress: infer.TileProgress) -> Any:
+        """The engine's probabilities, waited for: a device's failure surfaces here."""
+        probabilities = infer.probabilities(self.engine, unit, self.tta, progress)
+        return jax.block_until_ready(probabilities)
+
+    def _smaller_engine(self) -> Engine:
+        """An automatic plan for half the memory the failed plan's programs needed."""
+        engine = self.engine
+        memory = int(engine.needed / 2 / infer.COMPILED_SHARE)
+        return Engine(self.model, -1, engine.backend, engine.devices, memory=memory)
 
     def finish(
         self,
@@ -233,19 +279,17 @@ class Predictor:
     ) -> Prediction:
         """Grid probabilities → post-processed labels on the scan's own canonical voxels."""
         options = self.config.predict
-        grid_labels = probabilities.argmax(-1).astype(np.uint8)
         with _timed(seconds, "resample"):
-            # Linear on probabilities, then argmax: smoother borders than resampling labels.
-            on_scan = preprocess.from_grid(probabilities, scan.array.shape, order=1)
-            labels = on_scan.argmax(-1).astype(np.uint8)
+            # On the engine's devices: only the labels (and asked-for probabilities) come back.
+            labels, on_scan = infer.scan_labels(probabilities, scan.array.shape, with_probabilities)
         with _timed(seconds, "postprocess"):
             labels = postprocess.clean_labels(
                 labels, options.keep_largest_liver, options.tumour_inside_liver
             )
         return Prediction(
             labels=labels,
-            grid_labels=grid_labels,
-            probabilities=on_scan if with_probabilities else None,
+            grid_probabilities=probabilities,
+            probabilities=on_scan,
             warnings=hu_warnings(scan.array) + geometry_warnings(scan),
         )
 
@@ -372,6 +416,7 @@ def predict_files(
                     prepared.unit,
                     prepared.seconds,
                     _stage_progress(progress, outcome.name),
+                    outcome.warnings,
                 )
                 prepared.unit = None  # the grid is freed once inferred
             if written is not None:
@@ -395,6 +440,10 @@ def _guarded(outcome: ScanOutcome, fn: Callable[..., Any], *args: Any) -> Any:
         outcome.error = str(exc)
     except MemoryError:
         outcome.error = "out of memory; try a smaller --tile"
+    except Exception as exc:  # an accelerator's out-of-memory fails the scan, not the batch
+        if not infer.is_out_of_memory(exc):
+            raise
+        outcome.error = "the accelerator ran out of memory; try a smaller --tile"
     return None
 
 
@@ -443,7 +492,7 @@ def _write_outputs(
     del probabilities
     with _timed(seconds, "postprocess"):
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
-    outcome.warnings = prediction.warnings + volume_warnings(stats)
+    outcome.warnings += prediction.warnings + volume_warnings(stats)
     paths = output_paths(out_dir, outcome.name, with_probabilities)
     with _timed(seconds, "write"):
         volume.write_labels(scan, prediction.labels, paths["seg"])

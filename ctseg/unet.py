@@ -120,6 +120,11 @@ class UpConv(nnx.Module):
         return y + self.bias[...].astype(self.dtype)
 
 
+def level_widths(cfg: ModelConfig) -> list[int]:
+    """Channels of each level, `base_filters` doubling per level."""
+    return [cfg.base_filters * 2**level for level in range(cfg.depth)]
+
+
 def max_pool(x: jax.Array) -> jax.Array:
     b, nx, ny, nz, c = x.shape
     return x.reshape(b, nx // 2, 2, ny // 2, 2, nz // 2, 2, c).max(axis=(2, 4, 6))
@@ -131,7 +136,7 @@ class UNet(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         dtype = jnp.dtype(cfg.dtype)
-        widths = [cfg.base_filters * 2**level for level in range(cfg.depth)]
+        widths = level_widths(cfg)
         self.down = nnx.List(
             [Level(1 if i == 0 else widths[i - 1], w, cfg, rngs) for i, w in enumerate(widths)]
         )

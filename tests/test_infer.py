@@ -1,14 +1,12 @@
 """The inference engine: exact level-wise tiled inference equals the whole-volume pass."""
 
-import dataclasses
-import math
-
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ctseg import config as cfg
-from ctseg import infer, unet
+from ctseg import infer, preprocess, tiling, unet
 from ctseg.errors import CtsegError
 from ctseg.partition import LOCAL
 
@@ -77,13 +75,13 @@ def test_level_wise_tiles_equal_whole_volume(depth, tiles, image):
     for tile in tiles:
         # Four windows per step, one per device, as on four accelerators.
         engine = infer.Engine(model, tile=tile, devices=jax.devices()[:4])
-        assert [(s.kind, s.level) for s in engine.stages] == infer.stage_order(depth)
+        assert [(s.kind, s.level) for s in engine.stages] == tiling.stage_order(depth)
         assert f"tiles ≤ {tile}³ ({2 * depth - 1} stages" in engine.description
         logits, calls = _progress(engine, image)
         total = sum(len(s.windows()) for s in engine.stages)
         assert total > 2 * depth - 1  # some stage really is tiled
         assert calls[-1] == (total, total)
-        assert logits.dtype == np.float32 and logits.flags.writeable
+        assert logits.dtype == np.float32 and isinstance(logits, jax.Array)  # on the devices
         np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-4, err_msg=f"tile {tile}")
         np.testing.assert_array_equal(logits.argmax(-1), reference.argmax(-1))
 
@@ -157,105 +155,6 @@ def test_level_wise_bfloat16_equals_whole_volume_bfloat16(image):
     np.testing.assert_array_equal(logits.argmax(-1), reference.argmax(-1))
 
 
-@pytest.mark.parametrize(
-    ("resolution", "depth", "tile"),
-    [(32, 2, 6), (32, 3, 12), (64, 4, 10), (512, 4, 128), (48, 4, 8)],
-)
-def test_stage_windows_cover_each_level_once_with_enough_context(resolution, depth, tile):
-    config = cfg.from_dict(
-        {"data": {"resolution": resolution}, "model": {"base_filters": 2, "depth": depth}}
-    )
-    for stage in infer.plan_stages(config, tile):
-        size = resolution >> stage.level
-        assert stage.size == size
-        assert stage.core <= tile or stage.core == size  # a stage in one window may be larger
-        covered = np.zeros((size,) * 3, np.int8) if size <= 64 else None
-        for w in stage.windows():
-            if covered is not None:
-                covered[w.core] += 1
-            assert all(s.stop - s.start == stage.extent for s in w.window)  # one compile
-            for window, core in zip(w.window, w.core):
-                assert window.start <= core.start and core.stop <= window.stop
-                # Context on each side, unless the window stops at the level's face.
-                assert window.start == 0 or core.start - window.start >= stage.context
-                assert window.stop == size or window.stop - core.stop >= stage.context
-                if stage.kind != infer.BOTTOM:  # pooled or read through halved windows
-                    assert window.start % 2 == core.start % 2 == core.stop % 2 == 0
-        if covered is not None:
-            assert (covered == 1).all(), (stage, np.unique(covered))
-        else:  # 512³: count per axis
-            assert sum(1 for _ in stage.windows()) == math.ceil(size / stage.core) ** 3
-
-
-@pytest.mark.parametrize(
-    ("size", "core", "context"), [(32, 12, 24), (32, 4, 10), (64, 16, 8), (16, 6, 2)]
-)
-def test_windows_cover_the_grid_once_with_enough_context(size, core, context):
-    windows = infer.plan_windows(size, core, context)
-    covered = np.zeros((size,) * 3, int)
-    extent = min(core + 2 * context, size)
-    for w in windows:
-        covered[w.core] += 1
-        assert all(s.stop - s.start == extent for s in w.window)  # one shape: one compile
-        for window, c in zip(w.window, w.core):
-            assert window.start <= c.start and c.stop <= window.stop
-            assert window.start == 0 or c.start - window.start >= context
-            assert window.stop == size or window.stop - c.stop >= context
-    assert (covered == 1).all()
-
-
-def test_stage_margins_cover_the_receptive_field():
-    """Down/bottom stages: two convolutions; up: the skip's two and the decoder's two."""
-    config = cfg.from_dict({"model": {"kernel_size": 5, "depth": 3}})
-    assert infer.stage_context(config, infer.DOWN) == 4
-    assert infer.stage_context(config, infer.BOTTOM) == 4
-    assert infer.stage_context(config, infer.UP) == 8
-
-
-LITS512 = cfg.from_dict({"data": {"resolution": 512}, "model": {"base_filters": 32, "depth": 4}})
-
-
-def test_automatic_plan_from_memory():
-    config = LITS512
-    assert infer.choose_stages(config, 1, memory=2**50, itemsize=2) == []  # whole volume
-    stages = infer.choose_stages(config, 1, memory=16 * 2**30, itemsize=2)
-    assert [(s.kind, s.level) for s in stages] == infer.stage_order(4)
-    level0 = [s.core for s in stages if s.level == 0]
-    assert all(0 < core < 512 and core % 2 == 0 for core in level0)
-    for stage in stages:  # every stage's step fits what its materialised arrays leave
-        resident = infer.resident_bytes(config, stage.kind, stage.level, 2)
-        room = infer._MEMORY_SHARE * 16 * 2**30 - resident
-        assert infer.window_bytes(config, stage.level, stage.extent) <= room
-    # Less memory, more windows per step or float32 intermediates: smaller cores.
-    for smaller in (
-        infer.choose_stages(config, 1, memory=8 * 2**30, itemsize=2),
-        infer.choose_stages(config, 4, memory=16 * 2**30, itemsize=2),
-        infer.choose_stages(config, 1, memory=16 * 2**30, itemsize=4),
-    ):
-        assert all(a.core <= b.core for a, b in zip(smaller, stages))
-        assert any(a.core < b.core for a, b in zip(smaller, stages))
-    # Nothing fits: small cores are the best chance.
-    tiny = infer.choose_stages(config, 1, memory=2**20, itemsize=2)
-    assert max(s.core for s in tiny) == 32
-
-
-def test_memory_estimates():
-    small = cfg.from_dict({"model": {"base_filters": 16}})
-    large = dataclasses.replace(small, model=dataclasses.replace(small.model, base_filters=32))
-    none = dataclasses.replace(small, model=dataclasses.replace(small.model, base_filters=0))
-    fixed = infer.window_bytes(none, 0, 10)
-    assert infer.window_bytes(large, 0, 10) - fixed == 2 * (
-        infer.window_bytes(small, 0, 10) - fixed
-    )
-    assert infer.window_bytes(small, 1, 10) > infer.window_bytes(small, 0, 10)  # wider level
-    assert infer.whole_volume_bytes(large) > infer.whole_volume_bytes(small)
-    # bfloat16 intermediates halve everything but the float32 image and logits.
-    for kind, level in infer.stage_order(LITS512.model.depth):
-        f32 = infer.resident_bytes(LITS512, kind, level, 4)
-        bf16 = infer.resident_bytes(LITS512, kind, level, 2)
-        assert bf16 < f32 < 2 * bf16
-
-
 def test_tile_must_be_even():
     model = random_model(3)
     with pytest.raises(CtsegError, match="must be even"):
@@ -270,3 +169,63 @@ def test_softmax_in_place():
     expected = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     probs = infer.softmax_(logits.copy())
     np.testing.assert_allclose(probs, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("count", [1, 4])
+def test_windows_are_cut_run_and_stitched_on_the_devices(count, image):
+    """Once the image is on the devices, no stage's windows pass through host memory:
+    tiled or whole, with mirrored TTA, nothing goes to or comes from the host until the
+    labels are fetched."""
+    model = random_model(2)
+    devices = jax.devices()[:count]
+    engines = [infer.Engine(model, tile=tile, devices=devices) for tile in (0, 6)]
+    assert engines[1].stages and len(engines[1].stages[0].windows()) > count
+    on_device = jax.device_put(image, devices[0])
+    results = []
+    for engine in engines:
+        for mirrored in (False, True):
+            with (
+                jax.transfer_guard_host_to_device("disallow_explicit"),
+                jax.transfer_guard_device_to_host("disallow_explicit"),
+            ):
+                probs = infer.probabilities(engine, on_device, mirrored)
+                jax.block_until_ready(probs)
+            results.append(np.asarray(probs))
+    for tiled, whole in zip(results[2:], results[:2], strict=True):
+        np.testing.assert_allclose(tiled, whole, rtol=0, atol=1e-5)
+
+
+def test_the_plan_is_chosen_from_the_compiled_programs_memory(monkeypatch, image):
+    """Enough free memory gives the whole volume; too little for it gives tiles whose
+    compiled programs, with the levels alive beside them, fit the budget."""
+    model = random_model(3)
+    whole = infer.Engine(model, tile=-1, memory=2**40)
+    assert whole.stages == [] and whole.needed > 0
+    # A tiny model's image and logits dominate: tiles save little, so the budget lies
+    # between what tiles of 8 and the whole pass need.
+    small = infer.Engine(model, tile=8).needed
+    assert small < whole.needed
+    memory = int((small + whole.needed) / 2 / infer.COMPILED_SHARE)
+    tiled = infer.Engine(model, tile=-1, memory=memory)
+    assert tiled.stages and tiled.needed <= infer.COMPILED_SHARE * memory
+    np.testing.assert_allclose(tiled.logits(image), whole.logits(image), rtol=0, atol=1e-5)
+    # The default is the devices' free memory, as the device policy reports it.
+    monkeypatch.setattr(infer.dev, "free_memory", lambda devices: memory)
+    assert infer.Engine(model, tile=-1).stages == tiled.stages
+
+
+def test_labels_on_the_scan_are_resampled_on_the_device_as_on_the_host():
+    """The device's linear resampling back to the scan's voxels equals
+    `preprocess.from_grid` (order 1), shrinking, stretching and keeping axes."""
+    rng = np.random.default_rng(2)
+    probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(16, 16, 16, 3)), jnp.float32), axis=-1)
+    host = np.asarray(probs)
+    for shape in [(16, 40, 5), (7, 16, 33)]:
+        labels, on_scan = infer.scan_labels(probs, shape, with_probabilities=True)
+        expected = preprocess.from_grid(host, shape, order=1)
+        np.testing.assert_allclose(on_scan, expected, rtol=0, atol=1e-6)
+        assert labels.dtype == np.uint8 and labels.shape == shape
+        assert (labels == expected.argmax(-1)).mean() > 0.999  # ties may break either way
+        host_labels, _ = infer.scan_labels(host, shape)
+        assert (labels == host_labels).mean() > 0.999
+    np.testing.assert_array_equal(infer.grid_labels(probs), host.argmax(-1))

@@ -13,7 +13,7 @@ from test_infer import RESOLUTION, random_model
 from test_predict import runner, trained  # noqa: F401  (`trained` is a fixture)
 
 from cli.app import app
-from ctseg import infer, unet
+from ctseg import infer, tiling, unet
 from ctseg.errors import CtsegError
 from ctseg.partition import LOCAL
 
@@ -71,7 +71,7 @@ def test_onnx_stage_graphs_equal_jax_stages():
     rng = np.random.default_rng(5)
     shape = (2, 8, 12, 4)  # batch 2, non-cubic: batch and spatial sizes are dynamic
     channels = {"image": 1, 1: 2, 2: 4}  # a_l: 1, then base·2^(l−1); d_l: base·2^l
-    for kind, level in infer.stage_order(3):
+    for kind, level in tiling.stage_order(3):
         proto = onnx_export.export_stage(model.graphdef, model.params, model.stats, kind, level)
         onnx.checker.check_model(proto, full_check=True)
         a = rng.uniform(-1, 1, (*shape, channels["image" if level == 0 else level]))

@@ -342,3 +342,40 @@ def test_evaluate_and_predict_out_of_files_are_one_error_line(trained, tmp_path)
     ]:
         result = runner.invoke(app, args)
         assert isinstance(result.exception, CtsegError) and message in str(result.exception), args
+
+
+@pytest.mark.parametrize("failures", [1, 2])
+def test_an_out_of_memory_scan_is_retried_with_smaller_tiles_or_fails_alone(
+    trained, tmp_path, monkeypatch, failures
+):
+    """The second of three scans runs out of accelerator memory: once, it is retried with
+    smaller tiles and says so; twice, its row fails and the other two are written."""
+    from ctseg import infer
+    from ctseg.predict import predict_files
+
+    run_dir, _, raw = trained
+    scans = [raw / f"volume-{i}.nii.gz" for i in range(3)]
+    predictor = Predictor.from_run(run_dir, "latest", tile=0)
+    calls = []
+    real = infer.probabilities
+
+    def probabilities(*args, **kwargs):
+        calls.append(predictor.engine.description)
+        if 2 <= len(calls) <= 1 + failures:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1 B")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(infer, "probabilities", probabilities)
+    outcomes = list(predict_files(predictor, scans, tmp_path / "out"))
+    assert [o.error is None for o in outcomes] == [True, failures == 1, True]
+    assert calls[0] == "whole volume 16³" and "tiles" in calls[2]  # the retry's smaller plan
+    retried = outcomes[1]
+    if failures == 1:
+        expected = "out of memory with whole volume 16³; retried with level-wise tiles"
+        assert any(expected in warning for warning in retried.warnings)
+        assert (tmp_path / "out" / "volume-1_stats.json").is_file()
+    else:
+        assert "out of memory" in retried.error and "smaller --tile" in retried.error
+        assert not (tmp_path / "out" / "volume-1_seg.nii.gz").exists()
+    for index in (0, 2):
+        assert (tmp_path / "out" / f"volume-{index}_seg.nii.gz").is_file()
