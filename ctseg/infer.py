@@ -458,7 +458,7 @@ class Engine:
                 fixed = (
                     []
                     if tiling.fits_whole(config, memory, dtype.itemsize)
-                    else tiling.choose_stages(config, 1, memory, dtype.itemsize)
+                    else tiling.choose_stages(config, memory, dtype.itemsize)
                 )
             self.stages = fixed
             self._plan = None
@@ -511,7 +511,7 @@ class Engine:
             whole = _compile_whole(model, devices)
             if whole.needed <= budget:
                 return whole
-        first_guess = tiling.choose_stages(config, len(devices), memory, itemsize)
+        first_guess = tiling.choose_stages(config, memory, itemsize)
         return _plan_tiles(model, first_guess, tiles_mesh, budget)
 
     @property

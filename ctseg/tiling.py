@@ -194,11 +194,6 @@ def plan_stages(config: Config, tile: int) -> list[Stage]:
     ]
 
 
-def stage_step(stage: Stage, devices: int) -> int:
-    """Windows running at once: one per device, fewer if the stage has fewer windows."""
-    return min(devices, math.ceil(stage.size / stage.core) ** 3)
-
-
 # --------------------------------------------------------------------------- memory
 
 
@@ -259,14 +254,13 @@ def fits_whole(config: Config, memory: float, itemsize: int) -> bool:
     return whole_volume_bytes(config, itemsize) <= MEMORY_SHARE * memory
 
 
-def choose_stages(
-    config: Config, windows_per_step: int, memory: float, itemsize: int
-) -> list[Stage]:
-    """The first-guess tiles for `memory` bytes: each stage's largest core that fits.
+def choose_stages(config: Config, memory: float, itemsize: int) -> list[Stage]:
+    """The first-guess tiles for `memory` bytes per device: each stage's largest core that fits.
 
-    Each stage gets the largest core whose windows, `windows_per_step` at a time, fit in
-    a share of what the materialised levels alive during the stage leave
-    (`resident_bytes`).
+    Each stage gets the largest core whose window fits in a share of what the
+    materialised levels alive during the stage leave (`resident_bytes`). A device
+    runs its windows one after another, so one window counts, however many devices
+    share a stage's windows.
     """
     resolution = config.data.resolution
     stages = []
@@ -276,8 +270,7 @@ def choose_stages(
         chosen = make_stage(config, kind, level, min(MIN_AUTO_CORE, size))
         for core in [size, *range(2 * ((size - 1) // 2), 0, -2)]:  # the grid, then even cores
             stage = make_stage(config, kind, level, core)
-            step = stage_step(stage, windows_per_step)
-            if step * window_bytes(config, level, stage.extent, itemsize) <= room:
+            if window_bytes(config, level, stage.extent, itemsize) <= room:
                 chosen = stage
                 break
         stages.append(chosen)

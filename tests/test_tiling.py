@@ -72,7 +72,7 @@ def test_automatic_plan_from_memory():
     config = LITS512
     assert tiling.fits_whole(config, memory=2**50, itemsize=2)
     assert not tiling.fits_whole(config, memory=16 * 2**30, itemsize=2)
-    stages = tiling.choose_stages(config, 1, memory=16 * 2**30, itemsize=2)
+    stages = tiling.choose_stages(config, memory=16 * 2**30, itemsize=2)
     assert [(s.kind, s.level) for s in stages] == tiling.stage_order(4)
     level0 = [s.core for s in stages if s.level == 0]
     assert all(0 < core < 512 and core % 2 == 0 for core in level0)
@@ -80,16 +80,15 @@ def test_automatic_plan_from_memory():
         resident = tiling.resident_bytes(config, stage.kind, stage.level, 2)
         room = tiling.MEMORY_SHARE * 16 * 2**30 - resident
         assert tiling.window_bytes(config, stage.level, stage.extent, 2) <= room
-    # Less memory, more windows per step or float32 intermediates: smaller cores.
+    # Less memory or float32 intermediates: smaller cores (however many devices share them).
     for smaller in (
-        tiling.choose_stages(config, 1, memory=8 * 2**30, itemsize=2),
-        tiling.choose_stages(config, 4, memory=16 * 2**30, itemsize=2),
-        tiling.choose_stages(config, 1, memory=16 * 2**30, itemsize=4),
+        tiling.choose_stages(config, memory=8 * 2**30, itemsize=2),
+        tiling.choose_stages(config, memory=16 * 2**30, itemsize=4),
     ):
         assert all(a.core <= b.core for a, b in zip(smaller, stages))
         assert any(a.core < b.core for a, b in zip(smaller, stages))
     # Nothing fits: small cores are the best chance.
-    tiny = tiling.choose_stages(config, 1, memory=2**20, itemsize=2)
+    tiny = tiling.choose_stages(config, memory=2**20, itemsize=2)
     assert max(s.core for s in tiny) == 32
 
 
