@@ -285,7 +285,8 @@ def _validate_data(d: DataConfig) -> None:
     _require(d.resolution >= 1, f"data.resolution must be positive, got {d.resolution}")
     _require(
         d.hu_window[0] < d.hu_window[1],
-        f"data.hu_window must be [low, high] with low < high, got {list(d.hu_window)}",
+        # No "[low, high]": the CLI prints errors as rich markup, which would eat it as a tag.
+        f"data.hu_window = {list(d.hu_window)} must be a low and a high HU with low < high",
     )
     _require(
         0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}"
