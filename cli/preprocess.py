@@ -23,8 +23,8 @@ def preprocess(
         Path,
         typer.Argument(
             help="Folder with LiTS volume-N/segmentation-N, MSD imagesTr/labelsTr, "
-            "or scans without labels (NIfTI/NRRD/MHA files, DICOM series folders: "
-            "a predict-only store)."
+            "or scans without labels (NIfTI/NRRD/MHA files, DICOM series folders of one "
+            "complete series each: a predict-only store)."
         ),
     ],
     out_dir: Annotated[Path, typer.Argument(help="Folder of the prepared store to write.")],
@@ -44,6 +44,8 @@ def preprocess(
     """Resample every scan to the R³ grid and write the prepared store.
 
     Exits 1 when some case failed (the others are in the store), 2 when nothing could start.
+    A scan larger than 1/8 of the available memory is refused from its header; set
+    CTSEG_MAX_SCAN_BYTES to allow more.
     """
     cfg = load_config(config, set_)
     with counting("preprocess") as report:

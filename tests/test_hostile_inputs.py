@@ -1,0 +1,167 @@
+"""Scans that real archives hold: each unreadable or implausible one is a one-line error."""
+
+import gzip
+import os
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import SimpleITK as sitk
+from dicom_series import write_dicom_series
+
+from ctseg import config as cfg
+from ctseg import volume
+from ctseg.errors import CtsegError
+from ctseg.store import Store, prepare
+from ctseg.volume import find_scans, read_scan
+
+AFFINE = np.diag([0.8, 0.8, 2.5, 1.0])
+NO_AFFINE = "has no usable geometry"
+
+
+def _nifti(path: Path, data=None, **fields) -> Path:
+    """A NIfTI file with a valid sform and qform, then `fields` set in its header as they are."""
+    data = np.zeros((6, 5, 4), np.int16) if data is None else data
+    header = nib.Nifti1Image(data, AFFINE).header.copy()
+    header.set_qform(AFFINE, code=1)
+    header.set_sform(AFFINE, code=1)
+    for key, value in fields.items():
+        header[key] = value
+    nib.save(nib.Nifti1Image(data, None, header=header), path)
+    return path
+
+
+_ZERO_SFORM = {"srow_x": [0] * 4, "srow_y": [0] * 4, "srow_z": [0] * 4}
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        ({"srow_x": [np.nan, 0, 0, 0]}, AFFINE),  # a NaN sform: the valid qform is used
+        (_ZERO_SFORM, AFFINE),  # a zero sform with sform_code 1: likewise
+        ({"sform_code": 0, "quatern_b": np.nan}, NO_AFFINE),
+        ({"srow_x": [np.nan, 0, 0, 0], "quatern_b": np.nan}, NO_AFFINE),
+        ({**_ZERO_SFORM, "qform_code": 0}, NO_AFFINE),
+    ],
+)
+def test_nifti_geometry_sform_else_qform_else_refused(tmp_path, fields, expected):
+    path = _nifti(tmp_path / "scan.nii.gz", **fields)
+    if isinstance(expected, str):
+        with pytest.raises(CtsegError, match=expected) as info:
+            read_scan(path)
+        assert "\n" not in str(info.value)
+        return
+    scan = read_scan(path)
+    np.testing.assert_allclose(scan.original_affine, expected)
+    # Results carry only the transform that was used, not the broken one.
+    header = scan.header
+    assert int(header["sform_code"]) == 0 and int(header["qform_code"]) == 1
+
+
+def test_complex_and_rgb_voxels_are_refused(tmp_path):
+    nib.save(nib.Nifti1Image(np.zeros((4, 4, 4), np.complex64), AFFINE), tmp_path / "c.nii.gz")
+    rgb = np.zeros((4, 4, 4), dtype=[("R", "u1"), ("G", "u1"), ("B", "u1")])
+    nib.save(nib.Nifti1Image(rgb, AFFINE), tmp_path / "rgb.nii.gz")
+    with pytest.raises(CtsegError, match=r"holds complex \(complex64\) voxels; ctseg expects"):
+        read_scan(tmp_path / "c.nii.gz")
+    with pytest.raises(CtsegError, match=r"holds 3-component \(R, G, B\) voxels"):
+        read_scan(tmp_path / "rgb.nii.gz")
+
+
+def test_a_pipe_or_device_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "fifo.nii.gz")  # opening it to read would wait for a writer
+    (tmp_path / "null.nii").symlink_to("/dev/null")
+    # Found in a folder and given by name alike, then refused one by one.
+    assert find_scans([tmp_path]) == [tmp_path / "fifo.nii.gz", tmp_path / "null.nii"]
+    assert find_scans([tmp_path / "fifo.nii.gz"]) == [tmp_path / "fifo.nii.gz"]
+    for name in ("fifo.nii.gz", "null.nii"):
+        with pytest.raises(CtsegError, match="is not a regular file"):
+            read_scan(tmp_path / name)
+
+
+def _huge_header_tiny_file(path: Path) -> Path:
+    """A .nii.gz whose header says 1200³ int16 (3.2 GiB) but that holds almost nothing."""
+    header = nib.Nifti1Header()
+    header.set_data_shape((1200, 1200, 1200))
+    header.set_data_dtype(np.int16)
+    header.set_sform(AFFINE, code=1)
+    with gzip.open(path, "wb") as handle:
+        handle.write(header.binaryblock + b"\0" * 4 + b"\0" * 1024)
+    return path
+
+
+def test_a_scan_too_large_for_memory_is_refused_from_its_header(tmp_path, monkeypatch):
+    path = _huge_header_tiny_file(tmp_path / "huge.nii.gz")
+    monkeypatch.setattr(volume, "host_memory", lambda: 16 * 2**30)
+    with pytest.raises(CtsegError) as info:
+        read_scan(path)
+    message = str(info.value)
+    assert "1200 × 1200 × 1200 voxels, 3.2 GiB in memory, more than the 2.0 GiB" in message
+    assert "set CTSEG_MAX_SCAN_BYTES=3456000000 to read it anyway" in message
+    monkeypatch.setenv("CTSEG_MAX_SCAN_BYTES", "1000000")
+    with pytest.raises(CtsegError, match="more than the 0.0 GiB that CTSEG_MAX_SCAN_BYTES allows"):
+        read_scan(path)
+    monkeypatch.setenv("CTSEG_MAX_SCAN_BYTES", "lots")
+    with pytest.raises(CtsegError, match="CTSEG_MAX_SCAN_BYTES must be a number of bytes"):
+        read_scan(path)
+    # Within the limit the scan is read (here: found damaged, as it is).
+    monkeypatch.setenv("CTSEG_MAX_SCAN_BYTES", str(4 * 2**30))
+    monkeypatch.setattr(volume, "_scaled_voxels", lambda image: pytest.fail("decompressed"))
+    with pytest.raises(pytest.fail.Exception, match="decompressed"):
+        read_scan(path)
+
+
+def test_itk_and_dicom_sizes_are_checked_before_reading(tmp_path, monkeypatch):
+    sitk.WriteImage(_itk((6, 5, 4)), str(tmp_path / "scan.mha"))
+    write_dicom_series(tmp_path / "series", _itk((6, 5, 4)))
+    monkeypatch.setenv("CTSEG_MAX_SCAN_BYTES", "100")  # 120 voxels of int16: 240 bytes
+    with pytest.raises(CtsegError, match=r"scan.mha is 6 × 5 × 4 voxels"):
+        read_scan(tmp_path / "scan.mha")
+    with pytest.raises(CtsegError, match=r"series is 6 × 5 × 4 voxels"):
+        read_scan(tmp_path / "series")
+
+
+def _itk(shape_xyz, seed=0, spacing=(0.7, 0.7, 4.83)) -> sitk.Image:
+    data = np.random.default_rng(seed).integers(-1000, 1000, shape_xyz[::-1]).astype(np.int16)
+    image = sitk.GetImageFromArray(data)
+    image.SetSpacing(spacing)
+    return image
+
+
+def test_a_dicom_series_with_a_missing_slice_is_refused(tmp_path):
+    write_dicom_series(tmp_path / "series", _itk((6, 5, 8)))
+    assert read_scan(tmp_path / "series").spacing[2] == pytest.approx(4.83, abs=1e-3)
+    (tmp_path / "series" / "slice003.dcm").unlink()
+    with pytest.raises(CtsegError) as info:
+        read_scan(tmp_path / "series")
+    assert (
+        "is not evenly spaced: slices 3 and 4 of 7 (at 9.66 and 19.32 mm along the slice "
+        "normal) are 9.66 mm apart, the others 4.83 mm" in str(info.value)
+    )
+
+
+def test_a_folder_of_two_series_names_both(tmp_path):
+    folder = tmp_path / "study"
+    write_dicom_series(folder, _itk((6, 5, 4), seed=0), series=1)
+    write_dicom_series(tmp_path / "other", _itk((6, 5, 4), seed=1), series=2)
+    for file in (tmp_path / "other").iterdir():
+        file.rename(folder / f"other_{file.name}")
+    with pytest.raises(CtsegError) as info:
+        read_scan(folder)
+    message = str(info.value)
+    assert "holds 2 DICOM series: 1.2.826.0.1.3680043.2.1125.1.1 (4 files);" in message
+    assert "1.2.826.0.1.3680043.2.1125.1.2 (4 files); move the one to segment" in message
+
+
+def test_preprocess_reports_a_refused_scan_and_stores_the_others(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    ct = np.random.default_rng(0).integers(-1000, 1000, (6, 5, 4)).astype(np.int16)
+    _nifti(raw / "good.nii.gz", ct)
+    _nifti(raw / "broken.nii.gz", ct, sform_code=0, quatern_b=np.nan)
+    result = prepare(raw, tmp_path / "prep", cfg.load(None, ["data.resolution=8"]))
+    outcomes = {o.case_id: o for o in result.outcomes}
+    assert outcomes["good"].status == "prepared"
+    assert outcomes["broken"].status == "failed" and NO_AFFINE in outcomes["broken"].reason
+    assert [case.id for case in Store.open(tmp_path / "prep").cases] == ["good"]
