@@ -12,7 +12,7 @@ from rich.text import Text
 from cli.app import app
 from cli.options import ConfigOption, SetOption, load_config
 from cli.progress import counting
-from ctseg.store import MANIFEST, SPLITS, PrepareResult, prepare
+from ctseg.store import MANIFEST, SPLITS, PrepareResult, prepare, usable_workers
 
 _STATUS_STYLE = {"prepared": "green", "resumed": "cyan", "failed": "red"}
 
@@ -32,7 +32,11 @@ def preprocess(
     set_: SetOption = None,
     workers: Annotated[
         int,
-        typer.Option("--workers", min=1, help="Cases prepared at once, each in its own process."),
+        typer.Option(
+            "--workers",
+            min=1,
+            help="Cases prepared at once, each in its own process (at most one per CPU).",
+        ),
     ] = 1,
     force: Annotated[
         bool,
@@ -48,9 +52,12 @@ def preprocess(
     CTSEG_MAX_SCAN_BYTES to allow more.
     """
     cfg = load_config(config, set_)
+    console = Console(highlight=False)
+    usable = usable_workers(workers)
+    if usable < workers:
+        console.print(f"--workers {workers}: {usable} CPU(s) here, so {usable} worker(s)")
     with counting("preprocess") as report:
         result = prepare(raw_dir, out_dir, cfg, progress=report, force=force, workers=workers)
-    console = Console(highlight=False)
     console.print(_case_table(result))
     console.print(_summary_line(result, out_dir), soft_wrap=True)
     if result.failures:

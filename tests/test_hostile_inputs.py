@@ -2,6 +2,10 @@
 
 import gzip
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import nibabel as nib
@@ -9,12 +13,16 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 from dicom_series import write_dicom_series
+from typer.testing import CliRunner
 
+import cli.main  # noqa: F401  (registers the commands)
+from cli.app import app
 from ctseg import config as cfg
 from ctseg import volume
 from ctseg.errors import CtsegError
-from ctseg.store import Store, prepare
+from ctseg.store import Store, prepare, usable_workers
 from ctseg.volume import find_scans, read_scan
+from data_prep.synth import write_dataset
 
 AFFINE = np.diag([0.8, 0.8, 2.5, 1.0])
 NO_AFFINE = "has no usable geometry"
@@ -165,3 +173,67 @@ def test_preprocess_reports_a_refused_scan_and_stores_the_others(tmp_path):
     assert outcomes["good"].status == "prepared"
     assert outcomes["broken"].status == "failed" and NO_AFFINE in outcomes["broken"].reason
     assert [case.id for case in Store.open(tmp_path / "prep").cases] == ["good"]
+
+
+# --- preprocess workers --------------------------------------------------------------------
+
+
+def _live_children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (zombies, already ended, left out)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            except (OSError, ValueError):
+                continue
+            if int(parent) == pid and state != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_workers_end_when_preprocess_is_killed(tmp_path):
+    write_dataset(tmp_path / "raw", cases=6, size=24, seed=0)
+    script = (
+        "from ctseg import config; from ctseg.store import prepare; "
+        f"prepare({str(tmp_path / 'raw')!r}, {str(tmp_path / 'prep')!r}, "
+        "config.load(None, ['data.resolution=160']), workers=2)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60
+        while len(_live_children(parent.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # two workers and multiprocessing's resource tracker
+        children = _live_children(parent.pid)
+        assert len(children) >= 3 and parent.poll() is None
+        time.sleep(0.5)  # the workers are at their cases
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while any(map(_alive, children)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in children if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "processes of a killed preprocess are still running"
+
+
+def test_workers_are_capped_at_the_cpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert usable_workers(1) == 1 and usable_workers(1000) == 2
+    with pytest.raises(CtsegError, match="--workers must be at least 1, got 0"):
+        usable_workers(0)
+    write_dataset(tmp_path / "raw", cases=1, size=16, seed=0)
+    args = ["preprocess", str(tmp_path / "raw"), str(tmp_path / "prep"), "--workers", "1000"]
+    result = CliRunner().invoke(app, [*args, "--set", "data.resolution=8"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0] == "--workers 1000: 2 CPU(s) here, so 2 worker(s)"
