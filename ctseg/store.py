@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import json
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -382,6 +385,7 @@ def _check_existing_store(out_dir: Path, resolution: int, force: bool) -> None:
     """Refuse a folder that is not a store (unless `force`), or a store of another grid."""
     # A killed first run leaves cases/ without a manifest: the folder is still the store's.
     claim_folder(out_dir, (MANIFEST, "cases"), force)
+    _check_writable(out_dir)
     _manifest_file(out_dir)
     manifest = None if force else _read_manifest(out_dir)
     if manifest is not None and manifest.get("resolution") != resolution:
@@ -389,6 +393,40 @@ def _check_existing_store(out_dir: Path, resolution: int, force: bool) -> None:
             f"{out_dir} holds a store at resolution {manifest.get('resolution')}, "
             f"not {resolution}; use another folder or --force to rebuild it"
         )
+
+
+def _check_writable(folder: Path) -> None:
+    """CtsegError naming the folder if no file can be created in it (read-only, not ours).
+
+    Found here, before any case, rather than as the same failure for every case and
+    then a traceback at the manifest.
+    """
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise CtsegError(f"cannot write in {folder}: {exc.strerror or exc}") from None
+
+
+def _write_array(path: Path, array: np.ndarray) -> None:
+    """`write_npy`, with a full disk said as such.
+
+    numpy writes arrays with fwrite, whose short write on a full disk reaches Python
+    as "32768 requested and 6080 written", without an errno.
+    """
+    try:
+        write_npy(path, array)
+    except CtsegError as exc:
+        cause = exc.__cause__
+        short_write = isinstance(cause, OSError) and cause.errno is None
+        if not (short_write or getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT)):
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise CtsegError(
+            f"cannot write {path}: no space left on the device of {path.parent} "
+            f"({array.nbytes / 2**20:.0f} MiB to write, {free / 2**20:.0f} MiB free); free "
+            "some space and run the same command: finished cases are kept"
+        ) from cause
 
 
 def _finished_entry(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry | None:
@@ -487,12 +525,12 @@ def _prepare_case(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry:
     label_counts = None
     if case.label is not None:
         label_grid = _label_grid(image, case.label, resolution)
-        write_npy(_array_path(out_dir, case.case_id, "label"), label_grid)
+        _write_array(_array_path(out_dir, case.case_id, "label"), label_grid)
         # Not np.bincount: it would first copy a 512³ grid into 1 GiB of int64.
         label_counts = tuple(
             int(np.count_nonzero(label_grid == v)) for v in preprocess.LABEL_VALUES
         )
-    write_npy(
+    _write_array(
         _array_path(out_dir, case.case_id, "image"),
         preprocess.image_to_grid(image.array, resolution),
     )

@@ -1,7 +1,9 @@
 """Scans that real archives hold: each unreadable or implausible one is a one-line error."""
 
+import errno
 import gzip
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from typer.testing import CliRunner
 import cli.main  # noqa: F401  (registers the commands)
 from cli.app import app
 from ctseg import config as cfg
-from ctseg import volume
+from ctseg import store, volume
 from ctseg.errors import CtsegError
 from ctseg.store import Store, prepare, usable_workers
 from ctseg.volume import find_scans, read_scan
@@ -237,3 +239,51 @@ def test_workers_are_capped_at_the_cpus(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, [*args, "--set", "data.resolution=8"])
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[0] == "--workers 1000: 2 CPU(s) here, so 2 worker(s)"
+
+
+# --- output folders that cannot take the store ---------------------------------------------
+
+
+def _one_case(tmp_path: Path) -> Path:
+    write_dataset(tmp_path / "raw", cases=1, size=16, seed=0)
+    return tmp_path / "raw"
+
+
+def test_a_read_only_store_folder_is_one_line_before_any_case(tmp_path, monkeypatch):
+    raw = _one_case(tmp_path)
+
+    def refused(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    # As root (CI containers) chmod does not stop writes: refuse them where the probe goes.
+    monkeypatch.setattr(store.tempfile, "TemporaryFile", refused)
+    result = CliRunner().invoke(
+        app, ["preprocess", str(raw), str(tmp_path / "prep"), "--set", "data.resolution=8"]
+    )
+    assert isinstance(result.exception, CtsegError)
+    assert str(result.exception) == f"cannot write in {tmp_path / 'prep'}: Permission denied"
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError("32768 requested and 6080 written"),  # numpy's short write, without errno
+        OSError(errno.ENOSPC, "No space left on device"),
+    ],
+)
+def test_a_full_disk_is_said_as_such(tmp_path, monkeypatch, failure):
+    raw = _one_case(tmp_path)
+
+    def full(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(np, "save", full)
+    result = prepare(raw, tmp_path / "prep", cfg.load(None, ["data.resolution=8"]))
+    (outcome,) = result.outcomes
+    assert outcome.status == "failed" and result.store is None
+    assert re.fullmatch(
+        r"cannot write .*label\.npy: no space left on the device of .*lits-0 \(0 MiB to "
+        r"write, \d+ MiB free\); free some space and run the same command: finished cases "
+        r"are kept",
+        outcome.reason,
+    ), outcome.reason
