@@ -22,6 +22,7 @@ from cli.app import app
 from ctseg import config as cfg
 from ctseg import store, volume
 from ctseg.errors import CtsegError
+from ctseg.report import plot_preview
 from ctseg.store import Store, prepare, usable_workers
 from ctseg.volume import find_scans, read_scan
 from data_prep.synth import write_dataset
@@ -287,3 +288,14 @@ def test_a_full_disk_is_said_as_such(tmp_path, monkeypatch, failure):
         r"are kept",
         outcome.reason,
     ), outcome.reason
+
+
+# --- names ---------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("error")  # matplotlib's "Glyph … missing from font(s)"
+@pytest.mark.parametrize("name", ["肝臓スキャン_01", "a$^^{$b", "cost $5 and $6", "emoji 🫁"])
+def test_any_scan_name_titles_a_preview_without_warning_or_error(tmp_path, name):
+    hu = np.zeros((8, 8, 8), np.int16)
+    plot_preview(hu, hu.astype(np.uint8), (1.0, 1.0, 1.0), tmp_path / "p.png", title=name)
+    assert (tmp_path / "p.png").stat().st_size > 0
