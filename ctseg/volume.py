@@ -371,6 +371,8 @@ def _check_slice_spacing(folder: Path, files: list[str]) -> None:
 
 
 def _squeeze_to_3d(array: np.ndarray, path: Path) -> np.ndarray:
+    if array.size == 0:
+        raise CtsegError(f"{path} holds no voxels (shape {array.shape})")
     if array.ndim > 3 and all(n == 1 for n in array.shape[3:]):
         array = array.reshape(array.shape[:3])
     if array.ndim == 4:

@@ -25,6 +25,7 @@ from ctseg.errors import CtsegError
 from ctseg.report import plot_preview
 from ctseg.store import Store, prepare, usable_workers
 from ctseg.volume import find_scans, read_scan
+from data_prep.layouts import find_cases, is_case_id
 from data_prep.synth import write_dataset
 
 AFFINE = np.diag([0.8, 0.8, 2.5, 1.0])
@@ -299,3 +300,17 @@ def test_any_scan_name_titles_a_preview_without_warning_or_error(tmp_path, name)
     hu = np.zeros((8, 8, 8), np.int16)
     plot_preview(hu, hu.astype(np.uint8), (1.0, 1.0, 1.0), tmp_path / "p.png", title=name)
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_scans_named_in_other_scripts_are_cases_of_their_own(tmp_path):
+    for name in ("肝臓_01.nii.gz", "肝臓_02.nii.gz", "patient é.nii.gz"):
+        (tmp_path / name).write_bytes(b"")
+    ids = sorted(case.case_id for case in find_cases(tmp_path).cases)
+    assert ids == ["patient-u00e9", "u809d-u81d3-01", "u809d-u81d3-02"]
+    assert all(is_case_id(i) for i in ids)
+
+
+def test_a_scan_without_voxels_is_one_line(tmp_path):
+    nib.save(nib.Nifti1Image(np.zeros((0, 5, 5), np.int16), AFFINE), tmp_path / "empty.nii.gz")
+    with pytest.raises(CtsegError, match=r"empty.nii.gz holds no voxels \(shape"):
+        read_scan(tmp_path / "empty.nii.gz")
