@@ -67,7 +67,9 @@ def find_cases(raw_dir: str | Path) -> Layout:
     if not raw_dir.is_dir():
         raise CtsegError(f"raw data folder not found: {raw_dir}")
     all_files, folders = _tree(raw_dir)
-    files = [p for p in all_files if not p.name.startswith(".") and p.is_file()]
+    # Not only regular files: a pipe or a dangling link named as a scan is a case that
+    # fails with its reason, not one that silently goes missing.
+    files = [p for p in all_files if not p.name.startswith(".")]
     lits_labels = _numbered(files, _LITS_LABEL)
     msd_labels = _numbered(_in_folder(files, "labelsTr"), _MSD_FILE)
     if not lits_labels and not msd_labels:

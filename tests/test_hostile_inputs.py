@@ -172,10 +172,14 @@ def test_preprocess_reports_a_refused_scan_and_stores_the_others(tmp_path):
     ct = np.random.default_rng(0).integers(-1000, 1000, (6, 5, 4)).astype(np.int16)
     _nifti(raw / "good.nii.gz", ct)
     _nifti(raw / "broken.nii.gz", ct, sform_code=0, quatern_b=np.nan)
+    os.mkfifo(raw / "pipe.nii.gz")
+    (raw / "dangling.nii").symlink_to(tmp_path / "gone.nii")
     result = prepare(raw, tmp_path / "prep", cfg.load(None, ["data.resolution=8"]))
     outcomes = {o.case_id: o for o in result.outcomes}
     assert outcomes["good"].status == "prepared"
     assert outcomes["broken"].status == "failed" and NO_AFFINE in outcomes["broken"].reason
+    assert "is not a regular file" in outcomes["pipe"].reason
+    assert "scan not found" in outcomes["dangling"].reason
     assert [case.id for case in Store.open(tmp_path / "prep").cases] == ["good"]
 
 
