@@ -254,9 +254,16 @@ def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -
         if not path.is_file():
             raise CtsegError(f"config file not found: {path}")
         try:
-            raw = tomllib.loads(path.read_text())
+            # TOML is UTF-8 whatever the locale (GDCM's writer, for one, can set it to C).
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise CtsegError(f"{path} is not valid TOML: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise CtsegError(
+                f"{path} is not a TOML file: byte {exc.start} is not UTF-8 text"
+            ) from None
+        except OSError as exc:
+            raise CtsegError(f"cannot read {path}: {exc.strerror or exc}") from None
     for item in overrides:
         section, key, value = _parse_override(item)
         if section not in SECTIONS:

@@ -227,3 +227,9 @@ def test_every_number_has_a_range(key):
 def test_config_path_that_is_a_folder_says_so(tmp_path):
     with pytest.raises(CtsegError, match="is a folder, not a config file"):
         cfg.load(tmp_path)
+
+
+def test_a_config_that_is_not_text_is_one_line(tmp_path):
+    (tmp_path / "binary.toml").write_bytes(b"\xff\xfe[data]\n")
+    with pytest.raises(CtsegError, match="binary.toml is not a TOML file: byte 0 is not UTF-8"):
+        cfg.load(tmp_path / "binary.toml")
