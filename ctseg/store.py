@@ -32,6 +32,7 @@ import ctypes
 import dataclasses
 import errno
 import json
+import math
 import multiprocessing
 import os
 import shutil
@@ -183,6 +184,43 @@ def _check_entries(manifest: Path, cases: list[CaseEntry]) -> None:
                 raise CtsegError(
                     f"{where}.{key} = {source!r} is not an absolute, normalised path of a scan"
                 )
+        _check_numbers(where, case)
+
+
+# Numeric fields of an entry: (shape, whole numbers, lowest allowed value, in words).
+_NUMBERS = {
+    "original_shape": ((3,), True, 1, "3 voxel counts"),
+    "canonical_shape": ((3,), True, 1, "3 voxel counts"),
+    "original_affine": ((4, 4), False, -math.inf, "a 4×4 matrix of finite numbers"),
+    "canonical_affine": ((4, 4), False, -math.inf, "a 4×4 matrix of finite numbers"),
+    "spacing": ((3,), False, math.ulp(0.0), "3 positive numbers (mm)"),
+    "label_counts": ((3,), True, 0, "3 voxel counts"),
+}
+
+
+def _check_numbers(where: str, case: CaseEntry) -> None:
+    """CtsegError naming the first numeric field of an entry that is not what it must be.
+
+    `ctseg evaluate` compares shapes and affines with the scan's own header: a field
+    edited into something else would fail there with a traceback, or match nothing.
+    """
+    for key, (shape, whole, lowest, words) in _NUMBERS.items():
+        value = getattr(case, key)
+        if key == "label_counts" and value is None and not case.labelled:
+            continue
+        array = np.array(value, dtype=object)
+        items = array.ravel().tolist()
+        kind = int if whole else (int, float)
+        if not (
+            array.shape == shape
+            and all(isinstance(v, kind) and not isinstance(v, bool) for v in items)
+            and all(math.isfinite(v) and v >= lowest for v in items)
+        ):
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise CtsegError(
+                f"{where}.{key} = {shown} is not {words}; re-run `ctseg preprocess --force`"
+            )
 
 
 def _is_source(value: object) -> bool:
