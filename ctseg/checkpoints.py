@@ -357,7 +357,8 @@ def load_for_inference(
 
     `latest` and `best` take the latest (best) checkpoint that can be read, and log a
     warning for each skipped; a step number must be readable. A checkpoint that does
-    not match the run's config.toml is an error either way: no other would match either.
+    not match the run's config.toml is an error either way: falling back to an older
+    one would hide that the run directory is not one run's any more.
     """
     config = load_run_config(run_dir)
     graphdef, abstract = init_state_abstract(config)

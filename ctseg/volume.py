@@ -124,7 +124,7 @@ def _read_nifti(path: Path) -> tuple[np.ndarray, np.ndarray, nib.Nifti1Header]:
         )
     proxy = image.dataobj
     scaled = (getattr(proxy, "slope", 1.0), getattr(proxy, "inter", 0.0)) != (1.0, 0.0)
-    check_size(path, image.shape, 4 if scaled else dtype.itemsize)
+    _check_size(path, image.shape, 4 if scaled else dtype.itemsize)
     header = image.header.copy()
     affine = _nifti_affine(header, path)
     try:
@@ -179,15 +179,14 @@ def _usable_affine(affine: np.ndarray | None) -> bool:
 
 
 def _check_affine(affine: np.ndarray, path: Path) -> None:
+    """Any format's last check; NIfTI's affine was already chosen usable (`_nifti_affine`)."""
     if not _usable_affine(affine):
-        spacing = np.sqrt((np.nan_to_num(affine[:3, :3]) ** 2).sum(axis=0))
         raise CtsegError(
-            f"{path} has no usable geometry: its voxel-to-world matrix is not finite and "
-            f"invertible (voxel sizes {', '.join(f'{s:g}' for s in spacing)} mm)"
+            f"{path} has no usable geometry: its voxel-to-world matrix is not finite and invertible"
         )
 
 
-def check_size(path: Path, shape: tuple[int, ...], itemsize: int) -> None:
+def _check_size(path: Path, shape: tuple[int, ...], itemsize: int) -> None:
     """CtsegError when a scan of `shape` would take too much memory once read.
 
     The limit is 1/8 of the memory available now, or $CTSEG_MAX_SCAN_BYTES.
@@ -262,7 +261,7 @@ def _read_itk_image(path: Path, image: sitk.Image) -> tuple[np.ndarray, np.ndarr
 def _read_itk_file(path: Path) -> sitk.Image:
     try:
         info = _image_information(str(path))
-        check_size(path, info.GetSize(), _itemsize(info))
+        _check_size(path, info.GetSize(), _itemsize(info))
         return sitk.ReadImage(str(path))
     except RuntimeError as exc:
         raise CtsegError(f"cannot read {path}: {_one_line(exc)}") from None
@@ -287,7 +286,7 @@ def _read_dicom_series(folder: Path) -> tuple[np.ndarray, np.ndarray, None]:
     try:
         first = _image_information(files[0])
         columns, rows = first.GetSize()[:2]
-        check_size(folder, (columns, rows, len(files)), _itemsize(first))
+        _check_size(folder, (columns, rows, len(files)), _itemsize(first))
         _check_slice_spacing(folder, files)
         reader = sitk.ImageSeriesReader()
         reader.SetFileNames(files)
