@@ -12,6 +12,7 @@ checkpoint and which the next writing `Checkpoints` (a resumed run) removes.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -181,7 +182,10 @@ class Checkpoints:
             cleanup_tmp_directories=not read_only,
         )
         self.directory = directory
-        self.manager = ocp.CheckpointManager(directory, options=options)
+        try:
+            self.manager = ocp.CheckpointManager(directory, options=options)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise self._damaged_metrics(exc) from None
         self._pending: int | None = None  # the step an asynchronous save may still be writing
         _quiet_failed_io()
 
@@ -315,11 +319,27 @@ class Checkpoints:
     def run_dir(self) -> Path:
         return self.directory.parent
 
-    def _unreadable(self, step: int, why: str) -> str:
+    def _unreadable(self, step: int | str, why: str) -> str:
         return (
             f"checkpoint {step} in {self.run_dir} is unreadable (truncated, or not written by "
             f"ctseg?): {why}; move {self.directory / str(step)} out of the run"
         )
+
+    def _damaged_metrics(self, exc: BaseException) -> CtsegError:
+        """The error for a run whose checkpoints orbax cannot even list.
+
+        With a best_fn, orbax reads every checkpoint's metrics when it opens the
+        folder: one damaged metrics file stops it, and its error names no step.
+        """
+        for metrics in sorted(self.directory.glob("*/metrics/metrics")):
+            try:
+                json.loads(metrics.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+                step = metrics.parent.parent.name
+                return UnreadableCheckpoint(
+                    self._unreadable(step, f"{metrics} is not JSON ({_first_line(error)})")
+                )
+        return CtsegError(f"cannot list the checkpoints in {self.directory}: {_first_line(exc)}")
 
     @contextlib.contextmanager
     def _reading(self, step: int) -> Iterator[None]:

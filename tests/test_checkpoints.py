@@ -140,3 +140,12 @@ def test_no_readable_checkpoint_at_all(run, tmp_path):
 def test_a_checkpoint_that_is_no_step_number_is_one_line(run, which):
     with pytest.raises(CtsegError, match="use best, latest or one of"):
         load_for_inference(run, which)
+
+
+def test_a_damaged_metrics_file_is_one_line_naming_its_checkpoint(run, tmp_path):
+    copy = _copy(run, tmp_path)
+    (copy / "checkpoints" / "8" / "metrics" / "metrics").write_text("{")
+    # Orbax reads every checkpoint's metrics when it opens the folder, whichever is asked for.
+    for which in ("latest", "4"):
+        with pytest.raises(CtsegError, match=r"checkpoint 8 in .* is unreadable .*metrics/metrics"):
+            load_for_inference(copy, which)
