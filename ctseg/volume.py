@@ -287,12 +287,13 @@ def _read_dicom_series(folder: Path) -> tuple[np.ndarray, np.ndarray, None]:
         first = _image_information(files[0])
         columns, rows = first.GetSize()[:2]
         _check_size(folder, (columns, rows, len(files)), _itemsize(first))
-        _check_slice_spacing(folder, files)
         reader = sitk.ImageSeriesReader()
         reader.SetFileNames(files)
+        reader.MetaDataDictionaryArrayUpdateOn()  # each slice's tags, read on the way
         image = reader.Execute()
     except RuntimeError as exc:
         raise CtsegError(f"cannot read DICOM series {folder}: {_one_line(exc)}") from None
+    _check_slice_spacing(folder, reader)
     return (*_read_itk_image(folder, image), None)
 
 
@@ -330,20 +331,22 @@ def _series_description(file: str) -> str:
     return f'"{info.GetMetaData(key).strip()}", ' if info.HasMetaDataKey(key) else ""
 
 
-def _check_slice_spacing(folder: Path, files: list[str]) -> None:
+def _check_slice_spacing(folder: Path, reader: sitk.ImageSeriesReader) -> None:
     """CtsegError naming the first gap (or doubled slice) of a series that is not evenly spaced.
 
-    ITK would read such a series as if evenly spaced, at the mean spacing: every
-    distance and volume measured on it would be wrong.
+    ITK reads such a series as if evenly spaced, at the mean spacing: every
+    distance and volume measured on it would be wrong. The tags come from `reader`,
+    which read them with the slices.
     """
     positions = []
-    for file in files:
-        info = _image_information(file)
-        if not (info.HasMetaDataKey("0020|0032") and info.HasMetaDataKey("0020|0037")):
+    for index in range(len(reader.GetFileNames())):
+        tags = [(index, key) for key in ("0020|0032", "0020|0037")]  # position, orientation
+        if not all(reader.HasMetaDataKey(*tag) for tag in tags):
             return  # no slice geometry to check (ITK then reads the files as they come)
         try:
-            origin = np.array([float(v) for v in info.GetMetaData("0020|0032").split("\\")])
-            cosines = np.array([float(v) for v in info.GetMetaData("0020|0037").split("\\")])
+            origin, cosines = (
+                np.array([float(v) for v in reader.GetMetaData(*tag).split("\\")]) for tag in tags
+            )
         except ValueError:
             return
         if origin.shape != (3,) or cosines.shape != (6,):
