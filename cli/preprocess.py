@@ -12,7 +12,7 @@ from rich.text import Text
 from cli.app import app
 from cli.options import ConfigOption, SetOption, load_config
 from cli.progress import counting
-from ctseg.store import MANIFEST, SPLITS, PrepareResult, prepare
+from ctseg.store import MANIFEST, SPLITS, PrepareResult, prepare, usable_workers
 
 _STATUS_STYLE = {"prepared": "green", "resumed": "cyan", "failed": "red"}
 
@@ -23,8 +23,8 @@ def preprocess(
         Path,
         typer.Argument(
             help="Folder with LiTS volume-N/segmentation-N, MSD imagesTr/labelsTr, "
-            "or scans without labels (NIfTI/NRRD/MHA files, DICOM series folders: "
-            "a predict-only store)."
+            "or scans without labels (NIfTI/NRRD/MHA files, DICOM series folders of one "
+            "complete series each: a predict-only store)."
         ),
     ],
     out_dir: Annotated[Path, typer.Argument(help="Folder of the prepared store to write.")],
@@ -32,7 +32,11 @@ def preprocess(
     set_: SetOption = None,
     workers: Annotated[
         int,
-        typer.Option("--workers", min=1, help="Cases prepared at once, each in its own process."),
+        typer.Option(
+            "--workers",
+            min=1,
+            help="Cases prepared at once, each in its own process (at most one per CPU).",
+        ),
     ] = 1,
     force: Annotated[
         bool,
@@ -44,11 +48,16 @@ def preprocess(
     """Resample every scan to the R³ grid and write the prepared store.
 
     Exits 1 when some case failed (the others are in the store), 2 when nothing could start.
+    A scan larger than 1/8 of the available memory is refused from its header; set
+    CTSEG_MAX_SCAN_BYTES to allow more.
     """
     cfg = load_config(config, set_)
+    console = Console(highlight=False)
+    usable = usable_workers(workers)
+    if usable < workers:
+        console.print(f"--workers {workers}: {usable} CPU(s) here, so {usable} worker(s)")
     with counting("preprocess") as report:
         result = prepare(raw_dir, out_dir, cfg, progress=report, force=force, workers=workers)
-    console = Console(highlight=False)
     console.print(_case_table(result))
     console.print(_summary_line(result, out_dir), soft_wrap=True)
     if result.failures:

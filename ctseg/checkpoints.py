@@ -12,6 +12,7 @@ checkpoint and which the next writing `Checkpoints` (a resumed run) removes.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -19,6 +20,7 @@ import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -35,6 +37,7 @@ from ctseg.step import TrainState, init_state
 VAL_METRIC = "val_dice"  # mean of liver and tumour Dice on the validation split
 # The name under which CheckpointManager stores a single-item checkpoint in its step folder.
 _ITEM = "default"
+_log = logging.getLogger(__name__)
 
 
 def _write_failure(exc: BaseException | None) -> str | None:
@@ -65,8 +68,8 @@ class _DropReportedWriteFailures(logging.Filter):
         return not (record.exc_info and _write_failure(record.exc_info[1]))
 
 
-def _quiet_failed_saves() -> None:
-    """Keep a failed save's error to the one line the CLI prints (installed once)."""
+def _quiet_failed_io() -> None:
+    """Keep a failed save's or restore's error to the one line the CLI prints (installed once)."""
     for name in ("absl", "asyncio"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropReportedWriteFailures) for f in logger.filters):
@@ -75,8 +78,8 @@ def _quiet_failed_saves() -> None:
         return
     previous, orbax_dir = sys.unraisablehook, os.path.dirname(ocp.__file__)
 
-    # Orbax gathers a save's writes on a private event loop that it closes when the
-    # first write fails: the other writes then finish onto the closed loop ("Event
+    # Orbax gathers a save's writes (and a restore's reads) on a private event loop that it
+    # closes when the first one fails: the others then finish onto the closed loop ("Event
     # loop is closed") or are reclaimed at exit, each printed as "Exception ignored".
     # Only names bound here are used: the last ones come while Python shuts down.
     def hook(unraisable, previous=previous, orbax_dir=orbax_dir):
@@ -89,6 +92,63 @@ def _quiet_failed_saves() -> None:
 
     hook._ctseg_quiet = True
     sys.unraisablehook = hook
+
+
+class UnreadableCheckpoint(CtsegError):
+    """A checkpoint folder orbax cannot read: a reader looking for `latest` or `best` skips it."""
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _key_name(key: Any) -> str:
+    for attribute in ("key", "idx", "name"):  # DictKey, SequenceKey, GetAttrKey
+        if hasattr(key, attribute):
+            return str(getattr(key, attribute))
+    return str(key)
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """'params/down/0/first/conv/kernel' → shape, for each array of a state or of a
+    checkpoint's metadata (which names list items by strings and nnx's `.value` as a key)."""
+    return {
+        "/".join(name for name in map(_key_name, path) if name != "value"): tuple(leaf.shape)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def _model_keys(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """model.base_filters, depth and kernel_size as the U-Net's arrays show them ({} if not)."""
+    first = shapes.get("params/down/0/first/conv/kernel")
+    if first is None or len(first) != 5:
+        return {}
+    levels = {path.split("/")[2] for path in shapes if path.startswith("params/down/")}
+    return {"base_filters": first[-1], "depth": len(levels), "kernel_size": first[0]}
+
+
+def _difference(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> str:
+    """How a checkpoint's arrays (`found`) differ from the model's, in words; "" if they do not."""
+    if found == expected:
+        return ""
+    theirs, ours = _model_keys(found), _model_keys(expected)
+    keys = [key for key in ours if key in theirs and ours[key] != theirs[key]]
+    if keys:
+        return ", ".join(
+            f"model.{key} is {theirs[key]} in the checkpoint, {ours[key]} in config.toml"
+            for key in keys
+        )
+    reshaped = [
+        path for path in sorted(found.keys() & expected.keys()) if found[path] != expected[path]
+    ]
+    if reshaped:
+        path = reshaped[0]
+        shapes = f"{list(found[path])} in the checkpoint, {list(expected[path])} in the model"
+        return f"{path} has shape {shapes}"
+    missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    if missing:
+        return f"the checkpoint lacks {missing[0]} ({len(missing)} array(s) of the model in all)"
+    return f"the checkpoint holds {extra[0]} ({len(extra)} array(s) the model lacks in all)"
 
 
 class Checkpoints:
@@ -122,10 +182,12 @@ class Checkpoints:
             cleanup_tmp_directories=not read_only,
         )
         self.directory = directory
-        self.manager = ocp.CheckpointManager(directory, options=options)
+        try:
+            self.manager = ocp.CheckpointManager(directory, options=options)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise self._damaged_metrics(exc) from None
         self._pending: int | None = None  # the step an asynchronous save may still be writing
-        if not read_only:
-            _quiet_failed_saves()
+        _quiet_failed_io()
 
     def save(self, state: TrainState, val_dice: float | None = None) -> None:
         step = int(state.step)
@@ -166,39 +228,126 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def best_step(self) -> int | None:
-        scored = []
+    def _scores(self) -> dict[int, float]:
+        scores = {}
         for step in self.manager.all_steps():
             metrics = self.manager.metrics(step)
             if metrics and VAL_METRIC in metrics and math.isfinite(metrics[VAL_METRIC]):
-                scored.append((metrics[VAL_METRIC], step))
-        return max(scored)[1] if scored else None
+                scores[step] = metrics[VAL_METRIC]
+        return scores
+
+    def best_step(self) -> int | None:
+        scores = self._scores()
+        return max(scores, key=lambda step: (scores[step], step)) if scores else None
 
     def resolve(self, which: str) -> int:
-        """`best`, `latest` or a step number → an existing step."""
-        steps = self.manager.all_steps()
+        """`best`, `latest` or a step number → an existing step (readable or not)."""
+        return self.candidates(which)[0]
+
+    def candidates(self, which: str) -> list[int]:
+        """The steps `which` may mean, the preferred first.
+
+        A step number means that one; `latest` every step, newest first; `best` the
+        scored steps, best first, then the others newest first. A reader takes the
+        first it can read (`load_for_inference`).
+        """
+        steps = sorted(self.manager.all_steps(), reverse=True)
         if not steps:
-            raise CtsegError("the run directory has no checkpoints yet")
+            raise CtsegError(f"{self.run_dir} has no checkpoints yet")
         if which == "latest":
-            return self.latest_step()
+            return steps
         if which == "best":
-            best = self.best_step()
-            return best if best is not None else self.latest_step()
-        if which.isdigit() and int(which) in steps:
-            return int(which)
-        raise CtsegError(f"no checkpoint '{which}'; use best, latest or one of {sorted(steps)}")
+            scores = self._scores()
+            best = sorted(scores, key=lambda step: (scores[step], step), reverse=True)
+            return best + [step for step in steps if step not in scores]
+        # Not str.isdigit: it takes "²" and other digits int() refuses.
+        if re.fullmatch(r"[0-9]+", which) and int(which) in steps:
+            return [int(which)]
+        raise CtsegError(
+            f"no checkpoint '{which}' in {self.run_dir}; use best, latest or one of {sorted(steps)}"
+        )
 
     def restore(self, step: int, like: TrainState) -> TrainState:
         """Restore `step` into arrays shaped and sharded like `like` (abstract is fine)."""
+        self.check_model(step, {"params": like.params, "stats": like.stats})
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-        try:
+        with self._reading(step):
             return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # a folder ctseg did not write
-            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+    def restore_model(self, step: int, item: dict[str, Any]) -> dict[str, Any]:
+        """Only `item`'s parts (`params`, `stats`) of checkpoint `step`, as host arrays.
+
+        Not the optimiser state (twice the parameters' size) nor any device placement.
+        """
+        self.check_model(step, item)
+        on_host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+        with self._reading(step):
+            return ocp.PyTreeCheckpointer().restore(
+                self.directory / str(step) / _ITEM,
+                args=ocp.args.PyTreeRestore(item=item, restore_args=on_host, partial_restore=True),
+            )
+
+    def check_model(self, step: int, model: dict[str, Any]) -> None:
+        """CtsegError unless checkpoint `step` holds exactly `model`'s arrays, path and shape.
+
+        Orbax restores whatever shapes were saved and, partially restoring, ignores
+        what is not asked for: without this check a checkpoint of other widths, or a
+        config.toml edited by hand, would predict with a network nobody trained.
+        """
+        expected = _shapes(model)
+        with self._reading(step):
+            metadata = ocp.PyTreeCheckpointer().metadata(self.directory / str(step) / _ITEM)
+        if metadata.item_metadata is None:  # _METADATA missing or not JSON
+            raise UnreadableCheckpoint(
+                self._unreadable(step, "default/_METADATA is missing or damaged")
+            )
+        parts = {path.split("/")[0] for path in expected}
+        found = {
+            path: shape
+            for path, shape in _shapes(metadata.item_metadata.tree).items()
+            if path.split("/")[0] in parts
+        }
+        difference = _difference(found, expected)
+        if difference:
             raise CtsegError(
-                f"checkpoint {step} in {self.directory} cannot be read ({first_line}); "
-                "move it out of checkpoints/ if ctseg did not write it"
-            ) from None
+                f"checkpoint {step} in {self.run_dir} does not match "
+                f"{self.run_dir / 'config.toml'}: {difference}; use the config.toml of the run "
+                "that wrote it"
+            )
+
+    @property
+    def run_dir(self) -> Path:
+        return self.directory.parent
+
+    def _unreadable(self, step: int | str, why: str) -> str:
+        return (
+            f"checkpoint {step} in {self.run_dir} is unreadable (truncated, or not written by "
+            f"ctseg?): {why}; move {self.directory / str(step)} out of the run"
+        )
+
+    def _damaged_metrics(self, exc: BaseException) -> CtsegError:
+        """The error for a run whose checkpoints orbax cannot even list.
+
+        With a best_fn, orbax reads every checkpoint's metrics when it opens the
+        folder: one damaged metrics file stops it, and its error names no step.
+        """
+        for metrics in sorted(self.directory.glob("*/metrics/metrics")):
+            try:
+                json.loads(metrics.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+                step = metrics.parent.parent.name
+                return UnreadableCheckpoint(
+                    self._unreadable(step, f"{metrics} is not JSON ({_first_line(error)})")
+                )
+        return CtsegError(f"cannot list the checkpoints in {self.directory}: {_first_line(exc)}")
+
+    @contextlib.contextmanager
+    def _reading(self, step: int) -> Iterator[None]:
+        """A checkpoint orbax cannot read (missing item, truncated array) → UnreadableCheckpoint."""
+        try:
+            yield
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UnreadableCheckpoint(self._unreadable(step, _first_line(exc))) from None
 
     def close(self) -> None:
         """Wait for the last save (CtsegError if it failed), then release orbax's threads."""
@@ -226,24 +375,31 @@ def load_for_inference(
 ) -> tuple[cfg.Config, nnx.GraphDef, nnx.State, nnx.State, int]:
     """(config, graphdef, params, batch_stats, step) of a run's checkpoint, as host arrays.
 
-    Reads only what inference needs: the parameters and the normalisation
-    statistics, not the optimiser state (twice the parameters' size) nor any
-    device placement; each inference engine puts them on its own devices.
+    `latest` and `best` take the latest (best) checkpoint that can be read, and log a
+    warning for each skipped; a step number must be readable. A checkpoint that does
+    not match the run's config.toml is an error either way: falling back to an older
+    one would hide that the run directory is not one run's any more.
     """
     config = load_run_config(run_dir)
     graphdef, abstract = init_state_abstract(config)
+    item = {"params": abstract.params, "stats": abstract.stats}
     checkpoints = Checkpoints(run_dir, keep=1, read_only=True)
     try:
-        step = checkpoints.resolve(which)
+        candidates = checkpoints.candidates(which)
+        for step in candidates:
+            try:
+                restored = checkpoints.restore_model(step, item)
+            except UnreadableCheckpoint as exc:
+                if which not in ("latest", "best"):
+                    raise
+                _log.warning("%s; skipped", exc)
+                continue
+            return config, graphdef, restored["params"], restored["stats"], step
     finally:
         checkpoints.close()
-    item = {"params": abstract.params, "stats": abstract.stats}
-    on_host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
-    restored = ocp.PyTreeCheckpointer().restore(
-        checkpoints.directory / str(step) / _ITEM,
-        args=ocp.args.PyTreeRestore(item=item, restore_args=on_host, partial_restore=True),
+    raise CtsegError(
+        f"no checkpoint in {checkpoints.directory} can be read (steps {sorted(candidates)})"
     )
-    return config, graphdef, restored["params"], restored["stats"], step
 
 
 def init_state_abstract(config: cfg.Config) -> tuple[nnx.GraphDef, TrainState]:

@@ -254,9 +254,16 @@ def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -
         if not path.is_file():
             raise CtsegError(f"config file not found: {path}")
         try:
-            raw = tomllib.loads(path.read_text())
+            # TOML is UTF-8 whatever the locale (GDCM's writer, for one, can set it to C).
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise CtsegError(f"{path} is not valid TOML: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise CtsegError(
+                f"{path} is not a TOML file: byte {exc.start} is not UTF-8 text"
+            ) from None
+        except OSError as exc:
+            raise CtsegError(f"cannot read {path}: {exc.strerror or exc}") from None
     for item in overrides:
         section, key, value = _parse_override(item)
         if section not in SECTIONS:
@@ -285,7 +292,8 @@ def _validate_data(d: DataConfig) -> None:
     _require(d.resolution >= 1, f"data.resolution must be positive, got {d.resolution}")
     _require(
         d.hu_window[0] < d.hu_window[1],
-        f"data.hu_window must be [low, high] with low < high, got {list(d.hu_window)}",
+        # No "[low, high]": the CLI prints errors as rich markup, which would eat it as a tag.
+        f"data.hu_window = {list(d.hu_window)} must be a low and a high HU with low < high",
     )
     _require(
         0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}"

@@ -12,6 +12,7 @@ from scipy import ndimage
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import font_manager  # noqa: E402
 
 from ctseg import atomic  # noqa: E402
 
@@ -61,6 +62,14 @@ def preview_centre(labels: np.ndarray) -> tuple[int, int, int]:
     return tuple(min(int(c), n - 1) for c, n in zip(centre, labels.shape))
 
 
+def _drawable(text: str) -> str:
+    """`text` with each character the default font has no glyph for (CJK, emoji) written
+    as its escape, \\u809d: matplotlib would draw a box and warn for each."""
+    font = font_manager.get_font(font_manager.findfont(font_manager.FontProperties()))
+    drawable = font.get_charmap()
+    return "".join(c if ord(c) in drawable else ascii(c)[1:-1] for c in text)
+
+
 def plot_preview(
     hu: np.ndarray,
     labels: np.ndarray,
@@ -101,7 +110,8 @@ def plot_preview(
         ax.set_title(name)
         ax.set_axis_off()
     if title:
-        fig.suptitle(title)
+        # A file name is shown as it is: "$" starts no formula ("a$^^{$b" would not parse).
+        fig.suptitle(_drawable(title), parse_math=False)
     with atomic.atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=100)
     plt.close(fig)

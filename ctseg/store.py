@@ -28,10 +28,18 @@ only the cases that were prepared successfully. The grid's own affine is
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import json
+import math
 import multiprocessing
 import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -54,6 +62,7 @@ SPLITS = ("train", "val", "test")
 MANIFEST = "manifest.json"
 # Image and label headers of one case may differ by float32 rounding; more is a mismatch.
 GEOMETRY_TOLERANCE_MM = 1e-3
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 Progress = Callable[[int, int, str], None]
 Status = Literal["prepared", "resumed", "failed"]
@@ -175,6 +184,43 @@ def _check_entries(manifest: Path, cases: list[CaseEntry]) -> None:
                 raise CtsegError(
                     f"{where}.{key} = {source!r} is not an absolute, normalised path of a scan"
                 )
+        _check_numbers(where, case)
+
+
+# Numeric fields of an entry: (shape, whole numbers, lowest allowed value, in words).
+_NUMBERS = {
+    "original_shape": ((3,), True, 1, "3 voxel counts"),
+    "canonical_shape": ((3,), True, 1, "3 voxel counts"),
+    "original_affine": ((4, 4), False, -math.inf, "a 4×4 matrix of finite numbers"),
+    "canonical_affine": ((4, 4), False, -math.inf, "a 4×4 matrix of finite numbers"),
+    "spacing": ((3,), False, math.ulp(0.0), "3 positive numbers (mm)"),
+    "label_counts": ((3,), True, 0, "3 voxel counts"),
+}
+
+
+def _check_numbers(where: str, case: CaseEntry) -> None:
+    """CtsegError naming the first numeric field of an entry that is not what it must be.
+
+    `ctseg evaluate` compares shapes and affines with the scan's own header: a field
+    edited into something else would fail there with a traceback, or match nothing.
+    """
+    for key, (shape, whole, lowest, words) in _NUMBERS.items():
+        value = getattr(case, key)
+        if key == "label_counts" and value is None and not case.labelled:
+            continue
+        array = np.array(value, dtype=object)
+        items = array.ravel().tolist()
+        kind = int if whole else (int, float)
+        if not (
+            array.shape == shape
+            and all(isinstance(v, kind) and not isinstance(v, bool) for v in items)
+            and all(math.isfinite(v) and v >= lowest for v in items)
+        ):
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise CtsegError(
+                f"{where}.{key} = {shown} is not {words}; re-run `ctseg preprocess --force`"
+            )
 
 
 def _is_source(value: object) -> bool:
@@ -291,8 +337,7 @@ def prepare(
     stop everything (no such folder, no cases, a store of another resolution)
     raise CtsegError.
     """
-    if workers < 1:
-        raise CtsegError(f"--workers must be at least 1, got {workers}")
+    workers = usable_workers(workers)
     out_dir = Path(out_dir)
     resolution = config.data.resolution
     layout = find_cases(raw_dir)
@@ -334,6 +379,21 @@ def prepare(
     return PrepareResult(store=store, outcomes=[outcomes[i] for i in ordered])
 
 
+def usable_workers(requested: int) -> int:
+    """`requested` worker processes, but at most one per CPU this process may run on.
+
+    More would only share the CPUs (and multiply the memory): 1000 workers on 2 cores
+    were 20× slower than 2. CtsegError below 1.
+    """
+    if requested < 1:
+        raise CtsegError(f"--workers must be at least 1, got {requested}")
+    try:
+        cpus = len(os.sched_getaffinity(0))  # what taskset or a container's cpuset leaves
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return min(requested, cpus)
+
+
 def _splits(layout: Layout, config: Config) -> dict[str, str]:
     """Case id -> split: "test" in a predict-only store, else a train/val split.
 
@@ -363,6 +423,7 @@ def _check_existing_store(out_dir: Path, resolution: int, force: bool) -> None:
     """Refuse a folder that is not a store (unless `force`), or a store of another grid."""
     # A killed first run leaves cases/ without a manifest: the folder is still the store's.
     claim_folder(out_dir, (MANIFEST, "cases"), force)
+    _check_writable(out_dir)
     _manifest_file(out_dir)
     manifest = None if force else _read_manifest(out_dir)
     if manifest is not None and manifest.get("resolution") != resolution:
@@ -370,6 +431,40 @@ def _check_existing_store(out_dir: Path, resolution: int, force: bool) -> None:
             f"{out_dir} holds a store at resolution {manifest.get('resolution')}, "
             f"not {resolution}; use another folder or --force to rebuild it"
         )
+
+
+def _check_writable(folder: Path) -> None:
+    """CtsegError naming the folder if no file can be created in it (read-only, not ours).
+
+    Found here, before any case, rather than as the same failure for every case and
+    then a traceback at the manifest.
+    """
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise CtsegError(f"cannot write in {folder}: {exc.strerror or exc}") from None
+
+
+def _write_array(path: Path, array: np.ndarray) -> None:
+    """`write_npy`, with a full disk said as such.
+
+    numpy writes arrays with fwrite, whose short write on a full disk reaches Python
+    as "32768 requested and 6080 written", without an errno.
+    """
+    try:
+        write_npy(path, array)
+    except CtsegError as exc:
+        cause = exc.__cause__
+        short_write = isinstance(cause, OSError) and cause.errno is None
+        if not (short_write or getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT)):
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise CtsegError(
+            f"cannot write {path}: no space left on the device of {path.parent} "
+            f"({array.nbytes / 2**20:.0f} MiB to write, {free / 2**20:.0f} MiB free); free "
+            "some space and run the same command: finished cases are kept"
+        ) from cause
 
 
 def _finished_entry(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry | None:
@@ -410,7 +505,10 @@ def _prepare_all(
         return
     # 'spawn': forking a parent that may have started JAX's threads can deadlock the child.
     pool = ProcessPoolExecutor(
-        max_workers=min(workers, len(cases)), mp_context=multiprocessing.get_context("spawn")
+        max_workers=min(workers, len(cases)),
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_end_with_parent,
+        initargs=(os.getpid(),),
     )
     try:
         futures = {
@@ -421,6 +519,26 @@ def _prepare_all(
     finally:
         # On Ctrl-C, start no further case; those running finish (their writes are atomic).
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _end_with_parent(parent: int) -> None:
+    """Pool initializer: this worker ends when `parent` does, even killed by SIGKILL.
+
+    A worker busy with a case outlives a killed parent otherwise, and keeps the
+    multiprocessing resource tracker (which waits for every holder of its pipe) alive.
+    """
+    try:  # Linux: the kernel sends the signal, whatever the worker is doing
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (AttributeError, OSError):  # elsewhere: a thread watches for the parent
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # it died before the signal was asked for
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def _worker_result(future: Future) -> CaseEntry | str:
@@ -445,12 +563,12 @@ def _prepare_case(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry:
     label_counts = None
     if case.label is not None:
         label_grid = _label_grid(image, case.label, resolution)
-        write_npy(_array_path(out_dir, case.case_id, "label"), label_grid)
+        _write_array(_array_path(out_dir, case.case_id, "label"), label_grid)
         # Not np.bincount: it would first copy a 512³ grid into 1 GiB of int64.
         label_counts = tuple(
             int(np.count_nonzero(label_grid == v)) for v in preprocess.LABEL_VALUES
         )
-    write_npy(
+    _write_array(
         _array_path(out_dir, case.case_id, "image"),
         preprocess.image_to_grid(image.array, resolution),
     )

@@ -12,6 +12,8 @@ millimetres. ITK's LPS geometry (NRRD, MHA, DICOM) is converted on reading.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import SimpleITK as sitk
 from nibabel import orientations as ornt_lib
 
 from ctseg.atomic import atomic_path
+from ctseg.devices import gib, host_memory
 from ctseg.errors import CtsegError
 
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
@@ -30,6 +33,16 @@ SCAN_SUFFIXES = NIFTI_SUFFIXES + ITK_SUFFIXES
 # ITK physical space is LPS; flipping the first two axes gives RAS.
 _LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0])
 _CANONICAL_ORNT = ornt_lib.axcodes2ornt(("R", "A", "S"))
+
+# The scan is read whole, and `ctseg predict` then holds several arrays of its size at
+# once (its canonical copy, three float32 class probabilities, the label map): a scan
+# whose voxels alone take more than this share of the available memory is refused from
+# its header, before anything is decompressed, instead of being killed minutes later.
+_MEMORY_SHARE = 8
+MAX_SCAN_BYTES_ENV = "CTSEG_MAX_SCAN_BYTES"
+# Slice positions of a DICOM series may differ from even spacing by rounding in the
+# headers; more than this fraction of the spacing is a missing (or extra) slice.
+_SLICE_SPACING_TOLERANCE = 0.1
 
 
 @dataclass
@@ -77,6 +90,9 @@ def read_scan(path: str | Path) -> Scan:
     path = Path(path)
     if not path.exists():
         raise CtsegError(f"scan not found: {path}")
+    if not (path.is_dir() or path.is_file()):
+        # A FIFO would block the reader for ever, a device (/dev/zero) never ends.
+        raise CtsegError(f"{path} is not a regular file (a pipe, device or socket); give a scan")
     if path.is_dir():
         array, affine, header = _read_dicom_series(path)
     elif _has_suffix(path, NIFTI_SUFFIXES):
@@ -90,18 +106,115 @@ def read_scan(path: str | Path) -> Scan:
         )
     array = _squeeze_to_3d(array, path)
     _check_finite(array, path)
+    _check_affine(affine, path)
     return _canonical_scan(array, affine, header, path)
 
 
 def _read_nifti(path: Path) -> tuple[np.ndarray, np.ndarray, nib.Nifti1Header]:
     try:
-        image = nib.load(path)
-        array = _scaled_voxels(image)
+        image = nib.load(path)  # reads the header only
     except Exception as exc:  # nibabel raises many types for corrupt files
         raise CtsegError(f"cannot read {path}: {_one_line(exc)}") from None
     if not isinstance(image, (nib.Nifti1Image, nib.Nifti2Image)):
         raise CtsegError(f"cannot read {path}: not a NIfTI image")
-    return array, image.affine.copy(), image.header.copy()
+    dtype = image.get_data_dtype()
+    if dtype.kind not in "biuf":  # complex, RGB (a record of three bytes), ...
+        raise CtsegError(
+            f"{path} holds {_dtype_name(dtype)} voxels; ctseg expects one real number per voxel"
+        )
+    proxy = image.dataobj
+    scaled = (getattr(proxy, "slope", 1.0), getattr(proxy, "inter", 0.0)) != (1.0, 0.0)
+    _check_size(path, image.shape, 4 if scaled else dtype.itemsize)
+    header = image.header.copy()
+    affine = _nifti_affine(header, path)
+    try:
+        array = _scaled_voxels(image)
+    except Exception as exc:
+        raise CtsegError(f"cannot read {path}: {_one_line(exc)}") from None
+    return array, affine, header
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    if dtype.kind == "c":
+        return f"complex ({dtype.name})"
+    if dtype.fields:
+        return f"{len(dtype.fields)}-component ({', '.join(dtype.fields)})"
+    return dtype.name
+
+
+def _nifti_affine(header: nib.Nifti1Header, path: Path) -> np.ndarray:
+    """The voxel -> RAS affine as nibabel picks it (sform, else qform, else the voxel
+    sizes), skipping a transform that is not finite and invertible.
+
+    `header` loses the transforms skipped, so that results written with it carry only
+    the one used. CtsegError when none is usable.
+    """
+    sform, sform_code = header.get_sform(coded=True)
+    try:
+        qform, qform_code = header.get_qform(coded=True)
+    except Exception:  # a NaN quaternion can make nibabel's conversion fail
+        qform, qform_code = None, int(header["qform_code"])
+    if sform_code and not _usable_affine(sform):
+        header.set_sform(None, code=0)
+    if qform_code and not _usable_affine(qform):
+        header.set_qform(None, code=0)
+    if sform_code and _usable_affine(sform):
+        return sform
+    if qform_code and _usable_affine(qform):
+        return qform
+    if not (sform_code or qform_code):
+        base = header.get_base_affine()  # no transform stored: nibabel's voxel-size affine
+        if _usable_affine(base):
+            return base
+    raise CtsegError(
+        f"{path} has no usable geometry: its sform (code {sform_code}) and qform "
+        f"(code {qform_code}) are not finite, invertible affines; fix the header"
+    )
+
+
+def _usable_affine(affine: np.ndarray | None) -> bool:
+    if affine is None or not np.isfinite(affine).all():
+        return False
+    return np.linalg.matrix_rank(affine[:3, :3]) == 3
+
+
+def _check_affine(affine: np.ndarray, path: Path) -> None:
+    """Any format's last check; NIfTI's affine was already chosen usable (`_nifti_affine`)."""
+    if not _usable_affine(affine):
+        raise CtsegError(
+            f"{path} has no usable geometry: its voxel-to-world matrix is not finite and invertible"
+        )
+
+
+def _check_size(path: Path, shape: tuple[int, ...], itemsize: int) -> None:
+    """CtsegError when a scan of `shape` would take too much memory once read.
+
+    The limit is 1/8 of the memory available now, or $CTSEG_MAX_SCAN_BYTES.
+    """
+    need = math.prod(int(n) for n in shape) * itemsize
+    limit, source = _max_scan_bytes()
+    if need > limit:
+        raise CtsegError(
+            f"{path} is {' × '.join(str(int(n)) for n in shape)} voxels, {gib(need)} in "
+            f"memory, more than the {gib(limit)} {source}; if the header is right, set "
+            f"{MAX_SCAN_BYTES_ENV}={need} to read it anyway"
+        )
+
+
+def _max_scan_bytes() -> tuple[int, str]:
+    text = os.environ.get(MAX_SCAN_BYTES_ENV, "").strip()
+    if not text:
+        return (
+            host_memory() // _MEMORY_SHARE,
+            f"allowed (1/{_MEMORY_SHARE} of the memory available)",
+        )
+    try:
+        limit = int(text)
+    except ValueError:
+        limit = -1
+    if limit < 1:
+        raise CtsegError(f"{MAX_SCAN_BYTES_ENV} must be a number of bytes, got {text!r}")
+    return limit, f"that {MAX_SCAN_BYTES_ENV} allows"
 
 
 def _scaled_voxels(image: nib.spatialimages.SpatialImage) -> np.ndarray:
@@ -147,34 +260,121 @@ def _read_itk_image(path: Path, image: sitk.Image) -> tuple[np.ndarray, np.ndarr
 
 def _read_itk_file(path: Path) -> sitk.Image:
     try:
+        info = _image_information(str(path))
+        _check_size(path, info.GetSize(), _itemsize(info))
         return sitk.ReadImage(str(path))
     except RuntimeError as exc:
         raise CtsegError(f"cannot read {path}: {_one_line(exc)}") from None
 
 
+def _image_information(file: str) -> sitk.ImageFileReader:
+    """A reader that has read `file`'s header only (RuntimeError if it cannot)."""
+    reader = sitk.ImageFileReader()
+    reader.SetFileName(file)
+    reader.ReadImageInformation()
+    return reader
+
+
+def _itemsize(info: sitk.ImageFileReader) -> int:
+    """Bytes per voxel of the image `info` describes, once read."""
+    component = sitk.Image([1] * info.GetDimension(), info.GetPixelID())
+    return component.GetSizeOfPixelComponent() * component.GetNumberOfComponentsPerPixel()
+
+
 def _read_dicom_series(folder: Path) -> tuple[np.ndarray, np.ndarray, None]:
-    files = _largest_dicom_series(folder)
-    if not files:
-        raise CtsegError(f"no DICOM series found in {folder}")
-    reader = sitk.ImageSeriesReader()
-    reader.SetFileNames(files)
+    files = _dicom_series_files(folder)
     try:
+        first = _image_information(files[0])
+        columns, rows = first.GetSize()[:2]
+        _check_size(folder, (columns, rows, len(files)), _itemsize(first))
+        reader = sitk.ImageSeriesReader()
+        reader.SetFileNames(files)
+        reader.MetaDataDictionaryArrayUpdateOn()  # each slice's tags, read on the way
         image = reader.Execute()
     except RuntimeError as exc:
         raise CtsegError(f"cannot read DICOM series {folder}: {_one_line(exc)}") from None
+    _check_slice_spacing(folder, reader)
     return (*_read_itk_image(folder, image), None)
 
 
-def _largest_dicom_series(folder: Path) -> list[str]:
-    """File names of the series with the most files (a folder may hold scouts, too)."""
-    series = [
-        sitk.ImageSeriesReader.GetGDCMSeriesFileNames(str(folder), series_id)
+def _dicom_series_files(folder: Path) -> list[str]:
+    """File names of the folder's one series, in slice order; CtsegError if not exactly one.
+
+    Never a choice among several (a scout beside the CT, two reconstructions of one
+    scan): the wrong one would be segmented without a word.
+    """
+    series = {
+        series_id: sitk.ImageSeriesReader.GetGDCMSeriesFileNames(str(folder), series_id)
         for series_id in sitk.ImageSeriesReader.GetGDCMSeriesIDs(str(folder))
-    ]
-    return list(max(series, key=len)) if series else []
+    }
+    if not series:
+        raise CtsegError(f"no DICOM series found in {folder}")
+    if len(series) > 1:
+        listed = "; ".join(
+            f"{series_id} ({_series_description(files[0])}{len(files)} files)"
+            for series_id, files in sorted(series.items())
+        )
+        raise CtsegError(
+            f"{folder} holds {len(series)} DICOM series: {listed}; move the one to segment "
+            "into a folder of its own and give that folder"
+        )
+    return list(next(iter(series.values())))
+
+
+def _series_description(file: str) -> str:
+    """'"ABDOMEN 5mm", ' from the file's Series Description, or ''."""
+    try:
+        info = _image_information(file)
+    except RuntimeError:
+        return ""
+    key = "0008|103e"
+    return f'"{info.GetMetaData(key).strip()}", ' if info.HasMetaDataKey(key) else ""
+
+
+def _check_slice_spacing(folder: Path, reader: sitk.ImageSeriesReader) -> None:
+    """CtsegError naming the first gap (or doubled slice) of a series that is not evenly spaced.
+
+    ITK reads such a series as if evenly spaced, at the mean spacing: every
+    distance and volume measured on it would be wrong. The tags come from `reader`,
+    which read them with the slices.
+    """
+    positions = []
+    for index in range(len(reader.GetFileNames())):
+        tags = [(index, key) for key in ("0020|0032", "0020|0037")]  # position, orientation
+        if not all(reader.HasMetaDataKey(*tag) for tag in tags):
+            return  # no slice geometry to check (ITK then reads the files as they come)
+        try:
+            origin, cosines = (
+                np.array([float(v) for v in reader.GetMetaData(*tag).split("\\")]) for tag in tags
+            )
+        except ValueError:
+            return
+        if origin.shape != (3,) or cosines.shape != (6,):
+            return
+        positions.append(float(origin @ np.cross(cosines[:3], cosines[3:])))
+    if len(positions) < 3:
+        return
+    order = np.sort(np.array(positions))
+    steps = np.diff(order)
+    spacing = float(np.median(steps))
+    where = (
+        np.flatnonzero(steps <= 0.0)
+        if spacing <= 0.0
+        else np.flatnonzero(np.abs(steps - spacing) > _SLICE_SPACING_TOLERANCE * spacing)
+    )
+    if where.size:
+        i = int(where[0])
+        raise CtsegError(
+            f"DICOM series {folder} is not evenly spaced: slices {i + 1} and {i + 2} of "
+            f"{len(order)} (at {order[i]:.2f} and {order[i + 1]:.2f} mm along the slice "
+            f"normal) are {steps[i]:.2f} mm apart, the others {spacing:.2f} mm; a slice is "
+            "missing or doubled, so the series' geometry would be wrong"
+        )
 
 
 def _squeeze_to_3d(array: np.ndarray, path: Path) -> np.ndarray:
+    if array.size == 0:
+        raise CtsegError(f"{path} holds no voxels (shape {array.shape})")
     if array.ndim > 3 and all(n == 1 for n in array.shape[3:]):
         array = array.reshape(array.shape[:3])
     if array.ndim == 4:
@@ -259,12 +459,12 @@ def find_scans(inputs: list[Path]) -> list[Path]:
         item = Path(item)
         if not item.exists():
             raise CtsegError(f"input not found: {item}")
-        if item.is_file():
+        if item.is_dir():
+            found.extend(_scans_in_folder(item))
+        else:  # a pipe or device too: `read_scan` refuses it as that scan's failure
             if not _has_suffix(item, SCAN_SUFFIXES):
                 raise CtsegError(f"{item} is not a supported scan ({', '.join(SCAN_SUFFIXES)})")
             found.append(item)
-        else:
-            found.extend(_scans_in_folder(item))
     unique = list(dict.fromkeys(found))
     if not unique:
         raise CtsegError(f"no scans found in {', '.join(str(p) for p in inputs)}")
@@ -275,7 +475,7 @@ def _scans_in_folder(folder: Path) -> list[Path]:
     if is_dicom_folder(folder):
         return [folder]
     entries = sorted(folder.iterdir())
-    files = [p for p in entries if p.is_file() and _has_suffix(p, SCAN_SUFFIXES)]
+    files = [p for p in entries if not p.is_dir() and _has_suffix(p, SCAN_SUFFIXES)]
     series = [p for p in entries if p.is_dir() and is_dicom_folder(p)]
     return [p for p in files if not p.name.startswith(".")] + series
 
@@ -291,6 +491,9 @@ def is_dicom_folder(folder: Path) -> bool:
 
 
 def _has_dicom_preamble(path: Path) -> bool:
-    with path.open("rb") as handle:
-        head = handle.read(132)
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(132)
+    except OSError:  # unreadable: not taken for DICOM, and reported if given as a scan
+        return False
     return head[128:132] == b"DICM"

@@ -16,7 +16,8 @@ training folder are not cases of it.
 A folder without any label file is a *predict-only* folder: every scan file below
 it (any name, e.g. LiTS ``test-volume-N.nii``) and every DICOM series folder below it
 (or the folder itself, if it is one) is a case without a label, with its file or
-folder name (`volume.scan_name`) as case id. Two scans that would get the same case
+folder name (`volume.scan_name`) as case id (letters of other scripts spelled as their
+code points: ``肝臓_01`` is ``u809d-u81d3-01``). Two scans that would get the same case
 id (also when the ids differ only in letter case) are an error, never an overwrite.
 
 Case ids hold only letters, digits and ``-``, so they are safe as folder names.
@@ -66,7 +67,9 @@ def find_cases(raw_dir: str | Path) -> Layout:
     if not raw_dir.is_dir():
         raise CtsegError(f"raw data folder not found: {raw_dir}")
     all_files, folders = _tree(raw_dir)
-    files = [p for p in all_files if not p.name.startswith(".") and p.is_file()]
+    # Not only regular files: a pipe or a dangling link named as a scan is a case that
+    # fails with its reason, not one that silently goes missing.
+    files = [p for p in all_files if not p.name.startswith(".")]
     lits_labels = _numbered(files, _LITS_LABEL)
     msd_labels = _numbered(_in_folder(files, "labelsTr"), _MSD_FILE)
     if not lits_labels and not msd_labels:
@@ -145,7 +148,7 @@ def _plain_scans(raw_dir: Path, files: list[Path], folders: list[Path]) -> list[
     for path in scans:
         # abspath: RAW given as "." (itself a DICOM series) is named after its folder.
         name = scan_name(Path(os.path.abspath(path)))
-        case_id = _NOT_IN_ID.sub("-", name).strip("-") or "scan"
+        case_id = _case_id_of(name)
         if case_id.lower() in by_key:
             other_id, other = by_key[case_id.lower()]
             same = (
@@ -158,11 +161,19 @@ def _plain_scans(raw_dir: Path, files: list[Path], folders: list[Path]) -> list[
     return [RawCase(case_id, path, None) for case_id, path in by_key.values()]
 
 
+def _case_id_of(name: str) -> str:
+    """A scan's name as a case id: letters and digits outside ASCII become their code
+    points (u809d), so that names in other scripts stay apart; anything else a '-'."""
+    # The spaces around a code point join the run of characters replaced by one '-'.
+    spelled = "".join(f" u{ord(c):04x} " if c.isalnum() and not c.isascii() else c for c in name)
+    return _NOT_IN_ID.sub("-", spelled).strip("-") or "scan"
+
+
 def _dicom_series(raw_dir: Path, folders: list[Path]) -> list[Path]:
     """`raw_dir` and the `folders` below it that hold a DICOM series.
 
-    Each such folder is one scan: `volume.read_scan` reads the largest series directly
-    in it, as `ctseg predict` does with the folders that `volume.find_scans` gives.
+    Each such folder is one scan: `volume.read_scan` reads the series directly in it
+    (and refuses several), as `ctseg predict` does with the folders `volume.find_scans` gives.
     Hidden folders (and what is below them) and unreadable ones (``lost+found``) are skipped.
     """
     below = (

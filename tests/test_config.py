@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+from rich.markup import render
 
 from ctseg import config as cfg
 from ctseg.errors import CtsegError
@@ -123,7 +124,10 @@ def test_bad_files(tmp_path):
         ),
         (["model.kernel_size=4"], r"model.kernel_size must be odd and positive, got 4"),
         (["train.batch_size=0"], r"train.batch_size must be at least 1, got 0"),
-        (["data.hu_window=[250, -200]"], r"data.hu_window must be \[low, high\] with low < high"),
+        (
+            ["data.hu_window=[250, -200]"],
+            r"data.hu_window = \[250.0, -200.0\] must be a low and a high HU with low < high",
+        ),
         (["data.val_fraction=1.0"], r"data.val_fraction must be in \[0, 1\)"),
         (["mesh.spatial=[0, 1, 1]"], r"mesh.spatial and mesh.data must be positive"),
         (["train.learning_rate=0"], r"train.learning_rate must be positive"),
@@ -140,8 +144,10 @@ def test_bad_files(tmp_path):
     ],
 )
 def test_invalid_combinations(overrides, message):
-    with pytest.raises(CtsegError, match=message):
+    with pytest.raises(CtsegError, match=message) as info:
         cfg.load(None, overrides)
+    # The CLI prints errors through rich: no word of the message may read as a markup tag.
+    assert render(str(info.value)).plain == str(info.value)
 
 
 def test_deepest_blocks_thick_enough_for_the_halo_pass():
@@ -221,3 +227,9 @@ def test_every_number_has_a_range(key):
 def test_config_path_that_is_a_folder_says_so(tmp_path):
     with pytest.raises(CtsegError, match="is a folder, not a config file"):
         cfg.load(tmp_path)
+
+
+def test_a_config_that_is_not_text_is_one_line(tmp_path):
+    (tmp_path / "binary.toml").write_bytes(b"\xff\xfe[data]\n")
+    with pytest.raises(CtsegError, match="binary.toml is not a TOML file: byte 0 is not UTF-8"):
+        cfg.load(tmp_path / "binary.toml")

@@ -351,6 +351,24 @@ def test_manifest_naming_paths_outside_the_store_is_refused(store, key, value):
 
 
 @pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        ("original_affine", "eye", "a 4×4 matrix of finite numbers"),
+        ("canonical_affine", [[1, 0, 0, 0]] * 3, "a 4×4 matrix of finite numbers"),
+        ("original_shape", [512, 512, -1], "3 voxel counts"),
+        ("canonical_shape", [1.5, 2, 3], "3 voxel counts"),
+        ("spacing", [0.8, 0.8, 0], "3 positive numbers"),
+        ("spacing", [0.8, True, 1.0], "3 positive numbers"),
+        ("label_counts", None, "3 voxel counts"),
+    ],
+)
+def test_manifest_numbers_that_are_not_numbers_are_refused(store, key, value, words):
+    _edit_manifest(store, **{key: value})
+    with pytest.raises(CtsegError, match=f"cases\\[0\\].{key} = .* is not {words}"):
+        Store.open(store.path)
+
+
+@pytest.mark.parametrize(
     ("content", "expected"),
     [
         (lambda good: good[: len(good) // 2], "cannot be read"),  # truncated
