@@ -4,6 +4,7 @@ import logging
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 from cli import bench, evaluate, plan, predict, preprocess, synth, train  # noqa: F401  (registers)
 from cli.app import app
@@ -14,10 +15,18 @@ def main() -> None:
     # Libraries log what is theirs to know (orbax: "Given directory is read only" on every
     # prediction); the user sees ctseg's own lines, and errors.
     logging.getLogger("absl").setLevel(logging.ERROR)
+    # ctseg's own warnings (a checkpoint skipped as unreadable, say) read as its other lines.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("ctseg").addHandler(handler)
+    logging.getLogger("ctseg").propagate = False
     try:
         app()
     except CtsegError as exc:
-        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {exc}")
+        # Escaped: a message is plain text, and a path like x[final] must keep its brackets.
+        console = Console(stderr=True, highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}")
         sys.exit(2)
 
 

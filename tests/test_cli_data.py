@@ -200,3 +200,11 @@ def test_library_log_lines_are_kept_off_the_terminal(monkeypatch):
     with pytest.raises(SystemExit):
         main()
     assert logging.getLogger("absl").getEffectiveLevel() == logging.ERROR
+
+
+def test_an_error_line_keeps_the_brackets_of_a_path(tmp_path):
+    """Messages are plain text: rich would take `[final]` for a markup tag and drop it."""
+    raw = tmp_path / "scans[final]"
+    result = _ctseg("preprocess", raw, tmp_path / "prep")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: ") and "scans[final]" in result.stderr
