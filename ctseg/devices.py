@@ -396,6 +396,32 @@ def compile_clock() -> CompileClock:
     return _clock
 
 
+def plan_devices(
+    request: str, found: Mapping[str, Sequence[Device]], need: int
+) -> tuple[list[Device], str]:
+    """Where `ctseg plan` compiles a layout of `need` devices, and the line that says so.
+
+    On the devices `request` chooses when there are enough of them; else on simulated
+    CPU devices (the CLI makes as many as the config's mesh needs), so that a layout
+    for 16 devices can be planned on a machine with one GPU.
+    """
+    chosen = choose(request, found)
+    if len(chosen) >= need:
+        return chosen[:need], f"planning on {describe(chosen[:need], simulated=True)}"
+    cpus = list(found.get("cpu", ()))
+    here = f"{describe(chosen, simulated=True)} here"
+    if len(cpus) < need:
+        raise CtsegError(
+            f"the config's mesh needs {need} devices but only {len(chosen)} are here "
+            f"({describe(chosen)}) and JAX offers no CPU devices to simulate them; "
+            "use --device cpu"
+        )
+    return cpus[:need], (
+        f"planning on {need} simulated CPU devices: the config's mesh needs {need}, "
+        f"{here} has {len(chosen)}"
+    )
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where a training run runs: the config with the mesh it gets, its devices, and why."""

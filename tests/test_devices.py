@@ -350,3 +350,19 @@ def test_jax_platforms_without_the_platform_is_one_line_from_the_command(tmp_pat
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("error: JAX_PLATFORMS=gpu is set"), done.stderr
     assert "Traceback" not in done.stderr and "--device cpu:" not in done.stderr
+
+
+def test_plan_compiles_a_mesh_larger_than_the_gpus_on_simulated_cpu_devices():
+    found = dev.Found({"gpu": gpus(1), "cpu": CPU})
+    devices, line = dev.plan_devices("auto", found, 16)
+    assert devices == CPU
+    assert line == (
+        f"planning on 16 simulated CPU devices: the config's mesh needs 16, 1 × {H100} here has 1"
+    )
+    # Enough accelerators: the plan compiles on them.
+    devices, line = dev.plan_devices("auto", {"gpu": gpus(16), "cpu": CPU}, 16)
+    assert [d.platform for d in devices] == ["gpu"] * 16
+    assert line == f"planning on 16 × {H100}"
+    assert dev.plan_devices("cpu", found, 4)[0] == CPU[:4]
+    with pytest.raises(CtsegError, match="no CPU devices to simulate them"):
+        dev.plan_devices("gpu", {"gpu": gpus(1)}, 16)  # e.g. JAX_PLATFORMS=cuda
