@@ -86,8 +86,9 @@ def start_jax(
     config's mesh), used only where the CPU is what runs. `compile_cache`: the
     `--compile-cache` option. Must run before anything touches JAX devices:
     simulated CPU devices can only be configured before the backend starts.
-    Prints, as the command's first lines, why `--device auto` runs on the CPU where
-    an accelerator failed to start, and why the compilation cache is not used.
+    Raises the one-line error of a `device` that is not here. Prints, as the
+    command's first lines, why `--device auto` runs on the CPU where an accelerator
+    failed to start, and why the compilation cache is not used.
     """
     from ctseg import devices as dev
     from ctseg import partition  # imports JAX; keep `ctseg --help` fast
@@ -98,7 +99,11 @@ def start_jax(
     # Each process contributes its share of the mesh's devices.
     processes = num_processes or 1
     partition.configure_cpu_devices(-(-(devices or config.num_devices) // processes))
-    fallback = dev.fallback_warning(device, dev.visible(local=False))
+    found = dev.visible(local=False)
+    # Here, so that every command (bench too) refuses a --device it cannot have, in one
+    # line with the reason, before it starts any work.
+    dev.choose(device, found)
+    fallback = dev.fallback_warning(device, found)
     for line in (fallback, cache_problem):
         if line is not None:
             _stderr.print(f"[yellow]warning:[/] {escape(line)}")

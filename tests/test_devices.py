@@ -366,3 +366,11 @@ def test_plan_compiles_a_mesh_larger_than_the_gpus_on_simulated_cpu_devices():
     assert dev.plan_devices("cpu", found, 4)[0] == CPU[:4]
     with pytest.raises(CtsegError, match="no CPU devices to simulate them"):
         dev.plan_devices("gpu", {"gpu": gpus(1)}, 16)  # e.g. JAX_PLATFORMS=cuda
+
+
+def test_every_command_refuses_a_gpu_that_failed_before_it_starts_work(monkeypatch):
+    from cli.options import start_jax
+
+    fake_jax(monkeypatch, cuda_plugin_fails)
+    with pytest.raises(CtsegError, match="^--device gpu: CUDA backend failed to start: INTERNAL"):
+        start_jax(SIXTEEN_WAY, device="gpu", compile_cache="off")
