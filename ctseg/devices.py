@@ -15,6 +15,7 @@ import os
 import re
 import tempfile
 import warnings
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -371,11 +372,14 @@ class CompileClock:
         self.seconds = 0.0
         self.programs = 0
         self.cache_hits = 0
+        self.by_name: Counter[str] = Counter()  # programs by function name, e.g. train_step
 
-    def _duration(self, event: str, duration_secs: float, **_: Any) -> None:
+    def _duration(self, event: str, duration_secs: float, **kwargs: Any) -> None:
         if event in _COMPILE_EVENTS:
             self.seconds += duration_secs
-            self.programs += event == _BACKEND_COMPILE
+        if event == _BACKEND_COMPILE:
+            self.programs += 1
+            self.by_name[str(kwargs.get("fun_name", "?"))] += 1
 
     def _event(self, event: str, **_: Any) -> None:
         self.cache_hits += event == _CACHE_HIT

@@ -26,7 +26,7 @@ from ctseg.config import Config, with_mesh
 from ctseg.partition import ACTIVATION_SPEC, REPLICATED, local_block_shape, make_mesh
 
 MODES = ("train", "predict")
-LABEL_DTYPE = jnp.uint8  # labels as the prepared store holds them
+LABEL_DTYPE = jnp.int32  # labels as the input pipeline hands them to the step
 
 
 @dataclass(frozen=True)
