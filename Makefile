@@ -26,16 +26,17 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(CTSEG) bench --config configs/demo.toml --partitions 1,2,4,8,16 --partitioner halo,gspmd --peak --json bench/bench.json
 
-# One 512×512 scan through `ctseg predict` with the lits512 model on ONNX Runtime:
-# wall time and peak memory (about 11 minutes on 2 cores).
+# One 512×512 scan through `ctseg predict` with the lits512 model on ONNX Runtime, on
+# the CPU: wall time and peak memory (about 11 minutes on 2 cores). On a GPU, see the
+# README's GPU section.
 bench-predict512: $(STAMP)
-	$(PY) scripts/bench_predict512.py bench/predict512 --backend onnx --cold-only
+	$(PY) scripts/bench_predict512.py bench/predict512 --device cpu --backend onnx --cold-only
 
 experiment-resolution: $(STAMP)
 	bash scripts/experiment_resolution.sh
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check ctseg cli data_prep tests
+	$(VENV)/bin/ruff check ctseg cli data_prep tests scripts
 
 clean:
 	rm -rf $(VENV) demo bench experiment

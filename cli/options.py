@@ -5,8 +5,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.markup import escape
 
 from ctseg import config as cfg
+
+_stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
 ConfigOption = Annotated[
     Path | None,
@@ -55,8 +59,9 @@ CompileCacheOption = Annotated[
     typer.Option(
         "--compile-cache",
         help="Folder of the persistent XLA compilation cache, or 'off'. Default: "
-        "$CTSEG_COMPILE_CACHE, else ~/.cache/ctseg/xla. A second run with the same "
-        "shapes compiles nothing.",
+        "$CTSEG_COMPILE_CACHE (empty: unset), else ~/.cache/ctseg/xla. A second run with "
+        "the same shapes compiles nothing. A folder that cannot be written is reported "
+        "and the run compiles without it.",
         metavar="DIR|off",
     ),
 ]
@@ -81,13 +86,24 @@ def start_jax(
     config's mesh), used only where the CPU is what runs. `compile_cache`: the
     `--compile-cache` option. Must run before anything touches JAX devices:
     simulated CPU devices can only be configured before the backend starts.
+    Raises the one-line error of a `device` that is not here. Prints, as the
+    command's first lines, why `--device auto` runs on the CPU where an accelerator
+    failed to start, and why the compilation cache is not used.
     """
     from ctseg import devices as dev
     from ctseg import partition  # imports JAX; keep `ctseg --help` fast
 
     dev.prepare(device)
-    dev.use_compile_cache(dev.compile_cache_dir(compile_cache))
+    cache_problem = dev.use_compile_cache(dev.compile_cache_dir(compile_cache))
     partition.initialize_distributed(coordinator, num_processes, process_id)
     # Each process contributes its share of the mesh's devices.
     processes = num_processes or 1
     partition.configure_cpu_devices(-(-(devices or config.num_devices) // processes))
+    found = dev.visible(local=False)
+    # Here, so that every command (bench too) refuses a --device it cannot have, in one
+    # line with the reason, before it starts any work.
+    dev.choose(device, found)
+    fallback = dev.fallback_warning(device, found)
+    for line in (fallback, cache_problem):
+        if line is not None:
+            _stderr.print(f"[yellow]warning:[/] {escape(line)}")

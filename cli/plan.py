@@ -79,18 +79,22 @@ def plan_command(
     process_id: ProcessIdOption = None,
 ) -> None:
     """Compile (not run) the training step and inference for the config's layout and report
-    per-device memory, halo traffic and FLOPs next to the unpartitioned layout."""
+    per-device memory, halo traffic and FLOPs next to the unpartitioned layout.
+
+    The layouts compile on the devices here when there are enough of them, else on
+    simulated CPU devices (the first line says which); the last line says which layout
+    `ctseg train` would choose here and, on accelerators, whether its step fits."""
     config = load_config(config_path, overrides)
     start_jax(config, coordinator, num_processes, process_id, device=device.value)
     from ctseg import devices as dev  # after start_jax: imports start JAX
 
     visible = dev.visible(local=False)
     found = dev.choose(device.value, visible)
-    # The asked-for layout compiles on the devices here when there are enough of them,
-    # else on simulated CPU devices (start_jax made as many as the config's mesh needs).
-    enough = len(found) >= config.num_devices
+    # start_jax made as many simulated CPU devices as the config's mesh needs.
+    planned_on, line = dev.plan_devices(device.value, visible, config.num_devices)
+    console.print(line)
     with console.status("compiling") as status:
-        plans = plan(config, lambda message: status.update(message), found if enough else None)
+        plans = plan(config, lambda message: status.update(message), planned_on)
         here = _this_machine(config, found, lambda message: status.update(message))
     console.print(_table(plans))
     r = config.data.resolution

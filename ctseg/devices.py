@@ -12,6 +12,10 @@ The choices are pure functions of device lists (`choose`, `inference_backend`,
 from __future__ import annotations
 
 import os
+import re
+import tempfile
+import warnings
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,35 +54,132 @@ def prepare(request: str) -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
-def visible(local: bool = True) -> dict[str, list[Any]]:
-    """The devices JAX can start, by platform; `local`: only this process's own."""
+# Concrete JAX platforms behind `--device gpu|tpu`, and their names in messages.
+_PLATFORMS = {"gpu": ("cuda", "rocm", "oneapi"), "tpu": ("tpu",)}
+_NAMES = {"cuda": "CUDA", "rocm": "ROCm", "oneapi": "oneAPI", "tpu": "TPU"}
+# JAX's words for a backend that failed to start: a plugin (CUDA, ROCm) raises the first
+# form once, from whichever call starts the backends; a quietly failing backend (TPU)
+# answers every later request for it with the second.
+_START_FAILED = (
+    re.compile(
+        r"Unable to initialize backend '(?P<platform>[^']+)': (?P<why>.*?)\.?"
+        r"(?: \((?:you may|set JAX_PLATFORMS).*\))?$",
+        re.S,
+    ),
+    re.compile(
+        r"Backend '(?P<platform>[^']+)' failed to initialize: (?P<why>.*?)\. Available backends",
+        re.S,
+    ),
+)
+# Reasons that mean "not installed here", which is no fault: ctseg runs on what there is.
+_NOT_INSTALLED = ("is not in the list of known backends", "Failed to open libtpu.so")
+# Why accelerator backends failed to start in this process: JAX says it once only.
+_faults: dict[str, str] = {}
+
+
+class Found(dict):
+    """What `visible` found: platform (gpu, tpu, cpu) → devices, as `choose` reads it.
+
+    Beside the devices: `faults`, the accelerator backends installed here that failed to
+    start (concrete platform → JAX's reason), and `platforms`, the user's JAX_PLATFORMS,
+    which limits what JAX may start.
+    """
+
+    def __init__(
+        self,
+        devices: Mapping[str, Sequence[Any]] | None = None,
+        faults: Mapping[str, str] | None = None,
+        platforms: str | None = None,
+    ):
+        super().__init__(devices or {})
+        self.faults = dict(faults or {})
+        self.platforms = platforms
+        self.startup_error: str | None = None  # JAX's error where it started nothing at all
+
+
+def visible(local: bool = True) -> Found:
+    """The devices JAX can start, by platform; `local`: only this process's own.
+
+    A backend that is not installed here, or that JAX_PLATFORMS leaves out, is simply
+    absent; one that is installed but failed to start is noted in `Found.faults`.
+    """
     import jax
 
-    found = {}
+    listing = jax.local_devices if local else jax.devices
+    found = Found(platforms=os.environ.get("JAX_PLATFORMS") or None)
     for platform in (*ACCELERATORS, "cpu"):
-        try:
-            devices = jax.local_devices(backend=platform) if local else jax.devices(platform)
-        except RuntimeError:  # no such backend here (or JAX_PLATFORMS leaves it out)
-            continue
-        found[platform] = devices
+        # A plugin's start failure surfaces once; the backends started before it are
+        # served from the next call on, so a failure is asked again once.
+        for _ in range(2):
+            try:
+                found[platform] = list(listing(backend=platform))
+                break
+            except RuntimeError as exc:
+                if not _note_failure(str(exc), found):
+                    break
+    found.faults.update(_faults)
     return found
 
 
+def _note_failure(message: str, found: Found) -> bool:
+    """Record a backend's start failure named in JAX's `message`; True if it was one."""
+    for pattern in _START_FAILED:
+        match = pattern.search(message)
+        if match:
+            break
+    else:
+        return False  # "Unknown backend": not installed here, or left out by JAX_PLATFORMS
+    platform, why = match["platform"], " ".join(match["why"].split())
+    found.startup_error = found.startup_error or f"{platform}: {why}"
+    if platform != "cpu" and not any(words in why for words in _NOT_INSTALLED):
+        _faults[platform] = why
+    return pattern is _START_FAILED[0]
+
+
 def choose(request: str, found: Mapping[str, Sequence[Device]]) -> list[Device]:
-    """The devices for `request` (auto, cpu, gpu, tpu) among `found` (platform → devices)."""
+    """The devices for `request` (auto, cpu, gpu, tpu) among `found` (platform → devices,
+    as `visible` gives it: its faults and JAX_PLATFORMS make the messages)."""
     if request == "auto":
         for platform in ACCELERATORS:
             if found.get(platform):
                 return list(found[platform])
         request = "cpu"
     devices = list(found.get(request, ()))
-    if not devices:
-        present = ", ".join(p for p in found if found[p]) or "none"
+    if devices:
+        return devices
+    platforms = getattr(found, "platforms", None)
+    if platforms and not any(found.values()):
+        why = getattr(found, "startup_error", None)
         raise CtsegError(
-            f"--device {request}: JAX sees no {request.upper()} here (platforms: {present}); "
-            "use --device auto to run on what there is"
+            f"JAX_PLATFORMS={platforms} is set, and JAX started none of the platforms it "
+            f"names{f' ({why})' if why else ''}; unset JAX_PLATFORMS and choose with "
+            "--device auto|cpu|gpu|tpu (ctseg picks the devices itself), or use --device cpu"
         )
-    return devices
+    faults = getattr(found, "faults", {})
+    failed = [p for p in _PLATFORMS.get(request, ()) if p in faults]
+    if failed:
+        raise CtsegError(
+            f"--device {request}: "
+            + "; ".join(f"{_NAMES[p]} backend failed to start: {faults[p]}" for p in failed)
+        )
+    present = ", ".join(p for p in found if found[p]) or "none"
+    message = f"--device {request}: JAX sees no {request.upper()} here (platforms: {present})"
+    named = {request, *_PLATFORMS.get(request, ())}
+    if platforms and not named & set(platforms.split(",")):
+        message += f"; JAX_PLATFORMS={platforms} leaves it out: unset JAX_PLATFORMS"
+    raise CtsegError(f"{message}; use --device auto to run on what there is")
+
+
+def fallback_warning(request: str, found: Mapping[str, Sequence[Device]]) -> str | None:
+    """Why `--device auto` runs on the CPU where an accelerator is installed but failed to
+    start (invariant 7: never a silent fall-back); None where nothing failed."""
+    faults = getattr(found, "faults", {})
+    if request != "auto" or not faults or any(found.get(p) for p in ACCELERATORS):
+        return None
+    failures = "; ".join(
+        f"{_NAMES.get(p, p)} backend failed to start: {why}" for p, why in faults.items()
+    )
+    return f"{failures}; running on the CPU"
 
 
 def is_accelerator(devices: Sequence[Device]) -> bool:
@@ -191,32 +292,62 @@ def fit_layout(config: Config, devices: int, data: int = 1) -> Config:
 
 def compile_cache_dir(option: str | None) -> Path | None:
     """The persistent compilation cache folder: `option`, else $CTSEG_COMPILE_CACHE, else the
-    user's cache folder; None when it is ``off``."""
-    value = option or os.environ.get(COMPILE_CACHE_ENV)
-    if value is None:
+    user's cache folder; None when it is ``off``.
+
+    An empty value counts as unset: ``CTSEG_COMPILE_CACHE=`` would otherwise name the
+    current folder and fill it with cache files.
+    """
+    value = (option or os.environ.get(COMPILE_CACHE_ENV) or "").strip()
+    if not value:
         base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
         return Path(base) / "ctseg" / "xla"
     return None if value.lower() == "off" else Path(value).expanduser()
 
 
-def use_compile_cache(directory: Path | None) -> None:
+def use_compile_cache(directory: Path | None) -> str | None:
     """Keep every compiled program in `directory` (JAX's persistent cache), so that the
-    next process with the same shapes compiles nothing. Call before the first compile."""
+    next process with the same shapes compiles nothing. Call before the first compile.
+
+    A cache only saves time, so one that cannot be used is no reason to stop: the
+    returned line says why it is not used (the command prints it), and JAX compiles
+    without it. Otherwise None.
+    """
     if directory is None:
-        return
+        return None
+    problem = _cache_problem(directory)
+    if problem is not None:
+        return f"compilation cache {directory} {problem}; compiling without it"
     import jax
 
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CtsegError(
-            f"cannot use {directory} as the compilation cache ({exc.strerror}); "
-            "give another --compile-cache DIR or --compile-cache off"
-        ) from None
     jax.config.update("jax_compilation_cache_dir", str(directory))
     # Even the small programs: a stage of a tiny model compiles in under a second, but a
     # second `ctseg predict` should compile nothing at all.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # An entry that cannot be read (cut short, from another build) or written (a full
+    # disk) is a cache miss: JAX compiles and goes on, and says so in a library warning
+    # that would come back on every run. The run's outcome is the same; keep it quiet.
+    warnings.filterwarnings(
+        "ignore", message="Error (reading|writing) persistent compilation cache entry"
+    )
+    return None
+
+
+def _cache_problem(directory: Path) -> str | None:
+    """Why `directory` cannot hold the compilation cache, or None where it can."""
+    if directory.exists() and not directory.is_dir():
+        return "is a file, not a folder"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot be created ({exc.strerror or exc})"
+    # Permissions alone do not tell (root, read-only mounts): try what JAX will do.
+    try:
+        handle, probe = tempfile.mkstemp(dir=directory, prefix=".ctseg-probe-")
+    except OSError:
+        return "is not writable"
+    os.close(handle)
+    os.unlink(probe)
+    return None
 
 
 # Events JAX records for every program it compiles (`jax.monitoring`): the time of
@@ -241,11 +372,14 @@ class CompileClock:
         self.seconds = 0.0
         self.programs = 0
         self.cache_hits = 0
+        self.by_name: Counter[str] = Counter()  # programs by function name, e.g. train_step
 
-    def _duration(self, event: str, duration_secs: float, **_: Any) -> None:
+    def _duration(self, event: str, duration_secs: float, **kwargs: Any) -> None:
         if event in _COMPILE_EVENTS:
             self.seconds += duration_secs
-            self.programs += event == _BACKEND_COMPILE
+        if event == _BACKEND_COMPILE:
+            self.programs += 1
+            self.by_name[str(kwargs.get("fun_name", "?"))] += 1
 
     def _event(self, event: str, **_: Any) -> None:
         self.cache_hits += event == _CACHE_HIT
@@ -264,6 +398,32 @@ def compile_clock() -> CompileClock:
         jax.monitoring.register_event_duration_secs_listener(_clock._duration)
         jax.monitoring.register_event_listener(_clock._event)
     return _clock
+
+
+def plan_devices(
+    request: str, found: Mapping[str, Sequence[Device]], need: int
+) -> tuple[list[Device], str]:
+    """Where `ctseg plan` compiles a layout of `need` devices, and the line that says so.
+
+    On the devices `request` chooses when there are enough of them; else on simulated
+    CPU devices (the CLI makes as many as the config's mesh needs), so that a layout
+    for 16 devices can be planned on a machine with one GPU.
+    """
+    chosen = choose(request, found)
+    if len(chosen) >= need:
+        return chosen[:need], f"planning on {describe(chosen[:need], simulated=True)}"
+    cpus = list(found.get("cpu", ()))
+    here = f"{describe(chosen, simulated=True)} here"
+    if len(cpus) < need:
+        raise CtsegError(
+            f"the config's mesh needs {need} devices but only {len(chosen)} are here "
+            f"({describe(chosen)}) and JAX offers no CPU devices to simulate them; "
+            "use --device cpu"
+        )
+    return cpus[:need], (
+        f"planning on {need} simulated CPU devices: the config's mesh needs {need}, "
+        f"{here} has {len(chosen)}"
+    )
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from ctseg.partition import ACTIVATION_SPEC, REPLICATED, local_block_shape, make
 from ctseg.unet import level_widths
 
 MODES = ("train", "predict")
-LABEL_DTYPE = jnp.uint8  # labels as the prepared store holds them
+LABEL_DTYPE = jnp.int32  # labels as the input pipeline hands them to the step
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,6 @@ from ctseg.step import (
     init_state,
     make_batch_statistics,
     make_predict,
-    make_train_step,
     pool_statistics,
 )
 from ctseg.store import Store
@@ -296,17 +295,13 @@ def train_and_evaluate(
     if main_process:
         record_layout(run_dir, start, config, where or dev.describe(devices, simulated=True))
 
-    if dev.is_accelerator(devices):
-        # Compiled ahead to read its memory need; the loop's own compile then comes
-        # from the compilation cache.
-        check_memory(
-            plan.compile_train_step(
-                graphdef, config, mesh, state, *plan.abstract_batch(config, mesh)
-            ),
-            config,
-            devices,
-        )
-    train_step = jax.jit(make_train_step(graphdef, config, mesh), donate_argnums=0)
+    # Compiled ahead, before the first batch, so that its memory need is checked on
+    # accelerators; the loop runs this very program (compiling the step a second time
+    # would cost as much again where the compilation cache is off).
+    train_step = plan.compile_train_step(
+        graphdef, config, mesh, state, *plan.abstract_batch(config, mesh)
+    )
+    check_memory(train_step, config, devices)
     predict = make_predict(graphdef, config, mesh)
     segment = jax.jit(lambda *args: jnp.argmax(predict(*args), axis=-1).astype(jnp.uint8))
     batch_statistics = jax.jit(make_batch_statistics(graphdef, config, mesh))

@@ -1,40 +1,54 @@
 """Time `ctseg predict` of 512×512 scans with the lits512 model: cold, warm, many scans.
 
-    .venv/bin/python scripts/bench_predict512.py WORKDIR [--device auto|cpu|gpu|tpu]
-        [--backend jax|onnx] [--tile N] [--scans 10] [--anchor .gpu/torch_unet.py]
+    python scripts/bench_predict512.py WORKDIR [--device auto|cpu|gpu|tpu]
+        [--backend jax|onnx] [--tile N] [--scans 10] [--cold-only] [--anchor]
         [--config configs/lits512_16way.toml] [--size 512]
 
 Speed and memory do not depend on the weights, so the run directory holds an
-untrained model (`configs/lits512_16way.toml`, checkpoint at step 0). The scan is
-a synthetic 512×512 phantom (`ctseg synth --size 512`), copied under N names.
-`ctseg predict` runs as a user runs it, in its own process, twice on the same
-scans: **cold** (an empty compilation cache) and **warm** (the cache the cold run
-filled; `--cold-only` skips it). Printed and written to WORKDIR/result.json:
-each run's wall time and peak resident memory, the network's seconds per scan (`infer` in the scans'
-`_stats.json`), the compile seconds, and with several scans the wall seconds per
-scan after the first. `--anchor` runs the PyTorch/MONAI sliding-window anchor
-(`../shared/gpu/torch_unet.py infer --size 512 --sw 128`) in the same call, so the
-network's time is put against it measured on the same machine the same day.
+untrained model (`configs/lits512_16way.toml`, checkpoint at step 0), made in a
+CPU-only process so that no accelerator memory is taken before the timed runs. The
+scan is a synthetic size×size phantom (`ctseg synth --size`), copied under N names.
+`ctseg predict` runs as a user runs it, in its own process, twice on the same scans:
+**cold** (an empty compilation cache) and **warm** (the cache the cold run filled;
+`--cold-only` skips it). For each run: wall seconds, the process's peak resident
+memory, the network's seconds per scan (`infer` in the scans' `_stats.json`: the
+grid from host memory to the devices, the network, the probabilities back), the
+compile seconds, and with several scans the network's seconds per scan after the
+first and the wall seconds each further scan adds.
+
+`--anchor` (needs a CUDA GPU and the `bench` extra) also runs MONAI's sliding window
+on the same U-Net in PyTorch (`scripts/monai_anchor.py infer --size 512 --sw 128`)
+and gives `network_vs_anchor`: ctseg's network seconds per scan after the first
+against the anchor's median after a warm-up, both from host memory to host memory on
+the same machine the same day (so it needs --scans 2 or more).
+
+WORKDIR/result.json is rewritten (atomically) after every measurement, so a run that
+fails later keeps what was measured; the last version is also printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ctseg import atomic  # no JAX here: this process leaves the accelerators to the runs
+
 REPO = Path(__file__).resolve().parent.parent
 CTSEG = str(Path(sys.executable).with_name("ctseg"))
 CONFIG = REPO / "configs" / "lits512_16way.toml"
+ANCHOR = REPO / "scripts" / "monai_anchor.py"
+UNTRAINED = "--untrained-run"  # the child's argument: make the run directory, nothing else
 
 
 def make_untrained_run(run_dir: Path, config_path: Path) -> None:
-    """A run directory with the config and a step-0 checkpoint of freshly initialised weights."""
+    """A run directory with the config and a step-0 checkpoint of freshly initialised weights
+    (in the child process, `untrained_run`)."""
     from ctseg import config as cfg
     from ctseg.checkpoints import Checkpoints
     from ctseg.step import init_state
@@ -47,6 +61,14 @@ def make_untrained_run(run_dir: Path, config_path: Path) -> None:
     checkpoints.save(state)
     checkpoints.wait()
     checkpoints.close()
+
+
+def untrained_run(run_dir: Path, config_path: Path) -> None:
+    """`make_untrained_run` in a CPU-only process: JAX started here on a GPU would hold
+    most of its memory (JAX's preallocation) through every timed run."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, __file__, UNTRAINED, str(run_dir), str(config_path)]
+    subprocess.run(command, env=env, check=True)
 
 
 def make_scans(folder: Path, count: int, size: int) -> list[Path]:
@@ -63,6 +85,16 @@ def make_scans(folder: Path, count: int, size: int) -> list[Path]:
     return scans
 
 
+def measured(command: list[str]) -> tuple[int, float, float]:
+    """Run `command`: its exit status, wall seconds and peak resident GiB (its own, as
+    `wait4` reports it for this child and its children; not another run's)."""
+    began = time.perf_counter()
+    child = subprocess.Popen(command)
+    _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - began
+    return os.waitstatus_to_exitcode(status), wall, usage.ru_maxrss / 2**20
+
+
 def predict(args: argparse.Namespace, run_dir: Path, scans: list[Path], out: Path) -> dict:
     """One `ctseg predict` process over `scans`: wall seconds, peak RSS, the scans' stats."""
     shutil.rmtree(out, ignore_errors=True)
@@ -71,26 +103,29 @@ def predict(args: argparse.Namespace, run_dir: Path, scans: list[Path], out: Pat
     command += ["--compile-cache", str(args.workdir / "xla-cache")]
     if args.backend:
         command += ["--backend", args.backend]
-    began = time.perf_counter()
-    done = subprocess.run(command, check=False)
-    wall = time.perf_counter() - began
-    if done.returncode != 0:
-        sys.exit(done.returncode)
+    status, wall, peak = measured(command)
+    if status != 0:
+        sys.exit(f"ctseg predict failed (exit status {status}); measured so far: {args.result}")
     stats = [json.loads((out / f"{s.name[:-7]}_stats.json").read_text()) for s in scans]
-    return {
+    run = {
         "wall_seconds": wall,
-        # The largest child so far: the cold run's, then the larger of both.
-        "peak_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
+        "peak_gib": peak,
         "device": stats[0]["device"],
         "infer_seconds": [s["seconds"]["infer"] for s in stats],
         "compile_seconds": stats[-1]["seconds"]["compile"],
         "compiled": stats[-1]["compiled"],
     }
+    if len(scans) > 1:
+        later = run["infer_seconds"][1:]
+        run["infer_seconds_after_first"] = sum(later) / len(later)
+    return run
 
 
-def anchor(script: Path) -> dict:
-    command = [sys.executable, str(script), "infer", "--size", "512", "--base", "32"]
-    done = subprocess.run([*command, "--sw", "128"], capture_output=True, text=True, check=True)
+def anchor() -> dict:
+    command = [sys.executable, str(ANCHOR), "infer", "--size", "512", "--base", "32"]
+    done = subprocess.run([*command, "--sw", "128"], capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -101,37 +136,45 @@ def main() -> None:
     parser.add_argument("--backend", choices=["jax", "onnx"], help="default: the device policy")
     parser.add_argument("--tile", type=int, default=-1)
     parser.add_argument("--scans", type=int, default=1)
+    parser.add_argument("--cold-only", action="store_true", help="skip the warm run")
     parser.add_argument("--config", type=Path, default=CONFIG, help="the untrained run's config")
     parser.add_argument("--size", type=int, default=512, help="in-plane size of the scan")
     parser.add_argument(
-        "--anchor", type=Path, help="torch_unet.py: also time MONAI's sliding window"
+        "--anchor", action="store_true", help="also time MONAI's sliding window (CUDA GPU)"
     )
     args = parser.parse_args()
+    if args.anchor and args.scans < 2:
+        parser.error("--anchor compares the scans after the first: give --scans 2 or more")
+    args.result = args.workdir / "result.json"
     run_dir, out = args.workdir / "run", args.workdir / "pred"
     if not (run_dir / "checkpoints").is_dir():
-        make_untrained_run(run_dir, args.config)
+        untrained_run(run_dir, args.config)
     scans = make_scans(args.workdir / "scan", args.scans, args.size)
     shutil.rmtree(args.workdir / "xla-cache", ignore_errors=True)
-    result = {"scans": args.scans, "tile": args.tile}
-    for kind in ("cold",) if args.cold_only else ("cold", "warm"):
+    result: dict = {"scans": args.scans, "tile": args.tile, "size": args.size}
+    kinds = ("cold",) if args.cold_only else ("cold", "warm")
+    for kind in kinds:
         result[kind] = predict(args, run_dir, scans, out)
-        if args.scans > 1:
-            # What each further scan adds, from the same call with one scan less: the
-            # network's seconds of the later scans, and the wall time shared out.
-            later = result[kind]["infer_seconds"][1:]
-            result[kind]["infer_seconds_after_first"] = sum(later) / len(later)
+        atomic.write_json(args.result, result)
     if args.scans > 1 and not args.cold_only:
+        # What each further scan adds to the wall time: against the same call on one scan.
         single = predict(args, run_dir, scans[:1], out)
         per_scan = (result["warm"]["wall_seconds"] - single["wall_seconds"]) / (args.scans - 1)
         result["warm"]["wall_seconds_per_scan_after_first"] = per_scan
+        atomic.write_json(args.result, result)
     if args.anchor:
-        result["anchor"] = anchor(args.anchor)
-        result["network_vs_anchor"] = (
-            result["warm"]["infer_seconds"][0] / result["anchor"]["seconds"]
-        )
-    (args.workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+        result["anchor"] = anchor()
+        if "seconds" in result["anchor"]:
+            ours = result[kinds[-1]]["infer_seconds_after_first"]
+            result["network_vs_anchor"] = ours / result["anchor"]["seconds"]
+        atomic.write_json(args.result, result)
     print(json.dumps(result, indent=2))
+    if "error" in result.get("anchor", {}):
+        sys.exit("the anchor failed: " + " ".join(result["anchor"]["error"]))
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == [UNTRAINED]:
+        make_untrained_run(Path(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        main()

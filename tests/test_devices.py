@@ -1,6 +1,8 @@
 """The device policy over fake device lists: what runs where, and the line that says so."""
 
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -114,9 +116,6 @@ def test_compile_cache_folder(monkeypatch, tmp_path):
     assert dev.compile_cache_dir(None) == tmp_path / "elsewhere"
     assert dev.compile_cache_dir("off") is None
     assert dev.compile_cache_dir(str(tmp_path / "given")) == tmp_path / "given"
-    (tmp_path / "a-file").write_text("")
-    with pytest.raises(CtsegError, match="cannot use .* as the compilation cache"):
-        dev.use_compile_cache(tmp_path / "a-file" / "cache")
 
 
 SIXTEEN_WAY = cfg.load(None, ["data.resolution=32", "model.depth=2", "mesh.spatial=[4,4,1]"])
@@ -216,3 +215,162 @@ def test_a_step_too_large_for_the_gpu_is_one_line_with_the_ways_out():
     ):
         train.check_memory(FakeCompiled(100 * GIB), SIXTEEN_WAY, gpus(1, free=70 * GIB))
     train.check_memory(FakeCompiled(100 * GIB), SIXTEEN_WAY, CPU)  # the OS has the last word
+
+
+# --------------------------------------------------------------------------- backends that fail
+
+CUDA_FAILED = (
+    "Unable to initialize backend 'cuda': INTERNAL: no supported devices found for platform "
+    "CUDA (you may need to uninstall the failing plugin package, or set JAX_PLATFORMS=cpu to "
+    "skip this backend.)"
+)
+NO_GPU = (
+    "Unknown backend: 'gpu' requested, but no platforms that are instances of gpu are "
+    "present. Platforms present are: cpu"
+)
+NO_LIBTPU = (
+    "Backend 'tpu' failed to initialize: INTERNAL: Failed to open libtpu.so: libtpu.so: "
+    "cannot open shared object file: No such file or directory. Available backends are ['cpu']"
+)
+ROCM_UNKNOWN = (
+    "Unable to initialize backend 'rocm': Backend 'rocm' is not in the list of known "
+    "backends: ['cpu', 'tpu']. (set JAX_PLATFORMS='' to automatically choose an available "
+    "backend)"
+)
+
+
+def fake_jax(monkeypatch, answer):
+    """`jax.local_devices` / `jax.devices` as JAX answers them; `answer(backend, call)` gives
+    the devices or raises. A fresh process: no start failure noted yet."""
+    import jax
+
+    calls = []
+
+    def listing(backend=None):
+        calls.append(backend)
+        return answer(backend, len(calls))
+
+    monkeypatch.setattr(jax, "local_devices", listing)
+    monkeypatch.setattr(jax, "devices", listing)
+    monkeypatch.setattr(dev, "_faults", {})
+
+
+def cuda_plugin_fails(backend, call):
+    """A CUDA plugin that fails to start: JAX raises it from the first call only, then
+    serves the backends that started before it (the CPU)."""
+    if call == 1:
+        raise RuntimeError(CUDA_FAILED)
+    return cpu_only(lambda other: NO_GPU if other == "gpu" else NO_LIBTPU)(backend, call)
+
+
+def cpu_only(refusal):
+    """JAX where only the CPU starts; any other backend is answered with `refusal(backend)`."""
+
+    def answer(backend, call):
+        if backend == "cpu":
+            return CPU
+        raise RuntimeError(refusal(backend))
+
+    return answer
+
+
+def test_auto_says_why_the_gpu_did_not_start(monkeypatch):
+    fake_jax(monkeypatch, cuda_plugin_fails)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    found = dev.visible(local=False)
+    assert dev.choose("auto", found) == CPU
+    assert dev.fallback_warning("auto", found) == (
+        "CUDA backend failed to start: INTERNAL: no supported devices found for platform "
+        "CUDA; running on the CPU"
+    )
+    assert dev.fallback_warning("cpu", found) is None  # asked for: nothing to explain
+    # JAX said it once; a later look in the same process still knows.
+    assert dev.visible().faults == {"cuda": found.faults["cuda"]}
+
+
+def test_gpu_that_failed_to_start_is_one_line_with_the_reason(monkeypatch):
+    fake_jax(monkeypatch, cuda_plugin_fails)
+    found = dev.visible()
+    with pytest.raises(CtsegError) as error:
+        dev.choose("gpu", found)
+    assert str(error.value) == (
+        "--device gpu: CUDA backend failed to start: INTERNAL: no supported devices found "
+        "for platform CUDA"
+    )
+
+
+def test_a_backend_not_installed_is_quiet(monkeypatch):
+    # A CPU-only JAX (or JAX_PLATFORMS=cpu): no CUDA backend, no libtpu.
+    fake_jax(monkeypatch, cpu_only(lambda backend: NO_GPU if backend == "gpu" else NO_LIBTPU))
+    found = dev.visible()
+    assert found == {"cpu": CPU} and found.faults == {}
+    assert dev.fallback_warning("auto", found) is None
+    with pytest.raises(CtsegError, match=r"^--device gpu: JAX sees no GPU here \(platforms: cpu\)"):
+        dev.choose("gpu", found)
+
+
+def test_jax_platforms_that_starts_nothing_names_the_variable(monkeypatch):
+    # JAX_PLATFORMS=gpu on a machine without one: JAX refuses every backend, the CPU too.
+    def refuses(backend, call):
+        raise RuntimeError(ROCM_UNKNOWN)
+
+    fake_jax(monkeypatch, refuses)
+    monkeypatch.setenv("JAX_PLATFORMS", "gpu")
+    found = dev.visible()
+    assert found.faults == {}  # ROCm is not installed: no fault, the variable is the cause
+    with pytest.raises(CtsegError) as error:
+        dev.choose("auto", found)
+    message = str(error.value)
+    assert message.startswith("JAX_PLATFORMS=gpu is set, and JAX started none of the platforms")
+    assert "unset JAX_PLATFORMS" in message and "--device" in message
+
+
+def test_jax_platforms_that_leaves_the_gpu_out_says_so(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    fake_jax(monkeypatch, cpu_only(lambda backend: NO_GPU))
+    with pytest.raises(CtsegError, match="JAX_PLATFORMS=cpu leaves it out: unset JAX_PLATFORMS"):
+        dev.choose("gpu", dev.visible())
+
+
+def test_the_command_prints_why_it_runs_on_the_cpu_first(monkeypatch, capsys):
+    from cli.options import start_jax
+
+    fake_jax(monkeypatch, cuda_plugin_fails)
+    start_jax(SIXTEEN_WAY, compile_cache="off")
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("warning: CUDA backend failed to start: INTERNAL: no supported")
+    assert first.endswith("; running on the CPU")
+
+
+def test_jax_platforms_without_the_platform_is_one_line_from_the_command(tmp_path):
+    # The real JAX on this CPU-only machine, as a user's shell would start it.
+    env = {**os.environ, "JAX_PLATFORMS": "gpu", "PYTHONPATH": os.getcwd()}
+    command = [sys.executable, "-m", "cli.main", "plan", "--set", "data.resolution=16"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("error: JAX_PLATFORMS=gpu is set"), done.stderr
+    assert "Traceback" not in done.stderr and "--device cpu:" not in done.stderr
+
+
+def test_plan_compiles_a_mesh_larger_than_the_gpus_on_simulated_cpu_devices():
+    found = dev.Found({"gpu": gpus(1), "cpu": CPU})
+    devices, line = dev.plan_devices("auto", found, 16)
+    assert devices == CPU
+    assert line == (
+        f"planning on 16 simulated CPU devices: the config's mesh needs 16, 1 × {H100} here has 1"
+    )
+    # Enough accelerators: the plan compiles on them.
+    devices, line = dev.plan_devices("auto", {"gpu": gpus(16), "cpu": CPU}, 16)
+    assert [d.platform for d in devices] == ["gpu"] * 16
+    assert line == f"planning on 16 × {H100}"
+    assert dev.plan_devices("cpu", found, 4)[0] == CPU[:4]
+    with pytest.raises(CtsegError, match="no CPU devices to simulate them"):
+        dev.plan_devices("gpu", {"gpu": gpus(1)}, 16)  # e.g. JAX_PLATFORMS=cuda
+
+
+def test_every_command_refuses_a_gpu_that_failed_before_it_starts_work(monkeypatch):
+    from cli.options import start_jax
+
+    fake_jax(monkeypatch, cuda_plugin_fails)
+    with pytest.raises(CtsegError, match="^--device gpu: CUDA backend failed to start: INTERNAL"):
+        start_jax(SIXTEEN_WAY, device="gpu", compile_cache="off")

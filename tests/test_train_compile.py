@@ -1,0 +1,41 @@
+"""Training compiles its step once: the program the memory check reads is the one the loop runs."""
+
+import pytest
+
+from ctseg import config as cfg
+from ctseg import devices as dev
+from ctseg.store import prepare
+from ctseg.train import train_and_evaluate
+from data_prep.synth import write_dataset
+
+TINY = [
+    "data.resolution=16",
+    "model.base_filters=2",
+    "model.depth=2",
+    "mesh.spatial=[2,1,1]",
+    "train.steps=2",
+    "train.eval_every=2",
+    "train.checkpoint_every=2",
+    "train.log_every=1",
+    "train.warmup_steps=1",
+]
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compile")
+    write_dataset(root / "raw", cases=3, size=24, seed=5)
+    prepare(root / "raw", root / "prep", cfg.load(overrides=TINY))
+    return root / "prep"
+
+
+def test_the_step_compiles_once_with_the_memory_check(store_dir, tmp_path, monkeypatch):
+    # The memory check runs on accelerators only: take these CPU devices for GPUs (with
+    # the host's RAM as their free memory). Conftest keeps the compilation cache off, so
+    # a second compile of the step would be a real one, as on a GPU without the cache.
+    monkeypatch.setattr(dev, "is_accelerator", lambda devices: True)
+    clock = dev.compile_clock()
+    before = clock.by_name["jit(train_step)"]
+    train_and_evaluate(cfg.load(overrides=TINY), store_dir, tmp_path / "run")
+    # Measured before the loop ran the checked program: 2 (the check's, then the loop's).
+    assert clock.by_name["jit(train_step)"] - before == 1
