@@ -15,7 +15,7 @@ from cli.options import CompileCacheOption, DeviceChoice, start_jax
 from cli.predict import BackendOption, TtaOption, load_run_config
 from cli.progress import counting
 from ctseg.errors import CtsegError
-from ctseg.evaluate import evaluate_folders, write_reports
+from ctseg.evaluate import claim_reports, evaluate_folders, write_reports
 
 console = Console(highlight=False)
 
@@ -177,12 +177,21 @@ def evaluate(
     csv_path: Annotated[
         Path | None, typer.Option("--csv", help="Write one CSV row of metrics per case here.")
     ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Replace a --json/--csv file that is not an earlier report, or (RUN_DIR form) "
+            "the evaluation of another run or checkpoint in --out. Inputs are never replaced.",
+        ),
+    ] = False,
 ) -> None:
     """Compare label maps with references: Dice, VOE, RVD, ASSD, HD95, MSSD, lesion detection.
 
     Either --pred/--ref folders of NIfTI label maps (0 background, 1 liver, 2
     tumour; paired by file name), or a RUN_DIR whose model predicts a split.
-    Exits 1 when any case could not be evaluated.
+    Exits 1 when any case could not be evaluated. An existing --json/--csv file is
+    replaced only when it is an earlier report of `ctseg evaluate` (or with --force).
     """
     run_options = {
         "data": data,
@@ -212,6 +221,7 @@ def evaluate(
             compile_cache,
         )
     else:
+        claim_reports(json_path, csv_path, [pred, ref], force)
         result = _run_with_progress(partial(evaluate_folders, pred, ref))
         write_reports(result, json_path=json_path, csv_path=csv_path)
 

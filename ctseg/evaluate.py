@@ -24,7 +24,7 @@ import nibabel as nib
 import numpy as np
 
 from ctseg import metrics
-from ctseg.atomic import write_text
+from ctseg.atomic import claim_report, is_json_with, write_text
 from ctseg.errors import CtsegError
 
 AFFINE_TOLERANCE_MM = 1e-3
@@ -232,6 +232,42 @@ def cases_csv(cases: Sequence[dict]) -> str:
     writer.writeheader()
     writer.writerows(rows)  # DictWriter writes None as an empty cell
     return buffer.getvalue()
+
+
+REPORT_KEYS = ("cases", "summary", "errors", "unpaired")
+
+
+def is_cases_csv(path: Path) -> bool:
+    """Whether `path` holds a per-case CSV that `cases_csv` wrote (by its header)."""
+    try:
+        with path.open(errors="replace") as f:
+            header = f.readline().rstrip("\n")
+    except OSError:
+        return False
+    columns = header.split(",")
+    return columns[0] == "case" and all(c.split("_")[0] in CSV_SECTIONS for c in columns[1:])
+
+
+def claim_reports(
+    json_path: Path | None,
+    csv_path: Path | None,
+    inputs: Sequence[Path],
+    force: bool = False,
+) -> None:
+    """Check, before evaluating, that the reports may go where they are asked to.
+
+    Never over an input (the `inputs` folders or a label map in them), nor one over
+    the other; an existing file only when it is such a report already, or with `force`.
+    """
+    if json_path is not None and csv_path is not None:
+        if Path(json_path).resolve() == Path(csv_path).resolve():
+            raise CtsegError("--json and --csv name the same file; give two files")
+    # The label maps the folders hold are inputs too (a report may go beside them).
+    inputs = [*inputs, *(f for d in inputs if d.is_dir() for f in d.iterdir() if nifti_stem(f))]
+    if json_path is not None:
+        claim_report(json_path, lambda p: is_json_with(p, REPORT_KEYS), inputs, force)
+    if csv_path is not None:
+        claim_report(csv_path, is_cases_csv, inputs, force)
 
 
 def write_reports(
