@@ -62,6 +62,11 @@ TtaOption = Annotated[
 ]
 
 
+def warn(message: str) -> None:
+    """A `warning:` line; other commands print theirs the same way."""
+    console.print(f"[yellow]warning:[/] {escape(message)}")
+
+
 def load_run_config(run_dir: Path) -> cfg.Config:
     """The run's config, read without starting JAX (devices must be set up first)."""
     path = run_dir / "config.toml"
