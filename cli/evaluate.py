@@ -12,7 +12,7 @@ from rich.table import Table
 
 from cli.app import app
 from cli.options import CompileCacheOption, DeviceChoice, start_jax
-from cli.predict import BackendOption, TtaOption, load_run_config
+from cli.predict import BackendOption, TtaOption, load_run_config, warn
 from cli.progress import counting
 from ctseg.errors import CtsegError
 from ctseg.evaluate import claim_reports, evaluate_folders, write_reports
@@ -87,6 +87,7 @@ def _evaluate_run(
     device: str,
     tta: bool | None,
     compile_cache: str | None,
+    force: bool,
 ) -> dict:
     """The RUN_DIR form: predict the store's split with the run's model, then score it."""
     start_jax(load_run_config(run_dir), devices=1, device=device, compile_cache=compile_cache)
@@ -103,6 +104,8 @@ def _evaluate_run(
         backend=backend,
         device=device,
         tta=tta,
+        force=force,
+        warn=warn,
     )
     result = _run_with_progress(run)
     grid = result["summary"]["grid_dice"]
@@ -150,7 +153,10 @@ def evaluate(
     ] = None,
     out: Annotated[
         Path | None,
-        typer.Option(help="Folder for the predictions and reports (default: RUN_DIR/eval)."),
+        typer.Option(
+            help="Folder for the predictions and reports (default: RUN_DIR/eval). It holds one "
+            "evaluation: another run's or checkpoint's is replaced only with --force."
+        ),
     ] = None,
     device: Annotated[
         DeviceChoice | None,
@@ -219,6 +225,7 @@ def evaluate(
             (device or DeviceChoice.auto).value,
             tta,
             compile_cache,
+            force,
         )
     else:
         claim_reports(json_path, csv_path, [pred, ref], force)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_predict
 from test_evaluate import labels, save
 from typer.testing import CliRunner
 
@@ -18,6 +19,7 @@ from ctseg.errors import CtsegError
 
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
+trained = test_predict.trained  # the fixture: a 2-step run of a tiny model on a 16³ grid
 
 
 # ---------------------------------------------------------------- report files
@@ -90,7 +92,7 @@ def test_evaluate_replaces_its_own_reports_and_others_files_only_with_force(
 def test_bench_and_plan_json_never_replace_a_config_or_a_scan(command, tmp_path):
     config = tmp_path / "run" / "config.toml"
     config.parent.mkdir()
-    config.write_text('[data]\nresolution = 16\n[model]\nbase_filters = 2\ndepth = 2\n')
+    config.write_text("[data]\nresolution = 16\n[model]\nbase_filters = 2\ndepth = 2\n")
     scan = tmp_path / "scan.nii.gz"
     save(scan, labels())
     kept = {path: path.read_bytes() for path in (config, scan)}
@@ -175,3 +177,110 @@ def test_a_killed_group_write_leaves_no_marker_and_a_failed_one_no_temporaries(t
         for tmp in temporaries:
             tmp.write_text("new")
     assert sorted(os.listdir(tmp_path)) == ["a_seg.nii.gz", "a_stats.json"]
+
+
+# ---------------------------------------------------------------- commands on a trained run
+
+
+def test_a_rerun_skips_finished_scans_and_redoes_an_interrupted_one(trained, tmp_path):
+    run_dir, _, raw = trained
+    out = tmp_path / "out"
+    args = ["predict", str(run_dir), str(raw / "volume-0.nii.gz"), str(raw / "volume-1.nii.gz")]
+    args += ["--out", str(out), "--tile", "0"]
+    assert runner.invoke(app, args).exit_code == 0
+    finished = (out / "volume-0_seg.nii.gz").stat().st_mtime_ns
+    # As a kill half-way through writing volume-1 leaves it: outputs without their stats
+    # (the commit marker) and a temporary file.
+    (out / "volume-1_stats.json").unlink()
+    stray = out / f"{atomic.TEMP_PREFIX}volume-1_preview.png.x1.png"
+    stray.write_bytes(b"half")
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.output
+    words = again.output.split()  # "done earlier" may be folded in a narrow table
+    assert "done" in words and "earlier" in words
+    assert (out / "volume-0_seg.nii.gz").stat().st_mtime_ns == finished
+    assert (out / "volume-1_stats.json").is_file() and not stray.exists()
+    assert not list(out.glob(".ctseg*"))  # no temporary file, no lock left behind
+    stats = json.loads((out / "volume-1_stats.json").read_text())
+    assert stats["run_dir"] == str(run_dir.resolve()) and stats["tta"] is False
+    # Outputs of another checkpoint are never silently kept beside this one's.
+    stats["run_step"] = 999
+    (out / "volume-1_stats.json").write_text(json.dumps(stats))
+    other = runner.invoke(app, args)
+    assert other.exit_code == 1 and "is of another prediction" in " ".join(other.output.split())
+    assert "earlier" in other.output.split()  # volume-0 still is done
+    forced = runner.invoke(app, [*args, "--force"])
+    assert forced.exit_code == 0 and "earlier" not in forced.output.split()
+    assert json.loads((out / "volume-1_stats.json").read_text())["run_step"] == 2
+
+
+def test_a_second_predict_into_one_out_is_refused_naming_the_first(trained, tmp_path):
+    run_dir, _, raw = trained
+    out = tmp_path / "out"
+    proc = _holding(out)
+    try:
+        result = runner.invoke(app, ["predict", str(run_dir), str(raw), "--out", str(out)])
+    finally:
+        proc.communicate("")
+    assert f"being written by another command (pid {proc.pid}" in str(result.exception)
+    assert list(out.iterdir()) == []
+
+
+def test_outputs_are_never_put_among_a_runs_checkpoints(trained, tmp_path):
+    run_dir, store, raw = trained
+    inside = run_dir / "checkpoints" / "out"
+    for args in (
+        ["predict", str(run_dir), str(raw), "--out", str(inside)],
+        ["evaluate", str(run_dir), "--data", str(store), "--out", str(inside)],
+    ):
+        result = runner.invoke(app, args)
+        assert "lies in the run's checkpoints folder" in str(result.exception), args
+    assert not inside.exists()
+
+
+def test_an_evaluation_of_another_run_is_replaced_only_with_force_and_never_mixed(
+    trained, tmp_path
+):
+    run_dir, store, _ = trained
+    out = tmp_path / "eval"
+    args = ["evaluate", str(run_dir), "--data", str(store), "--split", "train", "--out", str(out)]
+    assert runner.invoke(app, args).exit_code == 0
+    assert runner.invoke(app, args).exit_code == 0  # the same evaluation again: replaced
+    # As if another run had written the folder, with a case this one does not have.
+    record = json.loads((out / "evaluated.json").read_text())
+    record["run_dir"] = "/runs/other"
+    (out / "evaluated.json").write_text(json.dumps(record))
+    save(out / "predictions" / "other-case_seg.nii.gz", labels())
+    summary = (out / "summary.json").read_text()
+    result = runner.invoke(app, args)
+    assert "holds the evaluation of /runs/other" in str(result.exception)
+    assert "--force" in str(result.exception)
+    assert (out / "summary.json").read_text() == summary
+    assert runner.invoke(app, [*args, "--force"]).exit_code == 0
+    cases = {case["case"] for case in json.loads((out / "summary.json").read_text())["cases"]}
+    assert {p.name for p in (out / "predictions").iterdir()} == {f"{c}_seg.nii.gz" for c in cases}
+    assert json.loads((out / "evaluated.json").read_text())["run_dir"] == str(run_dir.resolve())
+
+
+def test_a_second_train_on_one_workdir_is_refused_before_it_writes(trained, tmp_path):
+    from ctseg import config as cfg
+    from ctseg.train import train_and_evaluate
+
+    run_dir, store, _ = trained
+    workdir = tmp_path / "run"
+    proc = _holding(workdir)
+    try:
+        with pytest.raises(CtsegError, match=f"being written by another command \\(pid {proc.pid}"):
+            train_and_evaluate(cfg.load(run_dir / "config.toml"), store, workdir)
+    finally:
+        proc.communicate("")
+    assert list(workdir.iterdir()) == []
+
+
+def test_a_second_synth_into_one_folder_is_refused(tmp_path):
+    proc = _holding(tmp_path / "raw")
+    try:
+        result = runner.invoke(app, ["synth", str(tmp_path / "raw"), "--cases", "1"])
+    finally:
+        proc.communicate("")
+    assert "being written by another command" in str(result.exception)
