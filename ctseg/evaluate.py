@@ -201,11 +201,44 @@ def evaluate_pairs(pairs: Sequence[CasePair], progress: Progress | None = None) 
     }
 
 
+def _models(pairs: Sequence[CasePair]) -> set[tuple]:
+    """The models (run, checkpoint step, TTA) whose `ctseg predict` stats lie beside the pairs'
+    predictions (`<scan>_seg.nii.gz` beside `<scan>_stats.json`)."""
+    models = set()
+    for pair in pairs:
+        stem = nifti_stem(pair.pred) or ""
+        stats_path = pair.pred.with_name(f"{stem.removesuffix('_seg')}_stats.json")
+        if not stem.endswith("_seg") or not stats_path.is_file():
+            continue
+        try:
+            stats = json.loads(stats_path.read_text())
+            models.add((stats.get("run_dir"), stats.get("run_step"), stats.get("tta")))
+        except (OSError, ValueError, AttributeError):
+            continue  # not a stats file of ours: nothing to compare
+    return models
+
+
 def evaluate_folders(pred_dir: Path, ref_dir: Path, progress: Progress | None = None) -> dict:
-    """Pair the two folders' files and evaluate them; no pair at all is an error."""
+    """Pair the two folders' files and evaluate them.
+
+    No pair at all is an error; so are one folder given as both (every case would
+    score perfectly) and predictions of several models in one folder (their mean
+    would describe none of them).
+    """
+    if Path(pred_dir).resolve() == Path(ref_dir).resolve():
+        raise CtsegError(f"--pred and --ref are the same folder ({pred_dir})")
     pairs, unpaired_pred, unpaired_ref = pair_files(pred_dir, ref_dir)
     if not pairs:
         raise CtsegError(f"no prediction in {pred_dir} matches a reference in {ref_dir}")
+    if len(models := _models(pairs)) > 1:
+        described = "; ".join(
+            f"run {run or '?'} step {step}{' TTA' if tta else ''}"
+            for run, step, tta in sorted(models, key=str)
+        )
+        raise CtsegError(
+            f"{pred_dir} holds predictions of {len(models)} models ({described}); "
+            "predict every scan with one model (ctseg predict --force) or evaluate them apart"
+        )
     result = evaluate_pairs(pairs, progress)
     result["unpaired"] = {"pred": unpaired_pred, "ref": unpaired_ref}
     return result

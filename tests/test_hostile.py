@@ -88,6 +88,28 @@ def test_evaluate_replaces_its_own_reports_and_others_files_only_with_force(
     assert "name the same file" in str(same.exception)
 
 
+def test_one_folder_as_prediction_and_reference_is_refused(label_folders):
+    _, ref = label_folders
+    result = runner.invoke(app, ["evaluate", "--pred", str(ref), "--ref", str(ref / ".")])
+    assert "--pred and --ref are the same folder" in str(result.exception)
+
+
+def test_predictions_of_several_models_in_one_folder_are_not_averaged(tmp_path):
+    pred, ref = tmp_path / "pred", tmp_path / "ref"
+    pred.mkdir()
+    ref.mkdir()
+    for scan, step in (("a", 2), ("b", 2)):
+        save(ref / f"{scan}.nii.gz", labels())
+        save(pred / f"{scan}_seg.nii.gz", labels())
+        stats = {"run_dir": "/runs/r1", "run_step": step, "tta": False}
+        (pred / f"{scan}_stats.json").write_text(json.dumps(stats))
+    args = ["evaluate", "--pred", str(pred), "--ref", str(ref)]
+    assert runner.invoke(app, args).exit_code == 0
+    (pred / "b_stats.json").write_text(json.dumps({"run_dir": "/runs/r1", "run_step": 4}))
+    result = runner.invoke(app, args)
+    assert "holds predictions of 2 models" in str(result.exception)
+
+
 @pytest.mark.parametrize("command", ["bench", "plan"])
 def test_bench_and_plan_json_never_replace_a_config_or_a_scan(command, tmp_path):
     config = tmp_path / "run" / "config.toml"
