@@ -140,9 +140,8 @@ def predict(
     """
     start_jax(load_run_config(run_dir), devices=1, device=device, compile_cache=compile_cache)
     # After start_jax: importing the pipeline starts JAX.
-    from ctseg.predict import Predictor, check_out_dir, expand_inputs, predict_files
+    from ctseg.predict import Predictor, expand_inputs, predict_files
 
-    check_out_dir(out, run_dir)
     # One writer per --out: two predictions at once would mix their outputs. A file in
     # its place is one error line, not a failure per scan.
     with lock.hold(out, warn):

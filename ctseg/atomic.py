@@ -103,9 +103,24 @@ def remove_temporaries(folder: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
+def _outside_checkpoints(path: Path) -> None:
+    """CtsegError if `path` is or lies in a run's checkpoints folder: orbax takes every
+    folder there for a checkpoint, and a file there is no one's to find."""
+    for folder in (path.resolve(), *path.resolve().parents):
+        if folder.name == "checkpoints" and (folder.parent / "config.toml").is_file():
+            raise CtsegError(
+                f"{path} lies in the checkpoints folder of the run {folder.parent}, which "
+                "holds only checkpoints; give another folder"
+            )
+
+
 def output_folder(path: str | Path) -> Path:
-    """Create folder `path` (with its parents) for outputs; CtsegError if it cannot be one."""
+    """Create folder `path` (with its parents) for outputs; CtsegError if it cannot be one.
+
+    Never among a run's checkpoints (`_outside_checkpoints`).
+    """
     path = Path(path)
+    _outside_checkpoints(path)
     if path.exists() and not path.is_dir():
         raise CtsegError(f"{path} is a file, not a folder: give a folder for the outputs")
     try:
@@ -153,6 +168,7 @@ def claim_report(
         raise CtsegError(f"{path} is an input of this command; write the report elsewhere")
     if path.is_dir():
         raise CtsegError(f"{path} is a folder: give a file name for the report")
+    _outside_checkpoints(path.parent)
     if path.exists() and not force and not ours(path):
         raise CtsegError(
             f"{path} exists and is not a report this command wrote; give another file name, "

@@ -581,7 +581,6 @@ def evaluate_run(
     cases = [case for case in cases if case.labelled]
     if not cases:
         raise CtsegError(f"the store at {data_dir} has no labelled cases in the {split!r} split")
-    check_out_dir(out_dir, run_dir)
     with lock.hold(out_dir, warn):
         atomic.claim_folder(out_dir, ("summary.json", "predictions", EVALUATED), force=None)
         predictor = Predictor.from_run(run_dir, checkpoint, tile, backend, device, tta)
@@ -629,16 +628,6 @@ def evaluate_run(
 
 
 EVALUATED = "evaluated.json"  # in an evaluation's --out: the run, checkpoint, store and split
-
-
-def check_out_dir(out_dir: Path, run_dir: Path) -> None:
-    """Refuse an output folder among a run's checkpoints, where it would break the run."""
-    checkpoints = (Path(run_dir) / "checkpoints").resolve()
-    if Path(out_dir).resolve().is_relative_to(checkpoints):
-        raise CtsegError(
-            f"{out_dir} lies in the run's checkpoints folder, which holds only checkpoints; "
-            "give another folder"
-        )
 
 
 def _evaluation_of(run_dir: Path, step: int, data_dir: Path, split: str) -> dict[str, Any]:

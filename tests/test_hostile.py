@@ -249,14 +249,22 @@ def test_a_second_predict_into_one_out_is_refused_naming_the_first(trained, tmp_
 
 
 def test_outputs_are_never_put_among_a_runs_checkpoints(trained, tmp_path):
+    from ctseg import config as cfg
+    from ctseg.train import train_and_evaluate
+
     run_dir, store, raw = trained
     inside = run_dir / "checkpoints" / "out"
+    message = f"lies in the checkpoints folder of the run {run_dir}"
     for args in (
         ["predict", str(run_dir), str(raw), "--out", str(inside)],
         ["evaluate", str(run_dir), "--data", str(store), "--out", str(inside)],
+        ["synth", str(inside / "raw")],
+        ["bench", "--json", str(inside / "bench.json")],
     ):
         result = runner.invoke(app, args)
-        assert "lies in the run's checkpoints folder" in str(result.exception), args
+        assert message in str(result.exception), (args, result.output)
+    with pytest.raises(CtsegError, match=message):
+        train_and_evaluate(cfg.load(run_dir / "config.toml"), store, inside)
     assert not inside.exists()
 
 
