@@ -68,6 +68,9 @@ def _open_locked(path: Path) -> int:
                 f"{path.parent} is being written by another command ({_describe(holder)}); "
                 "wait for it to finish or give another folder"
             ) from None
+        except OSError as exc:  # a file system without locks (ENOLCK, some network mounts)
+            os.close(fd)
+            raise CtsegError(f"could not lock {path.parent}: {exc.strerror or exc}") from exc
         try:
             if os.fstat(fd).st_ino == os.stat(path).st_ino:
                 return fd

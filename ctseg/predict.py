@@ -430,13 +430,25 @@ def _model_of(predictor: Predictor, run_dir: Path | None) -> dict[str, Any]:
     }
 
 
-def _earlier_stats(path: Path) -> dict[str, Any] | None:
-    """An earlier stats file's content; None when it cannot be read as one."""
+def _earlier_prediction(stats_path: Path, model: dict[str, Any]) -> dict[str, Any]:
+    """The stats of an earlier prediction of a scan by this `model`; CtsegError for another's."""
     try:
-        stats = json.loads(path.read_text())
+        earlier = json.loads(stats_path.read_text())
     except (OSError, ValueError):
-        return None
-    return stats if isinstance(stats, dict) else None
+        earlier = None
+    if not isinstance(earlier, dict):
+        what = "cannot be read as the stats of an earlier prediction"
+    elif any(earlier.get(key) != model[key] for key in model):
+        what = (
+            f"is of another prediction (run {earlier.get('run_dir') or '?'}, step "
+            f"{earlier.get('run_step')}{', TTA' if earlier.get('tta') else ''})"
+        )
+    else:
+        return earlier
+    raise CtsegError(
+        f"{stats_path.name} in {stats_path.parent} {what}; use --force to replace it, "
+        "or another --out"
+    )
 
 
 def _read(
@@ -448,14 +460,7 @@ def _read(
         paths = output_paths(out_dir, outcome.name, predictor.config.predict.save_probabilities)
         # Without its stats file a scan is unfinished (see `_write_outputs`): predicted again.
         if paths["stats"].exists() and not force:
-            earlier = _earlier_stats(paths["stats"])
-            if earlier is None or any(earlier.get(key) != model[key] for key in model):
-                by = "" if earlier is None else f" (run {earlier.get('run_dir') or '?'}, step "
-                by += "" if earlier is None else f"{earlier.get('run_step')})"
-                raise CtsegError(
-                    f"{paths['stats'].name} in {out_dir} is of another prediction{by}; "
-                    "use --force to replace it, or another --out"
-                )
+            earlier = _earlier_prediction(paths["stats"], model)
             if all(path.exists() for path in paths.values()):
                 outcome.done_earlier = True
                 outcome.stats, outcome.outputs = earlier, list(paths.values())

@@ -231,6 +231,9 @@ def test_a_rerun_skips_finished_scans_and_redoes_an_interrupted_one(trained, tmp
     other = runner.invoke(app, args)
     assert other.exit_code == 1 and "is of another prediction" in " ".join(other.output.split())
     assert "earlier" in other.output.split()  # volume-0 still is done
+    (out / "volume-1_stats.json").write_text("{")  # cut short by hand, or another tool's
+    unreadable = " ".join(runner.invoke(app, args).output.split())
+    assert "cannot be read as the stats of an earlier prediction; use --force" in unreadable
     forced = runner.invoke(app, [*args, "--force"])
     assert forced.exit_code == 0 and "earlier" not in forced.output.split()
     assert json.loads((out / "volume-1_stats.json").read_text())["run_step"] == 2
