@@ -95,6 +95,10 @@ def _peak_line(peak: Peak) -> str:
     )
 
 
+def _is_bench_json(path: Path) -> bool:
+    return atomic.is_json_with(path, ("results",))
+
+
 @app.command("bench")
 def bench_command(
     config_path: ConfigOption = None,
@@ -120,8 +124,16 @@ def bench_command(
         ),
     ] = False,
     json_path: Annotated[
-        Path | None, typer.Option("--json", help="Also write the results as JSON to this file.")
+        Path | None,
+        typer.Option(
+            "--json",
+            help="Also write the results as JSON to this file (an existing file only when it "
+            "is an earlier bench report, or with --force).",
+        ),
     ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace a --json file that is not a bench report.")
+    ] = False,
     device: DeviceOption = DeviceChoice.auto,
     coordinator: CoordinatorOption = None,
     num_processes: NumProcessesOption = None,
@@ -133,6 +145,9 @@ def bench_command(
     XLA counts in the compiled step) and per-device memory.
     """
     config = load_config(config_path, overrides)
+    if json_path is not None:  # before minutes of timing, not after
+        inputs = [] if config_path is None else [config_path]
+        atomic.claim_report(json_path, _is_bench_json, inputs, force)
     splits = _splits(partitions, spatial)
     partitioners = [p.strip() for p in partitioner.split(",") if p.strip()]
     needed = devices_needed(config, splits)

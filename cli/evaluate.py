@@ -12,10 +12,10 @@ from rich.table import Table
 
 from cli.app import app
 from cli.options import CompileCacheOption, DeviceChoice, start_jax
-from cli.predict import BackendOption, TtaOption, load_run_config
+from cli.predict import BackendOption, TtaOption, load_run_config, warn
 from cli.progress import counting
 from ctseg.errors import CtsegError
-from ctseg.evaluate import evaluate_folders, write_reports
+from ctseg.evaluate import claim_reports, evaluate_folders, write_reports
 
 console = Console(highlight=False)
 
@@ -87,6 +87,7 @@ def _evaluate_run(
     device: str,
     tta: bool | None,
     compile_cache: str | None,
+    force: bool,
 ) -> dict:
     """The RUN_DIR form: predict the store's split with the run's model, then score it."""
     start_jax(load_run_config(run_dir), devices=1, device=device, compile_cache=compile_cache)
@@ -103,6 +104,8 @@ def _evaluate_run(
         backend=backend,
         device=device,
         tta=tta,
+        force=force,
+        warn=warn,
     )
     result = _run_with_progress(run)
     grid = result["summary"]["grid_dice"]
@@ -150,7 +153,10 @@ def evaluate(
     ] = None,
     out: Annotated[
         Path | None,
-        typer.Option(help="Folder for the predictions and reports (default: RUN_DIR/eval)."),
+        typer.Option(
+            help="Folder for the predictions and reports (default: RUN_DIR/eval). It holds one "
+            "evaluation: another run's or checkpoint's is replaced only with --force."
+        ),
     ] = None,
     device: Annotated[
         DeviceChoice | None,
@@ -177,12 +183,21 @@ def evaluate(
     csv_path: Annotated[
         Path | None, typer.Option("--csv", help="Write one CSV row of metrics per case here.")
     ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Replace a --json/--csv file that is not an earlier report, or (RUN_DIR form) "
+            "the evaluation of another run or checkpoint in --out. Inputs are never replaced.",
+        ),
+    ] = False,
 ) -> None:
     """Compare label maps with references: Dice, VOE, RVD, ASSD, HD95, MSSD, lesion detection.
 
     Either --pred/--ref folders of NIfTI label maps (0 background, 1 liver, 2
     tumour; paired by file name), or a RUN_DIR whose model predicts a split.
-    Exits 1 when any case could not be evaluated.
+    Exits 1 when any case could not be evaluated. An existing --json/--csv file is
+    replaced only when it is an earlier report of `ctseg evaluate` (or with --force).
     """
     run_options = {
         "data": data,
@@ -210,8 +225,10 @@ def evaluate(
             (device or DeviceChoice.auto).value,
             tta,
             compile_cache,
+            force,
         )
     else:
+        claim_reports(json_path, csv_path, [pred, ref], force)
         result = _run_with_progress(partial(evaluate_folders, pred, ref))
         write_reports(result, json_path=json_path, csv_path=csv_path)
 

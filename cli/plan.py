@@ -71,8 +71,16 @@ def plan_command(
     config_path: ConfigOption = None,
     overrides: SetOption = None,
     json_path: Annotated[
-        Path | None, typer.Option("--json", help="Also write the plan as JSON to this file.")
+        Path | None,
+        typer.Option(
+            "--json",
+            help="Also write the plan as JSON to this file (an existing file only when it is "
+            "an earlier plan, or with --force).",
+        ),
     ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace a --json file that is not a plan.")
+    ] = False,
     device: DeviceOption = DeviceChoice.auto,
     coordinator: CoordinatorOption = None,
     num_processes: NumProcessesOption = None,
@@ -85,6 +93,9 @@ def plan_command(
     simulated CPU devices (the first line says which); the last line says which layout
     `ctseg train` would choose here and, on accelerators, whether its step fits."""
     config = load_config(config_path, overrides)
+    if json_path is not None:  # before compiling, not after
+        inputs = [] if config_path is None else [config_path]
+        atomic.claim_report(json_path, _is_plan_json, inputs, force)
     start_jax(config, coordinator, num_processes, process_id, device=device.value)
     from ctseg import devices as dev  # after start_jax: imports start JAX
 
@@ -134,6 +145,10 @@ def _this_machine(config: Config, found: list, progress) -> dict:
         here["free_bytes"] = dev.free_memory(layout.devices)
         here["fits"] = here["train_bytes"] <= here["free_bytes"]
     return here
+
+
+def _is_plan_json(path: Path) -> bool:
+    return atomic.is_json_with(path, ("receptive_field_radius", "alignment", "layouts"))
 
 
 def _json(config: Config, plans: list[LayoutPlan]) -> dict:

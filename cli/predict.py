@@ -13,7 +13,7 @@ from rich.table import Table
 from cli.app import app
 from cli.options import CompileCacheOption, DeviceChoice, DeviceOption, start_jax
 from ctseg import config as cfg
-from ctseg.atomic import output_folder
+from ctseg import lock
 from ctseg.errors import CtsegError
 
 console = Console(highlight=False)
@@ -62,6 +62,11 @@ TtaOption = Annotated[
 ]
 
 
+def warn(message: str) -> None:
+    """A `warning:` line; other commands print theirs the same way."""
+    console.print(f"[yellow]warning:[/] {escape(message)}")
+
+
 def load_run_config(run_dir: Path) -> cfg.Config:
     """The run's config, read without starting JAX (devices must be set up first)."""
     path = run_dir / "config.toml"
@@ -82,6 +87,7 @@ def _stats_table(outcomes: list) -> Table:
             continue
         s = o.stats
         status = "[yellow]warning[/]" if o.warnings else "[green]ok[/]"
+        status = "[green]done earlier[/]" if o.done_earlier else status
         table.add_row(
             escape(o.name),
             f"{s['liver_volume_ml']:.1f}",
@@ -114,7 +120,14 @@ def predict(
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Print where each scan's time went.")
     ] = False,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite existing outputs.")] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Predict every scan again, replacing its outputs (by default a scan whose "
+            "outputs are all there, by this model, is done earlier and skipped).",
+        ),
+    ] = False,
 ) -> None:
     """Segment liver and tumours: <name>_seg.nii.gz, _stats.json and _preview.png per scan.
 
@@ -122,50 +135,52 @@ def predict(
     (else on the CPU, with ONNX Runtime when installed); the first line says
     what runs where. The segmentation has exactly the input's geometry, so it
     overlays on the scan in ITK-SNAP or 3D Slicer. Exits 1 when any scan
-    failed; the others are written.
+    failed; the others are written. Run again after an interruption: scans
+    already done are skipped, the rest are predicted.
     """
     start_jax(load_run_config(run_dir), devices=1, device=device, compile_cache=compile_cache)
-    from ctseg.predict import Predictor, expand_inputs, predict_files  # after start_jax
+    # After start_jax: importing the pipeline starts JAX.
+    from ctseg.predict import Predictor, expand_inputs, predict_files
 
-    output_folder(out)  # a file in its place is one error line, not a failure per scan
-    scans, outcomes = expand_inputs(inputs, out)
-    predictor = Predictor.from_run(
-        run_dir, checkpoint, tile, backend and backend.value, device.value, tta
-    )
-    console.print(
-        f"{escape(predictor.summary)}; checkpoint step {predictor.model.step}; {len(scans)} scan(s)"
-    )
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console, transient=True) as bar:
-        scan_task = bar.add_task("scans", total=len(scans))
-        tile_task = bar.add_task("", total=None)
+    # One writer per --out: two predictions at once would mix their outputs. A file in
+    # its place is one error line, not a failure per scan.
+    with lock.hold(out, warn):
+        scans, outcomes = expand_inputs(inputs, out)
+        predictor = Predictor.from_run(
+            run_dir, checkpoint, tile, backend and backend.value, device.value, tta
+        )
+        console.print(
+            f"{escape(predictor.summary)}; checkpoint step {predictor.model.step}; "
+            f"{len(scans)} scan(s)"
+        )
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=console, transient=True) as bar:
+            scan_task = bar.add_task("scans", total=len(scans))
+            tile_task = bar.add_task("", total=None)
 
-        def report(name: str, stage: str, done: int, total: int) -> None:
-            # Reading the next scan and writing the last run beside inference: show the latter.
-            if stage == "infer":
-                description = f"{escape(name)}: tiles"
-                bar.update(tile_task, description=description, completed=done, total=total)
+            def report(name: str, stage: str, done: int, total: int) -> None:
+                # Reading the next scan and writing the last run beside inference: show
+                # the latter.
+                if stage == "infer":
+                    description = f"{escape(name)}: tiles"
+                    bar.update(tile_task, description=description, completed=done, total=total)
 
-        for outcome in predict_files(predictor, scans, out, force, report):
-            outcomes.append(outcome)
-            name = escape(outcome.name)
-            for warning in outcome.warnings:
-                console.print(f"[yellow]warning:[/] {name}: {escape(warning)}")
-            if outcome.error is not None:
-                console.print(f"[bold red]failed:[/] {name}: {escape(outcome.error)}")
-            elif verbose:
-                console.print(
-                    f"{name}: "
-                    + ", ".join(
-                        f"{phase} {seconds:.2f} s" for phase, seconds in outcome.seconds.items()
-                    )
-                )
-            bar.advance(scan_task)
-    console.print(_stats_table(outcomes))
-    if any(o.error is not None for o in outcomes):
-        raise typer.Exit(1)
+            for outcome in predict_files(predictor, scans, out, force, report, run_dir):
+                outcomes.append(outcome)
+                name = escape(outcome.name)
+                for warning in outcome.warnings:
+                    console.print(f"[yellow]warning:[/] {name}: {escape(warning)}")
+                if outcome.error is not None:
+                    console.print(f"[bold red]failed:[/] {name}: {escape(outcome.error)}")
+                elif verbose:
+                    seconds = outcome.seconds.items()
+                    console.print(f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in seconds))
+                bar.advance(scan_task)
+        console.print(_stats_table(outcomes))
+        if any(o.error is not None for o in outcomes):
+            raise typer.Exit(1)

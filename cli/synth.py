@@ -7,7 +7,9 @@ import typer
 from rich.console import Console
 
 from cli.app import app
+from cli.predict import warn
 from cli.progress import counting
+from ctseg import lock
 from data_prep.synth import write_dataset
 
 
@@ -35,7 +37,8 @@ def synth(
 
     OUT_DIR must be new, empty or an earlier synth output, unless --force.
     """
-    with counting("synth") as report:
+    # One writer per folder: two at once would write the same files over each other.
+    with lock.hold(out_dir, warn), counting("synth") as report:
         write_dataset(out_dir, cases, size, seed, progress=report, force=force)
     Console(highlight=False).print(
         f"wrote {cases} synthetic cases to {out_dir}: volume-N.nii.gz and "

@@ -1,5 +1,6 @@
 """`ctseg train`: partitioned whole-volume training with checkpoints and live validation."""
 
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -20,6 +21,7 @@ from cli.options import (
     load_config,
     start_jax,
 )
+from cli.predict import warn
 
 
 def _dice(entry: dict) -> str:
@@ -60,8 +62,8 @@ def train(
     split over those there are (the same model: partitioned training equals
     unpartitioned training); the first line says what runs where. On a machine
     without accelerators the mesh's devices are simulated on the CPU. Ctrl-C
-    saves a checkpoint and stops; running the same command again resumes, on
-    this layout or another.
+    (or SIGTERM) saves a checkpoint and stops; running the same command again
+    resumes, on this layout or another. One `ctseg train` at a time per WORKDIR.
     """
     cfg = load_config(config, set_)
     start_jax(
@@ -93,13 +95,14 @@ def train(
 
         try:
             summary = train_and_evaluate(
-                layout.config, data, workdir, report, layout.devices, layout.line
+                layout.config, data, workdir, report, layout.devices, layout.line, warn
             )
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:
             console.print(
                 "[yellow]interrupted:[/] checkpoint saved; run the same command to resume"
             )
-            raise typer.Exit(130) from None
+            # The shell's status for a death by the signal: 130 for Ctrl-C, 143 for SIGTERM.
+            raise typer.Exit(128 + (stop.args[0] if stop.args else signal.SIGINT)) from None
     console.print(
         f"done: step {summary['step']}, data wait {100 * summary['data_wait_fraction']:.1f} % "
         f"of step time; run directory {summary['run_dir']} "

@@ -6,7 +6,7 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,27 @@ def _read_umask() -> int:
 # mkstemp creates files 0600 and os.replace keeps that mode: outputs get the mode any
 # other new file of the user gets instead, so that colleagues can read shared results.
 _FILE_MODE = 0o666 & ~_read_umask()
+# Every temporary file starts so: a killed command's leftovers are recognisably ours, and the
+# next command that takes the folder's lock (`ctseg.lock.hold`) removes them.
+TEMP_PREFIX = ".ctseg-tmp."
+# Reports are kilobytes; a larger file is no report of ours (and is not read whole to find out).
+_REPORT_BYTES = 64 << 20
+LOCK_NAME = ".ctseg-lock"  # the file `ctseg.lock.hold` locks in a folder being written
+
+
+def _temporary(path: Path) -> Path:
+    """A new empty file beside `path` that will replace it."""
+    output_folder(path.parent)
+    # Keep the suffix so that libraries which choose a format by extension still work.
+    try:
+        fd, tmp = tempfile.mkstemp(
+            prefix=f"{TEMP_PREFIX}{path.name}.", suffix="".join(path.suffixes), dir=path.parent
+        )
+    except OSError as exc:
+        raise CtsegError(f"could not write {path}: {exc.strerror or exc}") from exc
+    os.fchmod(fd, _FILE_MODE)
+    os.close(fd)
+    return Path(tmp)
 
 
 @contextlib.contextmanager
@@ -34,29 +55,72 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     On any failure (including a full disk) the temporary file is removed and
     whatever stood at `path` before is left untouched.
     """
-    path = Path(path)
-    output_folder(path.parent)
-    # Keep the suffix so that libraries which choose a format by extension still work.
-    fd, tmp = tempfile.mkstemp(
-        prefix=f".{path.name}.", suffix="".join(path.suffixes), dir=path.parent
-    )
-    os.fchmod(fd, _FILE_MODE)
-    os.close(fd)
-    tmp_path = Path(tmp)
+    with atomic_group([Path(path)]) as (tmp,):
+        yield tmp
+
+
+@contextlib.contextmanager
+def atomic_group(paths: Sequence[Path]) -> Iterator[list[Path]]:
+    """Temporary paths for files that appear together; the last of `paths` commits them.
+
+    On success the last file (the commit marker, e.g. a scan's stats) is removed
+    first, the others replace their files, and the marker comes last: whoever
+    finds the marker finds the whole group of this write, and a kill half-way
+    leaves no marker, so the group counts as unfinished. On failure every
+    temporary file is removed and the old files stay.
+    """
+    paths = [Path(p) for p in paths]
+    temporaries: list[Path] = []
     try:
-        yield tmp_path
-        os.replace(tmp_path, path)
+        for path in paths:
+            temporaries.append(_temporary(path))
+        yield temporaries
+        paths[-1].unlink(missing_ok=True)
+        for tmp, path in zip(temporaries, paths):
+            os.replace(tmp, path)
     except OSError as exc:
-        tmp_path.unlink(missing_ok=True)
-        raise CtsegError(f"could not write {path}: {exc.strerror or exc}") from exc
+        for tmp in temporaries:
+            tmp.unlink(missing_ok=True)
+        what = paths[0] if len(paths) == 1 else f"{paths[-1]} and the files that go with it"
+        raise CtsegError(f"could not write {what}: {exc.strerror or exc}") from exc
     except BaseException:
-        tmp_path.unlink(missing_ok=True)
+        for tmp in temporaries:
+            tmp.unlink(missing_ok=True)
         raise
 
 
+def _is_temporary(path: Path) -> bool:
+    return path.name.startswith(TEMP_PREFIX)
+
+
+def remove_temporaries(folder: Path) -> None:
+    """Remove the temporary files a killed command of ours left in `folder` (not below it).
+
+    Only while holding the folder's lock: another command's temporaries are alive.
+    """
+    for tmp in Path(folder).iterdir():
+        if _is_temporary(tmp) and tmp.is_file():
+            tmp.unlink(missing_ok=True)
+
+
+def _outside_checkpoints(path: Path) -> None:
+    """CtsegError if `path` is or lies in a run's checkpoints folder: orbax takes every
+    folder there for a checkpoint, and a file there is no one's to find."""
+    for folder in (path.resolve(), *path.resolve().parents):
+        if folder.name == "checkpoints" and (folder.parent / "config.toml").is_file():
+            raise CtsegError(
+                f"{path} lies in the checkpoints folder of the run {folder.parent}, which "
+                "holds only checkpoints; give another folder"
+            )
+
+
 def output_folder(path: str | Path) -> Path:
-    """Create folder `path` (with its parents) for outputs; CtsegError if it cannot be one."""
+    """Create folder `path` (with its parents) for outputs; CtsegError if it cannot be one.
+
+    Never among a run's checkpoints (`_outside_checkpoints`).
+    """
     path = Path(path)
+    _outside_checkpoints(path)
     if path.exists() and not path.is_dir():
         raise CtsegError(f"{path} is a file, not a folder: give a folder for the outputs")
     try:
@@ -75,13 +139,53 @@ def claim_folder(path: str | Path, markers: tuple[str, ...], force: bool | None 
     """
     path = output_folder(path)
     own = any((path / marker).exists() for marker in markers)
-    if not (own or force) and any(path.iterdir()):
+    # The folder's lock file (`ctseg.lock`) and our temporaries are no one else's files.
+    others = (p for p in path.iterdir() if not (p.name == LOCK_NAME or _is_temporary(p)))
+    if not (own or force) and any(others):
         alternative = "" if force is None else ", or --force to write among them"
         raise CtsegError(
             f"{path} already holds files that ctseg did not write; give an empty or new "
             f"folder{alternative}"
         )
     return path
+
+
+def claim_report(
+    path: str | Path,
+    ours: Callable[[Path], bool],
+    inputs: Iterable[str | Path] = (),
+    force: bool = False,
+) -> Path:
+    """Check, before the work, that a command may write its report file at `path`.
+
+    Never one of the command's `inputs` (files and folders it reads, compared
+    resolved), even with `force`. An existing file only when `ours` recognises
+    it as a report of the same kind (a re-run replaces its own report), or with
+    `force`.
+    """
+    path = Path(path)
+    if path.resolve() in {Path(item).resolve() for item in inputs}:
+        raise CtsegError(f"{path} is an input of this command; write the report elsewhere")
+    if path.is_dir():
+        raise CtsegError(f"{path} is a folder: give a file name for the report")
+    _outside_checkpoints(path.parent)
+    if path.exists() and not force and not ours(path):
+        raise CtsegError(
+            f"{path} exists and is not a report this command wrote; give another file name, "
+            "or --force to replace it"
+        )
+    return path
+
+
+def is_json_with(path: Path, keys: Iterable[str]) -> bool:
+    """Whether `path` holds a JSON object with (at least) these top-level keys."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(_REPORT_BYTES + 1)
+        obj = json.loads(data) if len(data) <= _REPORT_BYTES else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and set(keys) <= set(obj)
 
 
 def write_text(path: str | Path, text: str) -> None:

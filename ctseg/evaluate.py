@@ -24,7 +24,7 @@ import nibabel as nib
 import numpy as np
 
 from ctseg import metrics
-from ctseg.atomic import write_text
+from ctseg.atomic import claim_report, is_json_with, write_text
 from ctseg.errors import CtsegError
 
 AFFINE_TOLERANCE_MM = 1e-3
@@ -201,11 +201,44 @@ def evaluate_pairs(pairs: Sequence[CasePair], progress: Progress | None = None) 
     }
 
 
+def _models(pairs: Sequence[CasePair]) -> set[tuple]:
+    """The models (run, checkpoint step, TTA) whose `ctseg predict` stats lie beside the pairs'
+    predictions (`<scan>_seg.nii.gz` beside `<scan>_stats.json`)."""
+    models = set()
+    for pair in pairs:
+        stem = nifti_stem(pair.pred) or ""
+        stats_path = pair.pred.with_name(f"{stem.removesuffix('_seg')}_stats.json")
+        if not stem.endswith("_seg") or not stats_path.is_file():
+            continue
+        try:
+            stats = json.loads(stats_path.read_text())
+            models.add((stats.get("run_dir"), stats.get("run_step"), stats.get("tta")))
+        except (OSError, ValueError, AttributeError):
+            continue  # not a stats file of ours: nothing to compare
+    return models
+
+
 def evaluate_folders(pred_dir: Path, ref_dir: Path, progress: Progress | None = None) -> dict:
-    """Pair the two folders' files and evaluate them; no pair at all is an error."""
+    """Pair the two folders' files and evaluate them.
+
+    No pair at all is an error; so are one folder given as both (every case would
+    score perfectly) and predictions of several models in one folder (their mean
+    would describe none of them).
+    """
+    if Path(pred_dir).resolve() == Path(ref_dir).resolve():
+        raise CtsegError(f"--pred and --ref are the same folder ({pred_dir})")
     pairs, unpaired_pred, unpaired_ref = pair_files(pred_dir, ref_dir)
     if not pairs:
         raise CtsegError(f"no prediction in {pred_dir} matches a reference in {ref_dir}")
+    if len(models := _models(pairs)) > 1:
+        described = "; ".join(
+            f"run {run or '?'} step {step}{' TTA' if tta else ''}"
+            for run, step, tta in sorted(models, key=str)
+        )
+        raise CtsegError(
+            f"{pred_dir} holds predictions of {len(models)} models ({described}); "
+            "predict every scan with one model (ctseg predict --force) or evaluate them apart"
+        )
     result = evaluate_pairs(pairs, progress)
     result["unpaired"] = {"pred": unpaired_pred, "ref": unpaired_ref}
     return result
@@ -232,6 +265,42 @@ def cases_csv(cases: Sequence[dict]) -> str:
     writer.writeheader()
     writer.writerows(rows)  # DictWriter writes None as an empty cell
     return buffer.getvalue()
+
+
+REPORT_KEYS = ("cases", "summary", "errors", "unpaired")
+
+
+def is_cases_csv(path: Path) -> bool:
+    """Whether `path` holds a per-case CSV that `cases_csv` wrote (by its header)."""
+    try:
+        with path.open(errors="replace") as f:
+            header = f.readline().rstrip("\n")
+    except OSError:
+        return False
+    columns = header.split(",")
+    return columns[0] == "case" and all(c.split("_")[0] in CSV_SECTIONS for c in columns[1:])
+
+
+def claim_reports(
+    json_path: Path | None,
+    csv_path: Path | None,
+    inputs: Sequence[Path],
+    force: bool = False,
+) -> None:
+    """Check, before evaluating, that the reports may go where they are asked to.
+
+    Never over an input (the `inputs` folders or a label map in them), nor one over
+    the other; an existing file only when it is such a report already, or with `force`.
+    """
+    if json_path is not None and csv_path is not None:
+        if Path(json_path).resolve() == Path(csv_path).resolve():
+            raise CtsegError("--json and --csv name the same file; give two files")
+    # The label maps the folders hold are inputs too (a report may go beside them).
+    inputs = [*inputs, *(f for d in inputs if d.is_dir() for f in d.iterdir() if nifti_stem(f))]
+    if json_path is not None:
+        claim_report(json_path, lambda p: is_json_with(p, REPORT_KEYS), inputs, force)
+    if csv_path is not None:
+        claim_report(csv_path, is_cases_csv, inputs, force)
 
 
 def write_reports(

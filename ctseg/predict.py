@@ -19,6 +19,7 @@ original geometry), plus the grid-level Dice that training reports.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +31,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from ctseg import atomic, evaluate, infer, metrics, postprocess, preprocess, report, volume
+from ctseg import (
+    atomic,
+    evaluate,
+    infer,
+    lock,
+    metrics,
+    postprocess,
+    preprocess,
+    report,
+    volume,
+)
 from ctseg import devices as dev
 from ctseg.errors import CtsegError
 from ctseg.infer import Engine, Model, load_model
@@ -319,6 +330,7 @@ class ScanOutcome:
     warnings: list[str] = field(default_factory=list)
     error: str | None = None  # the one-line reason the scan failed
     seconds: dict[str, float] = field(default_factory=dict)  # per phase, `PHASES`
+    done_earlier: bool = False  # its outputs, by this model, were all there: left as they were
 
 
 def expand_inputs(
@@ -386,6 +398,7 @@ def predict_files(
     out_dir: Path,
     force: bool = False,
     progress: FileProgress | None = None,
+    run_dir: Path | None = None,
 ) -> Iterator[ScanOutcome]:
     """Predict scans one after another and write their outputs; yields each scan's outcome.
 
@@ -393,20 +406,28 @@ def predict_files(
     last one, run in threads beside the inference of the current one (the
     network, NumPy, SciPy and the image libraries release the GIL). A problem
     with a scan is its outcome's error, never an exception.
+
+    A scan's outputs appear together, its stats file last: a scan whose stats
+    file is missing is unfinished and predicted again. Without `force`, a scan
+    whose outputs are all there, by the same model (`run_dir`, checkpoint step,
+    TTA), is `done_earlier` and left alone; outputs of another model fail the
+    scan rather than be mixed with this one's. The caller holds `out_dir`'s lock.
     """
     out_dir = Path(out_dir)
+    model = _model_of(predictor, run_dir)
     with (
         ThreadPoolExecutor(1, thread_name_prefix="ctseg-read") as reader,
         ThreadPoolExecutor(1, thread_name_prefix="ctseg-write") as writer,
     ):
-        reads = [reader.submit(_read, predictor, Path(s), out_dir, force) for s in sources[:1]]
+        reads = [
+            reader.submit(_read, predictor, Path(s), out_dir, force, model) for s in sources[:1]
+        ]
         written: Future | None = None
         for index in range(len(sources)):
             outcome, prepared = reads[index].result()
             if index + 1 < len(sources):
-                reads.append(
-                    reader.submit(_read, predictor, Path(sources[index + 1]), out_dir, force)
-                )
+                source = Path(sources[index + 1])
+                reads.append(reader.submit(_read, predictor, source, out_dir, force, model))
             reads[index] = None  # done with: `prepared` holds what is left of it
             probabilities = None
             if prepared is not None:
@@ -421,7 +442,9 @@ def predict_files(
                 prepared.unit = None  # the grid is freed once inferred
             if written is not None:
                 yield written.result()
-            written = writer.submit(_write, predictor, outcome, prepared, probabilities, out_dir)
+            written = writer.submit(
+                _write, predictor, outcome, prepared, probabilities, out_dir, model
+            )
         if written is not None:
             yield written.result()
 
@@ -447,18 +470,50 @@ def _guarded(outcome: ScanOutcome, fn: Callable[..., Any], *args: Any) -> Any:
     return None
 
 
+def _model_of(predictor: Predictor, run_dir: Path | None) -> dict[str, Any]:
+    """What makes two predictions of a scan the same, as its stats file records it."""
+    return {
+        "run_dir": None if run_dir is None else str(Path(run_dir).resolve()),
+        "run_step": predictor.model.step,
+        "tta": predictor.tta,
+    }
+
+
+def _earlier_prediction(stats_path: Path, model: dict[str, Any]) -> dict[str, Any]:
+    """The stats of an earlier prediction of a scan by this `model`; CtsegError for another's."""
+    try:
+        earlier = json.loads(stats_path.read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if not isinstance(earlier, dict):
+        what = "cannot be read as the stats of an earlier prediction"
+    elif any(earlier.get(key) != model[key] for key in model):
+        what = (
+            f"is of another prediction (run {earlier.get('run_dir') or '?'}, step "
+            f"{earlier.get('run_step')}{', TTA' if earlier.get('tta') else ''})"
+        )
+    else:
+        return earlier
+    raise CtsegError(
+        f"{stats_path.name} in {stats_path.parent} {what}; use --force to replace it, "
+        "or another --out"
+    )
+
+
 def _read(
-    predictor: Predictor, source: Path, out_dir: Path, force: bool
+    predictor: Predictor, source: Path, out_dir: Path, force: bool, model: dict[str, Any]
 ) -> tuple[ScanOutcome, Prepared | None]:
     outcome = ScanOutcome(source, volume.scan_name(source))
 
-    def read() -> Prepared:
+    def read() -> Prepared | None:
         paths = output_paths(out_dir, outcome.name, predictor.config.predict.save_probabilities)
-        existing = [p.name for p in paths.values() if p.exists()]
-        if existing and not force:
-            raise CtsegError(
-                f"{', '.join(existing)} already exist in {out_dir}; use --force to overwrite"
-            )
+        # Without its stats file a scan is unfinished (see `_write_outputs`): predicted again.
+        if paths["stats"].exists() and not force:
+            earlier = _earlier_prediction(paths["stats"], model)
+            if all(path.exists() for path in paths.values()):
+                outcome.done_earlier = True
+                outcome.stats, outcome.outputs = earlier, list(paths.values())
+                return None
         seconds: dict[str, float] = {}
         with _timed(seconds, "read"):
             scan = volume.read_scan(source)
@@ -473,9 +528,12 @@ def _write(
     prepared: Prepared | None,
     probabilities: np.ndarray | None,
     out_dir: Path,
+    model: dict[str, Any],
 ) -> ScanOutcome:
     if prepared is not None and probabilities is not None:
-        _guarded(outcome, _write_outputs, predictor, outcome, prepared, probabilities, out_dir)
+        _guarded(
+            outcome, _write_outputs, predictor, outcome, prepared, probabilities, out_dir, model
+        )
     return outcome
 
 
@@ -485,6 +543,7 @@ def _write_outputs(
     prepared: Prepared,
     probabilities: np.ndarray,
     out_dir: Path,
+    model: dict[str, Any],
 ) -> None:
     scan, seconds = prepared.scan, prepared.seconds
     with_probabilities = predictor.config.predict.save_probabilities
@@ -494,28 +553,31 @@ def _write_outputs(
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
     outcome.warnings += prediction.warnings + volume_warnings(stats)
     paths = output_paths(out_dir, outcome.name, with_probabilities)
-    with _timed(seconds, "write"):
-        volume.write_labels(scan, prediction.labels, paths["seg"])
-        if prediction.probabilities is not None:
-            volume.write_volume(scan, prediction.probabilities, paths["probs"], np.float32)
-        report.plot_preview(
-            scan.array,
-            prediction.labels,
-            scan.spacing,
-            paths["preview"],
-            title=outcome.name,
-            window=predictor.config.data.hu_window,
-        )
-    # The call's one-off costs (loading, compiling ahead) beside this scan's own phases.
-    outcome.seconds = {
-        phase: round(predictor.seconds.get(phase, 0.0) + seconds.get(phase, 0.0), 3)
-        for phase in PHASES
-    }
-    atomic.write_json(
-        paths["stats"],
-        {
+    # Every output under a temporary name, then renamed with the stats file last: a kill
+    # half-way leaves no stats file, so the next run predicts the scan again.
+    order = [key for key in paths if key != "stats"] + ["stats"]
+    with atomic.atomic_group([paths[key] for key in order]) as temporaries:
+        tmp = dict(zip(order, temporaries))
+        with _timed(seconds, "write"):
+            volume.write_labels(scan, prediction.labels, tmp["seg"])
+            if prediction.probabilities is not None:
+                volume.write_volume(scan, prediction.probabilities, tmp["probs"], np.float32)
+            report.plot_preview(
+                scan.array,
+                prediction.labels,
+                scan.spacing,
+                tmp["preview"],
+                title=outcome.name,
+                window=predictor.config.data.hu_window,
+            )
+        # The call's one-off costs (loading, compiling ahead) beside this scan's own phases.
+        outcome.seconds = {
+            phase: round(predictor.seconds.get(phase, 0.0) + seconds.get(phase, 0.0), 3)
+            for phase in PHASES
+        }
+        record = {
             "scan": str(outcome.source),
-            "run_step": predictor.model.step,
+            **model,
             "device": predictor.summary,
             "shape": list(scan.original_shape),
             "spacing_mm": list(scan.spacing),
@@ -527,8 +589,8 @@ def _write_outputs(
                 "programs": predictor.clock.programs,
                 "from_cache": predictor.clock.cache_hits,
             },
-        },
-    )
+        }
+        tmp["stats"].write_text(json.dumps(record, indent=2) + "\n")
     outcome.stats = stats
     outcome.outputs = list(paths.values())
 
@@ -547,8 +609,15 @@ def evaluate_run(
     backend: str | None = None,
     device: str = "auto",
     tta: bool | None = None,
+    force: bool = False,
+    warn: Callable[[str], None] | None = None,
 ) -> dict:
     """Predict a store's split with a run and score it; writes summary.json and metrics.csv.
+
+    `out_dir` holds one evaluation: `EVALUATED` records its run, checkpoint, store
+    and split. Another one is replaced only with `force`; every evaluation first
+    clears what an earlier one wrote, so that predictions are never mixed. The
+    folder's lock is held throughout (`ctseg.lock`; `warn` hears of a dead holder's).
 
     Metrics compare the post-processed prediction, mapped back to the case's
     original scan, with its original label file (the LiTS way); each case also
@@ -566,46 +635,96 @@ def evaluate_run(
     cases = [case for case in cases if case.labelled]
     if not cases:
         raise CtsegError(f"the store at {data_dir} has no labelled cases in the {split!r} split")
-    atomic.claim_folder(out_dir, ("summary.json", "predictions"), force=None)
-    predictor = Predictor.from_run(run_dir, checkpoint, tile, backend, device, tta)
-    if store.resolution != predictor.config.data.resolution:
-        raise CtsegError(
-            f"{data_dir} holds a {store.resolution}³ grid but the run was trained on "
-            f"{predictor.config.data.resolution}³"
+    with lock.hold(out_dir, warn):
+        atomic.claim_folder(out_dir, ("summary.json", "predictions", EVALUATED), force=None)
+        predictor = Predictor.from_run(run_dir, checkpoint, tile, backend, device, tta)
+        if store.resolution != predictor.config.data.resolution:
+            raise CtsegError(
+                f"{data_dir} holds a {store.resolution}³ grid but the run was trained on "
+                f"{predictor.config.data.resolution}³"
+            )
+        _claim_evaluation(
+            out_dir, _evaluation_of(run_dir, predictor.model.step, data_dir, split), force
         )
-    records, errors = [], []
-    for done, case in enumerate(cases):
+        records, errors = [], []
+        for done, case in enumerate(cases):
+            if progress is not None:
+                progress(done, len(cases), case.id)
+            try:
+                records.append(_evaluate_case(predictor, store, case, out_dir))
+            except CtsegError as exc:
+                errors.append({"case": case.id, "message": str(exc)})
         if progress is not None:
-            progress(done, len(cases), case.id)
-        try:
-            records.append(_evaluate_case(predictor, store, case, out_dir))
-        except CtsegError as exc:
-            errors.append({"case": case.id, "message": str(exc)})
-    if progress is not None:
-        progress(len(cases), len(cases), "")
-    summary = metrics.summarize(records)
-    summary["grid_dice"] = {
-        key: metrics.mean_defined([r["grid_dice"][key] for r in records])
-        for key in ("liver", "tumor")
+            progress(len(cases), len(cases), "")
+        summary = metrics.summarize(records)
+        summary["grid_dice"] = {
+            key: metrics.mean_defined([r["grid_dice"][key] for r in records])
+            for key in ("liver", "tumor")
+        }
+        result = {
+            "run": {
+                "run_dir": str(run_dir),
+                "checkpoint_step": predictor.model.step,
+                "data": str(data_dir),
+                "split": split,
+                "tiling": predictor.engine.description,
+                "backend": predictor.engine.backend,
+                "tta": predictor.tta,
+                "device": predictor.summary,
+            },
+            "cases": records,
+            "summary": summary,
+            "errors": errors,
+            "unpaired": {"pred": [], "ref": []},  # the --pred/--ref report's shape
+        }
+        evaluate.write_reports(result, out_dir / "summary.json", out_dir / "metrics.csv")
+        return result
+
+
+EVALUATED = "evaluated.json"  # in an evaluation's --out: the run, checkpoint, store and split
+
+
+def _evaluation_of(run_dir: Path, step: int, data_dir: Path, split: str) -> dict[str, Any]:
+    return {
+        "run_dir": str(Path(run_dir).resolve()),
+        "checkpoint_step": step,
+        "data": str(Path(data_dir).resolve()),
+        "split": split,
     }
-    result = {
-        "run": {
-            "run_dir": str(run_dir),
-            "checkpoint_step": predictor.model.step,
-            "data": str(data_dir),
-            "split": split,
-            "tiling": predictor.engine.description,
-            "backend": predictor.engine.backend,
-            "tta": predictor.tta,
-            "device": predictor.summary,
-        },
-        "cases": records,
-        "summary": summary,
-        "errors": errors,
-        "unpaired": {"pred": [], "ref": []},  # the --pred/--ref report's shape
-    }
-    evaluate.write_reports(result, out_dir / "summary.json", out_dir / "metrics.csv")
-    return result
+
+
+def _claim_evaluation(out_dir: Path, evaluation: dict[str, Any], force: bool) -> None:
+    """Make `out_dir` the folder of `evaluation`: refuse another's unless `force`, then clear."""
+    record, summary = out_dir / EVALUATED, out_dir / "summary.json"
+    earlier = None
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        if record.exists():
+            earlier = json.loads(record.read_text())
+            earlier = earlier if isinstance(earlier, dict) else None
+        elif summary.exists():  # written before the record existed: its "run" says the same
+            run = json.loads(summary.read_text())["run"]
+            earlier = _evaluation_of(
+                run["run_dir"], run["checkpoint_step"], run["data"], run["split"]
+            )
+    has_files = record.exists() or summary.exists() or (out_dir / "predictions").exists()
+    if earlier != evaluation and has_files and not force:
+        what = (
+            "an evaluation that cannot be read"
+            if earlier is None
+            else f"the evaluation of {earlier['run_dir']} (checkpoint "
+            f"{earlier['checkpoint_step']}, {earlier['data']} split {earlier['split']!r})"
+        )
+        raise CtsegError(f"{out_dir} holds {what}; give another --out, or --force to replace it")
+    # An evaluation is never resumed: what an earlier one wrote goes, so that the
+    # predictions and reports here are all of this one, even if it stops half-way.
+    predictions = out_dir / "predictions"
+    if predictions.is_dir():
+        for path in predictions.iterdir():
+            if path.name.endswith("_seg.nii.gz") or path.name.startswith(atomic.TEMP_PREFIX):
+                path.unlink()
+    for name in ("summary.json", "metrics.csv"):
+        (out_dir / name).unlink(missing_ok=True)
+    atomic.write_json(record, evaluation)
 
 
 def _evaluate_case(predictor: Predictor, store: Store, case: Any, out_dir: Path) -> dict:

@@ -33,7 +33,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from ctseg import atomic, metrics, plan, report
+from ctseg import atomic, lock, metrics, plan, report
 from ctseg import config as cfg
 from ctseg import devices as dev
 from ctseg.checkpoints import Checkpoints, replicated_like
@@ -185,24 +185,46 @@ def population_statistics(
     return state._replace(stats=pool(per_batch))
 
 
+# Ctrl-C, and `kill` or a job scheduler's time limit: both save a checkpoint and stop.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stop(number: int, frame: Any) -> None:
+    """SIGTERM's handler while training: stop as Ctrl-C does, the signal's number kept."""
+    raise KeyboardInterrupt(number)
+
+
+@contextlib.contextmanager
+def _handled(handlers: dict[int, Any]) -> Iterator[None]:
+    """Signal handlers, in the main thread only (elsewhere the signals are not ours), except
+    for a signal that is ignored (`nohup`, a background job): it stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {
+        number: signal.signal(number, handler)
+        for number, handler in handlers.items()
+        if signal.getsignal(number) is not signal.SIG_IGN
+    }
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 @contextlib.contextmanager
 def _interrupt_after_step() -> Iterator[None]:
-    """Hold a Ctrl-C that lands during a step until the new state is bound.
+    """Hold a Ctrl-C or SIGTERM that lands during a step until the new state is bound.
 
     The step consumes (donates) the old state's buffers: interrupted inside it, the
     loop would have no whole state left to save, and Ctrl-C would end in a traceback.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers belong to the main thread; elsewhere Ctrl-C is not ours
-        return
     received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
-    try:
+    with _handled({number: lambda n, frame: received.append(n) for number in _STOP_SIGNALS}):
         yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
     if received:
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt(received[0])
 
 
 def _nan_cause(store: Store) -> str:
@@ -262,16 +284,37 @@ def train_and_evaluate(
     progress: ProgressFn | None = None,
     devices: list | None = None,
     where: str = "",
+    warn: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Train (or resume) a run; returns a summary of the final state.
 
     `devices`: where the config's mesh goes (`devices.fit_training` chooses them
-    and `where` says it); by default JAX's default devices.
+    and `where` says it); by default JAX's default devices. The writing process
+    holds the run directory's lock (`ctseg.lock`; `warn` hears of a dead holder's).
+    Ctrl-C or SIGTERM saves a checkpoint and raises KeyboardInterrupt (its args:
+    the signal's number, none for Ctrl-C).
     """
     run_dir = Path(run_dir)
     store = open_store(Path(data_dir), config)
-    # In a multi-host job every process trains, but only process 0 writes the
-    # run directory's files; orbax coordinates the checkpoints itself.
+    with contextlib.ExitStack() as stack:
+        # In a multi-host job every process trains, but only process 0 writes the
+        # run directory's files; orbax coordinates the checkpoints itself.
+        if jax.process_index() == 0:
+            # One writer: a second `ctseg train` would log every step twice and race orbax.
+            stack.enter_context(lock.hold(run_dir, warn))
+        stack.enter_context(_handled({signal.SIGTERM: _stop}))
+        return _train(config, store, run_dir, progress, devices, where)
+
+
+def _train(
+    config: cfg.Config,
+    store: Store,
+    run_dir: Path,
+    progress: ProgressFn | None,
+    devices: list | None,
+    where: str,
+) -> dict[str, Any]:
+    """`train_and_evaluate` once it holds the run directory."""
     main_process = jax.process_index() == 0
     if main_process:
         # Never a folder of others' files: orbax deletes folders it takes for its temporaries.
