@@ -9,3 +9,14 @@ os.environ.setdefault("CTSEG_COMPILE_CACHE", "off")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 16)
+
+
+import pytest  # noqa: E402
+from helpers import write_trained_run  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """(run_dir, store_dir, raw_dir) of a 2-step run of a tiny model on a 16³ grid, built
+    once per test process and shared: tests copy it before changing anything in it."""
+    return write_trained_run(tmp_path_factory.mktemp("run"))

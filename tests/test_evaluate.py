@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nibabel as nib
 import numpy as np
 import pytest
+from helpers import SPACING, labels, save
 from typer.testing import CliRunner
 
 import cli.main  # noqa: F401  (registers the commands)
@@ -17,23 +17,6 @@ from ctseg.errors import CtsegError
 from ctseg.evaluate import evaluate_arrays, evaluate_folders, pair_files, write_reports
 
 REPO = Path(__file__).resolve().parents[1]
-SPACING = (0.8, 0.8, 2.0)
-SHAPE = (16, 16, 8)
-
-
-def labels(tumour: bool = True, shift: int = 0) -> np.ndarray:
-    volume = np.zeros(SHAPE, np.uint8)
-    volume[3 + shift : 12 + shift, 3:12, 2:6] = 1  # `shift` moves the liver only
-    if tumour:
-        volume[5:8, 5:8, 3:5] = 2
-    return volume
-
-
-def save(path: Path, volume: np.ndarray, spacing=SPACING, origin=(0.0, 0.0, 0.0)) -> Path:
-    affine = np.diag([*spacing, 1.0])
-    affine[:3, 3] = origin
-    nib.save(nib.Nifti1Image(volume, affine), path)
-    return path
 
 
 def touch(folder: Path, *names: str) -> None:

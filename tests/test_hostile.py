@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import test_predict
-from test_evaluate import labels, save
+from helpers import labels, save
 from typer.testing import CliRunner
 
 import cli.main  # noqa: F401  (registers the commands)
@@ -19,7 +18,6 @@ from ctseg.errors import CtsegError
 
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
-trained = test_predict.trained  # the fixture: a 2-step run of a tiny model on a 16³ grid
 
 
 # ---------------------------------------------------------------- report files

@@ -1,45 +1,26 @@
 """The inference engine: exact level-wise tiled inference equals the whole-volume pass."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import RESOLUTION, random_model
 
-from ctseg import config as cfg
 from ctseg import infer, preprocess, tiling, unet
 from ctseg.errors import CtsegError
 from ctseg.partition import LOCAL
 
-RESOLUTION = 32
 
-
-def random_model(
-    depth: int, dtype: str = "float32", spatial: tuple[int, int, int] = (2, 2, 1)
-) -> infer.Model:
-    """An untrained tiny model whose batch-norm running statistics are not the identity."""
-    config = cfg.from_dict(
-        {
-            "data": {"resolution": RESOLUTION},
-            "model": {"base_filters": 2, "depth": depth, "dtype": dtype},
-            "mesh": {"spatial": list(spatial)},
-        }
-    )
-    graphdef, params, stats = unet.create(config.model, seed=3)
-    rng = np.random.default_rng(0)
-
-    def perturb(path, leaf):
-        name = jax.tree_util.keystr(path)
-        if "head" in name:
-            return leaf  # a large class bias would make every voxel one class
-        if "var" in name:
-            return np.asarray(rng.uniform(0.5, 2.0, leaf.shape), np.float32)
-        if "mean" in name or "bias" in name:
-            return np.asarray(rng.normal(0, 0.3, leaf.shape), np.float32)
-        return leaf
-
-    stats = jax.tree_util.tree_map_with_path(perturb, stats)
-    params = jax.tree_util.tree_map_with_path(perturb, params)
-    return infer.Model(config, graphdef, params, stats, step=0)
+@contextlib.contextmanager
+def no_host_transfers():
+    """Fail on any transfer between host and devices, explicit or not."""
+    with (
+        jax.transfer_guard_host_to_device("disallow_explicit"),
+        jax.transfer_guard_device_to_host("disallow_explicit"),
+    ):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -97,12 +78,17 @@ def test_a_model_trained_16_way_predicts_on_the_devices_there(image):
             ]
         )(image[None, ..., None])[0]
     )
+    on_device = jax.device_put(image, jax.devices()[0])
     for count in (1, 4):
         for tile in (0, 14):
             engine = infer.Engine(model, tile=tile, devices=jax.devices()[:count])
             if tile == 0:
                 assert engine.spatial == ((1, 1, 1) if count == 1 else (2, 2, 1))
-            logits = engine.logits(image)
+            else:
+                assert len(engine.stages[0].windows()) > count
+            # Once the image is on a device, no window and no level passes through the host.
+            with no_host_transfers():
+                logits = jax.block_until_ready(engine.logits(on_device))
             np.testing.assert_allclose(
                 logits, reference, rtol=0, atol=1e-5, err_msg=f"{count} devices, tile {tile}"
             )
@@ -111,7 +97,9 @@ def test_a_model_trained_16_way_predicts_on_the_devices_there(image):
 def test_mirrored_tta_is_the_mean_of_eight_flipped_passes_and_mirror_equivariant(image):
     engine = infer.Engine(random_model(2), tile=0)
     calls: list[tuple[int, int]] = []
-    mirrored = infer.probabilities(engine, image, True, lambda *call: calls.append(call))
+    on_device = jax.device_put(image, jax.devices()[0])
+    with no_host_transfers():  # the flips, softmax and mean stay on the device too
+        mirrored = infer.probabilities(engine, on_device, True, lambda *call: calls.append(call))
     assert calls[-1] == (8, 8)
     passes = []
     for axes in [(), (0,), (1,), (2,), (0, 1), (0, 2), (1, 2), (0, 1, 2)]:
@@ -169,30 +157,6 @@ def test_softmax_in_place():
     expected = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     probs = infer.softmax_(logits.copy())
     np.testing.assert_allclose(probs, expected, rtol=1e-6)
-
-
-@pytest.mark.parametrize("count", [1, 4])
-def test_windows_are_cut_run_and_stitched_on_the_devices(count, image):
-    """Once the image is on the devices, no stage's windows pass through host memory:
-    tiled or whole, with mirrored TTA, nothing goes to or comes from the host until the
-    labels are fetched."""
-    model = random_model(2)
-    devices = jax.devices()[:count]
-    engines = [infer.Engine(model, tile=tile, devices=devices) for tile in (0, 6)]
-    assert engines[1].stages and len(engines[1].stages[0].windows()) > count
-    on_device = jax.device_put(image, devices[0])
-    results = []
-    for engine in engines:
-        for mirrored in (False, True):
-            with (
-                jax.transfer_guard_host_to_device("disallow_explicit"),
-                jax.transfer_guard_device_to_host("disallow_explicit"),
-            ):
-                probs = infer.probabilities(engine, on_device, mirrored)
-                jax.block_until_ready(probs)
-            results.append(np.asarray(probs))
-    for tiled, whole in zip(results[2:], results[:2], strict=True):
-        np.testing.assert_allclose(tiled, whole, rtol=0, atol=1e-5)
 
 
 def test_the_plan_is_chosen_from_the_compiled_programs_memory(monkeypatch, image):

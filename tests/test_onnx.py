@@ -9,13 +9,15 @@ import nibabel as nib
 import numpy as np
 import pytest
 from flax import nnx
-from test_infer import RESOLUTION, random_model
-from test_predict import runner, trained  # noqa: F401  (`trained` is a fixture)
+from helpers import RESOLUTION, random_model
+from typer.testing import CliRunner
 
 from cli.app import app
 from ctseg import infer, tiling, unet
 from ctseg.errors import CtsegError
 from ctseg.partition import LOCAL
+
+runner = CliRunner()
 
 needs_onnx = pytest.mark.skipif(
     importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("onnx") is None,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 from dicom_series import write_dicom_series
-from test_volume import _itk_image
+from helpers import itk_image
 from typer.testing import CliRunner
 
 import cli.main  # noqa: F401  (registers the commands)
@@ -24,33 +24,8 @@ from ctseg.checkpoints import Checkpoints, load_for_inference
 from ctseg.errors import CtsegError
 from ctseg.predict import PHASES, Predictor, expand_inputs, hu_warnings
 from ctseg.step import TrainState
-from ctseg.store import prepare
-from ctseg.train import train_and_evaluate
-from data_prep.synth import write_dataset
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """(run_dir, store_dir, raw_dir) of a 2-step run of a tiny model on a 16³ grid."""
-    root = tmp_path_factory.mktemp("run")
-    config = cfg.load(
-        None,
-        [
-            "data.resolution=16",
-            "model.base_filters=2",
-            "model.depth=3",
-            "mesh.spatial=[2,2,1]",
-            "train.steps=2",
-            "train.eval_every=2",
-            "train.checkpoint_every=2",
-        ],
-    )
-    write_dataset(root / "raw", cases=3, size=32, seed=0)
-    prepare(root / "raw", root / "store", config)
-    train_and_evaluate(config, root / "store", root / "run")
-    return root / "run", root / "store", root / "raw"
 
 
 def _ct(rng: np.random.Generator, shape=(20, 18, 12)) -> np.ndarray:
@@ -73,7 +48,7 @@ def _inputs(folder: Path) -> dict[str, Path]:
     for name, affine in affines.items():
         paths[name] = folder / f"{name}.nii.gz"
         nib.save(nib.Nifti1Image(_ct(rng), affine), paths[name])
-    image = _itk_image(_ct(rng, (14, 12, 9)))
+    image = itk_image(_ct(rng, (14, 12, 9)))
     write_dicom_series(folder / "dicom", image)
     paths["dicom"] = folder / "dicom"
     return paths

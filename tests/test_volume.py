@@ -7,16 +7,12 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 from dicom_series import write_dicom_series
+from helpers import itk_image, rotation_z
 
 from ctseg.errors import CtsegError
 from ctseg.volume import find_scans, read_scan, write_labels, write_volume
 
 SHAPE = (6, 7, 5)
-
-
-def _rotation_z(degrees: float) -> np.ndarray:
-    t = np.deg2rad(degrees)
-    return np.array([[np.cos(t), -np.sin(t), 0], [np.sin(t), np.cos(t), 0], [0, 0, 1]])
 
 
 def _affine(linear: np.ndarray, offset=(10.0, -20.0, 30.0)) -> np.ndarray:
@@ -30,7 +26,7 @@ AFFINES = {
     "RAS": _affine(np.diag([0.8, 0.8, 2.5])),
     "LPS": _affine(np.diag([-0.7, -0.7, 3.0])),
     # Oblique, with the first two voxel axes swapped, so reorientation permutes axes.
-    "oblique": _affine(_rotation_z(20) @ np.array([[0, -0.9, 0], [0.6, 0, 0], [0, 0, -2.0]])),
+    "oblique": _affine(rotation_z(20) @ np.array([[0, -0.9, 0], [0.6, 0, 0], [0, 0, -2.0]])),
 }
 
 
@@ -86,14 +82,6 @@ def test_write_volume_keeps_channels(tmp_path):
     np.testing.assert_allclose(canonical, probabilities)
 
 
-def _itk_image(data: np.ndarray) -> sitk.Image:
-    image = sitk.GetImageFromArray(data.transpose(2, 1, 0))  # ITK wants [z, y, x]
-    image.SetSpacing((0.7, 0.9, 2.0))
-    image.SetOrigin((-5.0, 12.0, 40.0))
-    image.SetDirection(tuple(_rotation_z(15).ravel()))
-    return image
-
-
 def _assert_itk_geometry(scan, image: sitk.Image, data: np.ndarray) -> None:
     """Each original voxel maps to ITK's physical point (LPS flipped to RAS), and the
     canonical voxel at that point holds the same value."""
@@ -108,7 +96,7 @@ def _assert_itk_geometry(scan, image: sitk.Image, data: np.ndarray) -> None:
 @pytest.mark.parametrize("suffix", [".nrrd", ".mha"])
 def test_itk_file_round_trip(tmp_path, suffix):
     data = _volume(2)
-    image = _itk_image(data)
+    image = itk_image(data)
     sitk.WriteImage(image, str(tmp_path / f"scan{suffix}"))
     scan = read_scan(tmp_path / f"scan{suffix}")
     assert scan.header is None and scan.name == "scan"
@@ -122,7 +110,7 @@ def test_itk_file_round_trip(tmp_path, suffix):
 
 def test_dicom_series(tmp_path):
     data = _volume(3)
-    image = _itk_image(data)
+    image = itk_image(data)
     write_dicom_series(tmp_path / "series", image)
     scan = read_scan(tmp_path / "series")
     assert scan.name == "series"
