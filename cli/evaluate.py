@@ -11,8 +11,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from cli.app import app
-from cli.options import CompileCacheOption, DeviceChoice, start_jax
-from cli.predict import BackendOption, TtaOption, load_run_config, warn
+from cli.options import CompileCacheOption, DeviceChoice, start_jax, warn
+from cli.predict import BackendOption, TtaOption, load_run_config
 from cli.progress import counting
 from ctseg.errors import CtsegError
 from ctseg.evaluate import claim_reports, evaluate_folders, write_reports

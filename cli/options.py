@@ -12,6 +12,11 @@ from ctseg import config as cfg
 
 _stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
+
+def warn(message: str) -> None:
+    """A `warning:` line on standard error, as every command prints them."""
+    _stderr.print(f"[yellow]warning:[/] {escape(message)}")
+
 ConfigOption = Annotated[
     Path | None,
     typer.Option(
@@ -106,4 +111,4 @@ def start_jax(
     fallback = dev.fallback_warning(device, found)
     for line in (fallback, cache_problem):
         if line is not None:
-            _stderr.print(f"[yellow]warning:[/] {escape(line)}")
+            warn(line)

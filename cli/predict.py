@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cli.app import app
-from cli.options import CompileCacheOption, DeviceChoice, DeviceOption, start_jax
+from cli.options import CompileCacheOption, DeviceChoice, DeviceOption, start_jax, warn
 from ctseg import config as cfg
 from ctseg import lock
 from ctseg.errors import CtsegError
@@ -60,11 +60,6 @@ TtaOption = Annotated[
         show_default=False,
     ),
 ]
-
-
-def warn(message: str) -> None:
-    """A `warning:` line; other commands print theirs the same way."""
-    console.print(f"[yellow]warning:[/] {escape(message)}")
 
 
 def load_run_config(run_dir: Path) -> cfg.Config:

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cli.app import app
-from cli.options import ConfigOption, SetOption, load_config
+from cli.options import ConfigOption, SetOption, load_config, warn
 from cli.progress import counting
 from ctseg.store import MANIFEST, SPLITS, PrepareResult, prepare, usable_workers
 
@@ -57,7 +57,9 @@ def preprocess(
     if usable < workers:
         console.print(f"--workers {workers}: {usable} CPU(s) here, so {usable} worker(s)")
     with counting("preprocess") as report:
-        result = prepare(raw_dir, out_dir, cfg, progress=report, force=force, workers=workers)
+        result = prepare(
+            raw_dir, out_dir, cfg, progress=report, force=force, workers=workers, warn=warn
+        )
     console.print(_case_table(result))
     console.print(_summary_line(result, out_dir), soft_wrap=True)
     if result.failures:

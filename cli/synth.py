@@ -7,7 +7,7 @@ import typer
 from rich.console import Console
 
 from cli.app import app
-from cli.predict import warn
+from cli.options import warn
 from cli.progress import counting
 from ctseg import lock
 from data_prep.synth import write_dataset

@@ -20,8 +20,8 @@ from cli.options import (
     SetOption,
     load_config,
     start_jax,
+    warn,
 )
-from cli.predict import warn
 
 
 def _dice(entry: dict) -> str:

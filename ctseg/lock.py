@@ -86,7 +86,10 @@ def hold(folder: str | Path, warn: Callable[[str], None] | None = None) -> Itera
 
     CtsegError (one line, naming the holder) when another process holds it. A
     lock file whose holder died is taken over, and `warn` gets a line saying so.
+    A folder this call created is removed again if nothing was written into it
+    (a command that failed before it started leaves no empty folder behind).
     """
+    created = not Path(folder).exists()
     folder = atomic.output_folder(folder)
     path = folder / atomic.LOCK_NAME
     fd = _open_locked(path)
@@ -103,3 +106,6 @@ def hold(folder: str | Path, warn: Callable[[str], None] | None = None) -> Itera
         # Removed while still locked, so that no one locks a file about to disappear.
         path.unlink(missing_ok=True)
         os.close(fd)
+        if created:
+            with contextlib.suppress(OSError):  # not empty (or taken meanwhile): it stays
+                folder.rmdir()

@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ctseg import preprocess
+from ctseg import lock, preprocess
 from ctseg.atomic import claim_folder, write_json, write_npy
 from ctseg.config import Config
 from ctseg.errors import CtsegError
@@ -327,6 +327,7 @@ def prepare(
     progress: Progress | None = None,
     force: bool = False,
     workers: int = 1,
+    warn: Callable[[str], None] | None = None,
 ) -> PrepareResult:
     """Resample every case under `raw_dir` into a store at `out_dir`; resumable.
 
@@ -334,13 +335,27 @@ def prepare(
     unless `force`. A case that fails (bad file, missing label, ...) is recorded
     with its one-line reason and left out of the manifest; the others go on.
     `workers` > 1 prepares cases in that many processes at once. Problems that
-    stop everything (no such folder, no cases, a store of another resolution)
-    raise CtsegError.
+    stop everything (no such folder, no cases, a store of another resolution,
+    another command writing the store) raise CtsegError; `warn` hears of a lock taken
+    over from a command that died.
     """
     workers = usable_workers(workers)
     out_dir = Path(out_dir)
-    resolution = config.data.resolution
     layout = find_cases(raw_dir)
+    # One writer per store: two preprocesses at once would write one case's arrays twice.
+    with lock.hold(out_dir, warn):
+        return _prepare(layout, out_dir, config, progress, force, workers)
+
+
+def _prepare(
+    layout: Layout,
+    out_dir: Path,
+    config: Config,
+    progress: Progress | None,
+    force: bool,
+    workers: int,
+) -> PrepareResult:
+    resolution = config.data.resolution
     _check_existing_store(out_dir, resolution, force)
     # A manifest must never describe arrays that are being rewritten.
     (out_dir / MANIFEST).unlink(missing_ok=True)

@@ -157,8 +157,9 @@ def test_a_second_writer_gets_one_line_naming_the_holder(tmp_path):
                 pass
     finally:
         proc.communicate("")
-    # Released cleanly: no lock file is left, and the folder is free again.
-    assert list(folder.iterdir()) == []
+    # Released cleanly: no lock file is left; the holder created the folder and wrote
+    # nothing into it, so it is gone too. The folder is free again.
+    assert not folder.exists()
     with lock.hold(folder):
         assert (folder / atomic.LOCK_NAME).is_file()
 
@@ -246,7 +247,7 @@ def test_a_second_predict_into_one_out_is_refused_naming_the_first(trained, tmp_
     finally:
         proc.communicate("")
     assert f"being written by another command (pid {proc.pid}" in str(result.exception)
-    assert list(out.iterdir()) == []
+    assert not out.exists()  # the holder made it and wrote nothing: nothing is left
 
 
 def test_outputs_are_never_put_among_a_runs_checkpoints(trained, tmp_path):
@@ -305,7 +306,7 @@ def test_a_second_train_on_one_workdir_is_refused_before_it_writes(trained, tmp_
             train_and_evaluate(cfg.load(run_dir / "config.toml"), store, workdir)
     finally:
         proc.communicate("")
-    assert list(workdir.iterdir()) == []
+    assert not workdir.exists()  # the holder made it and wrote nothing: nothing is left
 
 
 def test_a_second_synth_into_one_folder_is_refused(tmp_path):
@@ -315,3 +316,27 @@ def test_a_second_synth_into_one_folder_is_refused(tmp_path):
     finally:
         proc.communicate("")
     assert "being written by another command" in str(result.exception)
+
+
+def test_a_second_preprocess_into_one_store_is_refused(tmp_path):
+    from ctseg import config as cfg
+    from ctseg.store import prepare
+    from data_prep.synth import write_dataset
+
+    write_dataset(tmp_path / "raw", cases=1, size=16, seed=0)
+    proc = _holding(tmp_path / "prep")
+    try:
+        with pytest.raises(CtsegError, match="being written by another command"):
+            prepare(tmp_path / "raw", tmp_path / "prep", cfg.load(None, ["data.resolution=16"]))
+    finally:
+        proc.communicate("")
+    assert not (tmp_path / "prep" / "manifest.json").exists()
+
+
+def test_a_command_that_fails_before_it_starts_leaves_no_empty_folder(trained, tmp_path):
+    run_dir, _, raw = trained
+    out = tmp_path / "new" / "out"
+    args = ["predict", str(run_dir), str(raw), "--out", str(out), "--checkpoint", "999"]
+    result = runner.invoke(app, args)
+    assert isinstance(result.exception, CtsegError) and "999" in str(result.exception)
+    assert not out.exists()
