@@ -20,7 +20,6 @@ from cli.options import (
     load_config,
     start_jax,
 )
-from cli.plan import human_bytes
 from cli.progress import counting
 from ctseg import atomic
 from ctseg.bench import (
@@ -31,7 +30,7 @@ from ctseg.bench import (
     measure_peak,
     ratio_to_one_partition,
 )
-from ctseg.devices import auto_spatial
+from ctseg.devices import auto_spatial, human_bytes
 from ctseg.errors import CtsegError
 
 console = Console(highlight=False)

@@ -22,19 +22,10 @@ from cli.options import (
 )
 from ctseg import atomic, unet
 from ctseg.config import Config
+from ctseg.devices import human_bytes
 from ctseg.plan import LayoutPlan, plan, plan_layout
 
 console = Console(highlight=False)
-
-
-def human_bytes(count: float) -> str:
-    """Binary units, e.g. 1.5 GiB; `ctseg bench` uses it too."""
-    unit = "B"
-    for bigger in ("KiB", "MiB", "GiB"):
-        if count < 1024:
-            break
-        count, unit = count / 1024, bigger
-    return f"{count:.0f} B" if unit == "B" else f"{count:.1f} {unit}"
 
 
 def _flops(flops: float) -> str:

@@ -113,7 +113,13 @@ def predict(
     tta: TtaOption = None,
     compile_cache: CompileCacheOption = None,
     verbose: Annotated[
-        bool, typer.Option("--verbose", "-v", help="Print where each scan's time went.")
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Print the plan (its memory per device against what is free) and where "
+            "each scan's time went.",
+        ),
     ] = False,
     force: Annotated[
         bool,
@@ -148,6 +154,8 @@ def predict(
             f"{escape(predictor.summary)}; checkpoint step {predictor.model.step}; "
             f"{len(scans)} scan(s)"
         )
+        if verbose:
+            console.print(f"plan: {escape(predictor.plan_line)}")
         columns = (
             TextColumn("{task.description}"),
             BarColumn(),

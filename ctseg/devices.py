@@ -246,8 +246,14 @@ def host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def gib(count: float) -> str:
-    return f"{count / 2**30:.1f} GiB"
+def human_bytes(count: float) -> str:
+    """Binary units, the largest that keeps the number ≥ 1: `512 B`, `3.4 MiB`, `48.0 GiB`."""
+    unit = "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if count < 1024:
+            break
+        count, unit = count / 1024, bigger
+    return f"{count:.0f} B" if unit == "B" else f"{count:.1f} {unit}"
 
 
 # --------------------------------------------------------------------------- layouts

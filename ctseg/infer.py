@@ -498,8 +498,9 @@ class Engine:
                 what, advice = "a whole-volume pass", "use tiles"
             if chosen.needed > memory:
                 raise CtsegError(
-                    f"{what} of the {self.resolution}³ grid needs {dev.gib(chosen.needed)} per "
-                    f"device, more than the {dev.gib(memory)} free on {dev.describe(devices)}; "
+                    f"{what} of the {self.resolution}³ grid needs "
+                    f"{dev.human_bytes(chosen.needed)} per device, more than the "
+                    f"{dev.human_bytes(memory)} free on {dev.describe(devices)}; "
                     f"{advice} (--tile -1 chooses them, or e.g. --tile 64)"
                 )
             return chosen
@@ -513,6 +514,11 @@ class Engine:
                 return whole
         first_guess = tiling.choose_stages(config, memory, itemsize)
         return _plan_tiles(model, first_guess, tiles_mesh, budget)
+
+    @property
+    def spills(self) -> bool:
+        """Whether the levels waiting for their up stage are kept on the host."""
+        return self._plan is not None and self._plan.spill
 
     @property
     def description(self) -> str:

@@ -217,6 +217,21 @@ class Predictor:
         mirrored = ", mirrored 8× (TTA)" if self.tta else ""
         return f"{where}, {runtime}, {engine.dtype}, {engine.description}{mirrored}"
 
+    @property
+    def plan_line(self) -> str:
+        """The engine's plan and what it needs, e.g. `whole volume 512³: 51.2 GiB per device
+        of 78.1 GiB free (compiled; plans take 85 %)`."""
+        engine = self.engine
+        if engine.backend == "onnx":
+            free = dev.human_bytes(engine.memory)
+            return f"{engine.description} in ONNX Runtime, {free} of RAM free"
+        share = f"plans take {infer.COMPILED_SHARE:.0%}"
+        spill = "; levels wait on the host" if engine.spills else ""
+        return (
+            f"{engine.description}: {dev.human_bytes(engine.needed)} per device of "
+            f"{dev.human_bytes(engine.memory)} free (compiled; {share}){spill}"
+        )
+
     def prepare(self, scan: volume.Scan, seconds: dict[str, float]) -> np.ndarray:
         """The scan on the run's grid, HU-windowed: exactly the training preprocessing."""
         data = self.config.data

@@ -271,9 +271,9 @@ def check_memory(compiled: jax.stages.Compiled, config: cfg.Config, devices: lis
         raise CtsegError(
             f"the training step on {config.data.resolution}³ "
             f"({list(config.mesh.spatial)}, batch {config.train.batch_size}) needs "
-            f"{dev.gib(needed)} per device but {dev.describe(devices)} has {dev.gib(free)} "
-            "free; use more devices, a lower data.resolution, model.remat = true, or "
-            "--device cpu"
+            f"{dev.human_bytes(needed)} per device but {dev.describe(devices)} has "
+            f"{dev.human_bytes(free)} free; use more devices, a lower data.resolution, "
+            "model.remat = true, or --device cpu"
         )
 
 

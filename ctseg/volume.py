@@ -23,7 +23,7 @@ import SimpleITK as sitk
 from nibabel import orientations as ornt_lib
 
 from ctseg.atomic import atomic_path
-from ctseg.devices import gib, host_memory
+from ctseg.devices import host_memory, human_bytes
 from ctseg.errors import CtsegError
 
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
@@ -195,8 +195,8 @@ def _check_size(path: Path, shape: tuple[int, ...], itemsize: int) -> None:
     limit, source = _max_scan_bytes()
     if need > limit:
         raise CtsegError(
-            f"{path} is {' × '.join(str(int(n)) for n in shape)} voxels, {gib(need)} in "
-            f"memory, more than the {gib(limit)} {source}; if the header is right, set "
+            f"{path} is {' × '.join(str(int(n)) for n in shape)} voxels, {human_bytes(need)} in "
+            f"memory, more than the {human_bytes(limit)} {source}; if the header is right, set "
             f"{MAX_SCAN_BYTES_ENV}={need} to read it anyway"
         )
 

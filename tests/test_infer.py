@@ -117,8 +117,8 @@ def test_a_whole_volume_that_does_not_fit_is_one_line(monkeypatch):
     monkeypatch.setattr(infer.dev, "free_memory", lambda devices: 2**20)  # 1 MiB free
     with pytest.raises(
         CtsegError,
-        match=r"a whole-volume pass of the 32³ grid needs .* GiB per "
-        r"device, more than the 0\.0 GiB free on CPU .*; use tiles",
+        match=r"a whole-volume pass of the 32³ grid needs [0-9.]+ MiB per "
+        r"device, more than the 1\.0 MiB free on CPU .*; use tiles",
     ):
         infer.Engine(random_model(2), tile=0)
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -209,7 +210,9 @@ def test_a_second_predict_in_a_new_process_compiles_nothing(trained, tmp_path):
         command += ["--compile-cache", str(cache), "--verbose"]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert "compile " in done.stdout  # --verbose: where the time went
+        assert "compile " in done.stdout  # --verbose: where the time went, and the plan
+        plan = r"plan: whole volume 16³: [0-9.]+ [KM]iB per device of [0-9.]+ GiB free"
+        assert re.search(plan, done.stdout)
         stats = json.loads((out / "volume-1_stats.json").read_text())
         assert set(stats["seconds"]) == set(PHASES)
         compiled.append(stats["compiled"])
