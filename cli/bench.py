@@ -38,9 +38,12 @@ console = Console(highlight=False)
 
 def _int_list(text: str, option: str) -> list[int]:
     try:
-        return [int(item) for item in text.split(",") if item.strip()]
+        values = [int(item) for item in text.split(",") if item.strip()]
     except ValueError:
         raise CtsegError(f"{option} expects comma-separated integers, got '{text}'") from None
+    if not values:
+        raise CtsegError(f"{option} names nothing to measure, got '{text}'")
+    return values
 
 
 def _splits(partitions: str | None, spatial: list[str] | None) -> list[tuple[int, int, int]]:
@@ -149,6 +152,8 @@ def bench_command(
         atomic.claim_report(json_path, _is_bench_json, inputs, force)
     splits = _splits(partitions, spatial)
     partitioners = [p.strip() for p in partitioner.split(",") if p.strip()]
+    if not partitioners:
+        raise CtsegError(f"--partitioner names nothing to measure, got '{partitioner}'")
     needed = devices_needed(config, splits)
     start_jax(config, coordinator, num_processes, process_id, needed, device=device.value)
     with counting("bench") as report:

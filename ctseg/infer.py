@@ -436,6 +436,10 @@ class Engine:
         """
         if backend not in BACKENDS:
             raise CtsegError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if tile < -1:
+            raise CtsegError(
+                f"--tile must be -1 (automatic), 0 (whole volume) or an even size, got {tile}"
+            )
         if tile >= 0 and tile % 2:
             raise CtsegError(
                 f"--tile {tile} must be even: level-wise tiles are pooled in pairs of voxels"

@@ -147,6 +147,8 @@ def test_tile_must_be_even():
     model = random_model(3)
     with pytest.raises(CtsegError, match="must be even"):
         infer.Engine(model, tile=7)
+    with pytest.raises(CtsegError, match=r"--tile must be -1 \(automatic\), 0 .* got -2"):
+        infer.Engine(model, tile=-2)  # not a quiet whole volume
     assert infer.Engine(model, tile=6).tile == 6  # no longer a multiple of 2^(depth-1)
     assert infer.Engine(model, tile=32).tile == 0  # a core as large as the grid is whole
     assert infer.Engine(model, tile=64).stages == []

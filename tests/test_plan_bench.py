@@ -156,3 +156,13 @@ def test_bench_cli_reports_throughput_against_the_measured_peak(tmp_path):
     (entry,) = report["results"]
     share = entry["tflops_per_second"] / report["peak"]["tflops_per_second"]
     assert entry["share_of_peak"] == pytest.approx(share)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("--partitions", ",,"), ("--partitioner", ","), ("--partitions", "x")]
+)
+def test_bench_lists_that_name_nothing_are_one_line(option, value):
+    """`--partitions ,,` raised, and `--partitioner ,` printed an empty table with exit 0."""
+    result = CliRunner().invoke(app, ["bench", option, value, "--steps", "1"])
+    assert isinstance(result.exception, CtsegError), result.output
+    assert option in str(result.exception)
