@@ -340,3 +340,28 @@ def test_a_command_that_fails_before_it_starts_leaves_no_empty_folder(trained, t
     result = runner.invoke(app, args)
     assert isinstance(result.exception, CtsegError) and "999" in str(result.exception)
     assert not out.exists()
+
+
+def _read_only_folder(tmp_path: Path) -> Path:
+    """A folder no command can write into: permission bits do not stop root, sysfs does."""
+    if os.geteuid() == 0:
+        return Path("/sys/kernel/ctseg-out")
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o555)
+    return folder / "out"
+
+
+def test_a_read_only_output_folder_is_one_line_in_every_writing_command(trained, tmp_path):
+    run_dir, store, raw = trained
+    out = _read_only_folder(tmp_path)
+    scan = str(raw / "volume-0.nii.gz")
+    for args in (
+        ["predict", str(run_dir), scan, "--out", str(out)],
+        ["evaluate", str(run_dir), "--data", str(store), "--out", str(out)],
+        ["synth", str(out), "--cases", "1", "--size", "16"],
+        ["preprocess", str(raw), str(out)],
+        ["train", "--data", str(store), "--workdir", str(out), "--set", "data.resolution=16"],
+    ):
+        result = runner.invoke(app, args)
+        assert isinstance(result.exception, CtsegError), (args[0], result.output)
+        assert str(out) in str(result.exception), args[0]
