@@ -166,7 +166,7 @@ def bench_command(
         report_json = {"results": [r.to_json() for r in results]}
         if measured_peak is not None:
             report_json["peak"] = measured_peak.to_json()
-            for entry, r in zip(report_json["results"], results):
+            for entry, r in zip(report_json["results"], results, strict=True):
                 entry["share_of_peak"] = measured_peak.utilisation(r)
         atomic.write_json(json_path, report_json)
         console.print(f"wrote {json_path}")

@@ -12,10 +12,12 @@ from rich.table import Table
 
 from cli.app import app
 from cli.options import CompileCacheOption, DeviceChoice, start_jax, warn
-from cli.predict import BackendOption, TtaOption, load_run_config
+from cli.predict import BackendOption, TtaOption
 from cli.progress import counting
+from ctseg import rundir
+from ctseg.config import InferenceOptions
 from ctseg.errors import CtsegError
-from ctseg.evaluate import claim_reports, evaluate_folders, write_reports
+from ctseg.evaluate import claim_reports, evaluate_folders, evaluate_run, write_reports
 
 console = Console(highlight=False)
 
@@ -40,7 +42,7 @@ def _case_table(cases: list[dict]) -> Table:
         table.add_row(
             escape(case["case"]),
             _fmt(case["liver"]["dice"]),
-            _fmt(case["tumor"]["dice"]),
+            _fmt(case["tumour"]["dice"]),
             _fmt(case["liver"]["assd"], 2),
             _fmt(case["liver"]["hd95"], 2),
             f"{detection['n_detected']}/{detection['n_ref']}",
@@ -53,7 +55,7 @@ def _summary_table(summary: dict) -> Table:
     table.add_column("metric")
     table.add_column("liver", justify="right")
     table.add_column("tumour", justify="right")
-    liver, tumour = summary["liver"], summary["tumor"]
+    liver, tumour = summary["liver"], summary["tumour"]
     rows = [
         ("Dice, mean per case", "dice_per_case", 3),
         ("Dice, global", "dice_global", 3),
@@ -81,37 +83,21 @@ def _evaluate_run(
     run_dir: Path,
     data: Path,
     split: str,
-    checkpoint: str,
     out: Path | None,
-    backend: str | None,
-    device: str,
-    tta: bool | None,
+    options: InferenceOptions,
     compile_cache: str | None,
     force: bool,
 ) -> dict:
     """The RUN_DIR form: predict the store's split with the run's model, then score it."""
-    start_jax(load_run_config(run_dir), devices=1, device=device, compile_cache=compile_cache)
-    from ctseg.predict import evaluate_run  # after start_jax: imports start JAX
-
-    out = run_dir / "eval" if out is None else out
-    run = partial(
-        evaluate_run,
-        run_dir,
-        data,
-        split,
-        checkpoint,
-        out,
-        backend=backend,
-        device=device,
-        tta=tta,
-        force=force,
-        warn=warn,
-    )
+    config = rundir.load_config(run_dir)
+    start_jax(config, devices=1, device=options.device, compile_cache=compile_cache)
+    out = rundir.evaluation_dir(run_dir, out)
+    run = partial(evaluate_run, run_dir, data, split, out, options, config, force=force, warn=warn)
     result = _run_with_progress(run)
     grid = result["summary"]["grid_dice"]
     console.print(
         f"{escape(result['run']['device'])}; checkpoint step {result['run']['checkpoint_step']}; "
-        f"grid Dice liver {_fmt(grid['liver'])}, tumour {_fmt(grid['tumor'])}; "
+        f"grid Dice liver {_fmt(grid['liver'])}, tumour {_fmt(grid['tumour'])}; "
         f"reports in {escape(str(out))} (summary.json, metrics.csv)"
     )
     return result
@@ -215,18 +201,13 @@ def evaluate(
             raise CtsegError("--json/--csv apply to --pred/--ref; with RUN_DIR reports go to --out")
         if data is None:
             raise CtsegError("give --data PREP_DIR: the prepared store whose split to evaluate")
-        result = _evaluate_run(
-            run_dir,
-            data,
-            split or "val",
+        options = InferenceOptions(
             checkpoint or "best",
-            out,
-            backend and backend.value,
-            (device or DeviceChoice.auto).value,
-            tta,
-            compile_cache,
-            force,
+            backend=backend and backend.value,
+            device=(device or DeviceChoice.auto).value,
+            tta=tta,
         )
+        result = _evaluate_run(run_dir, data, split or "val", out, options, compile_cache, force)
     else:
         claim_reports(json_path, csv_path, [pred, ref], force)
         result = _run_with_progress(partial(evaluate_folders, pred, ref))

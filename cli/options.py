@@ -17,6 +17,7 @@ def warn(message: str) -> None:
     """A `warning:` line on standard error, as every command prints them."""
     _stderr.print(f"[yellow]warning:[/] {escape(message)}")
 
+
 ConfigOption = Annotated[
     Path | None,
     typer.Option(
@@ -98,7 +99,7 @@ def start_jax(
     from ctseg import devices as dev
     from ctseg import partition  # imports JAX; keep `ctseg --help` fast
 
-    dev.prepare(device)
+    dev.restrict_backends(device)
     cache_problem = dev.use_compile_cache(dev.compile_cache_dir(compile_cache))
     partition.initialize_distributed(coordinator, num_processes, process_id)
     # Each process contributes its share of the mesh's devices.

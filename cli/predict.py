@@ -12,9 +12,8 @@ from rich.table import Table
 
 from cli.app import app
 from cli.options import CompileCacheOption, DeviceChoice, DeviceOption, start_jax, warn
-from ctseg import config as cfg
-from ctseg import lock
-from ctseg.errors import CtsegError
+from ctseg import lock, rundir
+from ctseg.config import InferenceOptions
 
 console = Console(highlight=False)
 
@@ -60,14 +59,6 @@ TtaOption = Annotated[
         show_default=False,
     ),
 ]
-
-
-def load_run_config(run_dir: Path) -> cfg.Config:
-    """The run's config, read without starting JAX (devices must be set up first)."""
-    path = run_dir / "config.toml"
-    if not path.is_file():
-        raise CtsegError(f"{run_dir} is not a ctseg run directory (no config.toml)")
-    return cfg.load(path)
 
 
 def _stats_table(outcomes: list) -> Table:
@@ -139,23 +130,26 @@ def predict(
     failed; the others are written. Run again after an interruption: scans
     already done are skipped, the rest are predicted.
     """
-    start_jax(load_run_config(run_dir), devices=1, device=device, compile_cache=compile_cache)
+    config = rundir.load_config(run_dir)
+    start_jax(config, devices=1, device=device, compile_cache=compile_cache)
     # After start_jax: importing the pipeline starts JAX.
-    from ctseg.predict import Predictor, expand_inputs, predict_files
+    from ctseg.predict import Predictor
+    from ctseg.predict_files import expand_inputs, predict_files
 
+    options = InferenceOptions(checkpoint, tile, backend and backend.value, device.value, tta)
     # One writer per --out: two predictions at once would mix their outputs. A file in
     # its place is one error line, not a failure per scan.
     with lock.hold(out, warn):
         scans, outcomes = expand_inputs(inputs, out)
-        predictor = Predictor.from_run(
-            run_dir, checkpoint, tile, backend and backend.value, device.value, tta
-        )
+        predictor = Predictor.from_run(run_dir, options, config)
         console.print(
             f"{escape(predictor.summary)}; checkpoint step {predictor.model.step}; "
             f"{len(scans)} scan(s)"
         )
         if verbose:
             console.print(f"plan: {escape(predictor.plan_line)}")
+            one_off = ", ".join(f"{k} {v:.2f} s" for k, v in predictor.seconds.items())
+            console.print(f"once for all scans: {one_off}")
         columns = (
             TextColumn("{task.description}"),
             BarColumn(),

@@ -12,7 +12,9 @@ from rich.text import Text
 from cli.app import app
 from cli.options import ConfigOption, SetOption, load_config, warn
 from cli.progress import counting
-from ctseg.store import MANIFEST, SPLITS, PrepareResult, prepare, usable_workers
+from ctseg.store import MANIFEST, SPLITS
+from ctseg.store_writer import PrepareResult, usable_workers, write_store
+from data_prep.layouts import find_cases
 
 _STATUS_STYLE = {"prepared": "green", "resumed": "cyan", "failed": "red"}
 
@@ -28,8 +30,8 @@ def preprocess(
         ),
     ],
     out_dir: Annotated[Path, typer.Argument(help="Folder of the prepared store to write.")],
-    config: ConfigOption = None,
-    set_: SetOption = None,
+    config_path: ConfigOption = None,
+    overrides: SetOption = None,
     workers: Annotated[
         int,
         typer.Option(
@@ -51,14 +53,15 @@ def preprocess(
     A scan larger than 1/8 of the available memory is refused from its header; set
     CTSEG_MAX_SCAN_BYTES to allow more.
     """
-    cfg = load_config(config, set_)
+    config = load_config(config_path, overrides)
     console = Console(highlight=False)
     usable = usable_workers(workers)
     if usable < workers:
         console.print(f"--workers {workers}: {usable} CPU(s) here, so {usable} worker(s)")
+    layout = find_cases(raw_dir)
     with counting("preprocess") as report:
-        result = prepare(
-            raw_dir, out_dir, cfg, progress=report, force=force, workers=workers, warn=warn
+        result = write_store(
+            layout, out_dir, config, progress=report, force=force, workers=workers, warn=warn
         )
     console.print(_case_table(result))
     console.print(_summary_line(result, out_dir), soft_wrap=True)

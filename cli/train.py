@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from cli.app import app
@@ -25,7 +26,7 @@ from cli.options import (
 
 
 def _dice(entry: dict) -> str:
-    return f"liver {entry['liver']:.3f}, tumour {entry['tumor']:.3f}"
+    return f"liver {entry['liver']:.3f}, tumour {entry['tumour']:.3f}"
 
 
 @app.command()
@@ -40,8 +41,8 @@ def train(
             help="Run directory; an existing one is resumed from its latest checkpoint.",
         ),
     ],
-    config: ConfigOption = None,
-    set_: SetOption = None,
+    config_path: ConfigOption = None,
+    overrides: SetOption = None,
     device: DeviceOption = DeviceChoice.auto,
     exact_mesh: Annotated[
         bool,
@@ -65,14 +66,15 @@ def train(
     (or SIGTERM) saves a checkpoint and stops; running the same command again
     resumes, on this layout or another. One `ctseg train` at a time per WORKDIR.
     """
-    cfg = load_config(config, set_)
+    config = load_config(config_path, overrides)
     start_jax(
-        cfg, coordinator, num_processes, process_id, device=device, compile_cache=compile_cache
+        config, coordinator, num_processes, process_id, device=device, compile_cache=compile_cache
     )
     from ctseg import devices as dev  # after start_jax: imports start JAX
     from ctseg.train import train_and_evaluate
 
-    layout = dev.fit_training(cfg, dev.choose(device.value, dev.visible(local=False)), exact_mesh)
+    found = dev.choose(device.value, dev.visible(local=False))
+    layout = dev.fit_training(config, found, exact_mesh)
     console = Console(highlight=False)
     console.print(layout.line)
     columns = (
@@ -83,19 +85,26 @@ def train(
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=console) as bar:
-        task = bar.add_task("train", total=cfg.train.steps, status="compiling…")
+        task = bar.add_task("train", total=config.train.steps, status="compiling…")
 
         def report(p) -> None:
             status = f"loss {p.loss:.4f}  {p.steps_per_second:.2f} steps/s"
             if p.val_dice:
                 status += (
-                    f"  val Dice liver {p.val_dice['liver']:.3f} tumour {p.val_dice['tumor']:.3f}"
+                    f"  val Dice liver {p.val_dice['liver']:.3f} tumour {p.val_dice['tumour']:.3f}"
                 )
             bar.update(task, completed=p.step, status=status)
 
         try:
             summary = train_and_evaluate(
-                layout.config, data, workdir, report, layout.devices, layout.line, warn
+                layout.config,
+                data,
+                workdir,
+                report,
+                layout.devices,
+                layout.line,
+                warn,
+                say=lambda line: console.print(escape(line)),
             )
         except KeyboardInterrupt as stop:
             console.print(

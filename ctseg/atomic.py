@@ -76,7 +76,7 @@ def atomic_group(paths: Sequence[Path]) -> Iterator[list[Path]]:
             temporaries.append(_temporary(path))
         yield temporaries
         paths[-1].unlink(missing_ok=True)
-        for tmp, path in zip(temporaries, paths):
+        for tmp, path in zip(temporaries, paths, strict=True):
             os.replace(tmp, path)
     except OSError as exc:
         for tmp in temporaries:

@@ -114,11 +114,12 @@ def random_batch(config: Config, mesh: Mesh, seed: int = 0) -> tuple[jax.Array, 
         return np.random.default_rng([seed, *(s.start or 0 for s in index)])
 
     def image_block(index: tuple[slice, ...]) -> np.ndarray:
-        shape = [len(range(*s.indices(n))) for s, n in zip(index, image_shape)]
+        shape = [len(range(*s.indices(n))) for s, n in zip(index, image_shape, strict=True)]
         return block_rng(index).uniform(-1, 1, shape)
 
     def label_block(index: tuple[slice, ...]) -> np.ndarray:
-        shape = [len(range(*s.indices(n))) for s, n in zip(index, image_shape)]
+        # A label block's index has no channel axis: the image shape's last entry goes unused.
+        shape = [len(range(*s.indices(n))) for s, n in zip(index, image_shape, strict=False)]
         return block_rng(index).integers(0, 3, shape)
 
     image = make_global_array(mesh, image_shape, np.float32, image_block, ACTIVATION_SPEC)

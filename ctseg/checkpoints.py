@@ -1,4 +1,4 @@
-"""The run directory's checkpoints (orbax) and loading a trained model back.
+"""The run directory's checkpoints (orbax) and loading a trained model for inference.
 
 ``RUN_DIR/checkpoints/<step>/`` holds the whole `TrainState` (parameters,
 optimiser state, batch-norm statistics, step). Randomness is a function of the
@@ -19,6 +19,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
 from orbax.checkpoint import checkpoint_managers as policies
 
 from ctseg import config as cfg
+from ctseg import rundir, unet
 from ctseg.errors import CtsegError
-from ctseg.partition import REPLICATED
-from ctseg.step import TrainState, init_state
+from ctseg.step import TrainState
 
 VAL_METRIC = "val_dice"  # mean of liver and tumour Dice on the validation split
 # The name under which CheckpointManager stores a single-item checkpoint in its step folder.
@@ -155,9 +155,11 @@ class Checkpoints:
     """Keeps the `keep` latest checkpoints plus the best by validation Dice."""
 
     def __init__(self, run_dir: Path, keep: int, read_only: bool = False):
-        directory = Path(run_dir).absolute() / "checkpoints"
+        directory = rundir.checkpoints_dir(run_dir)
         if read_only and not directory.is_dir():
-            raise CtsegError(f"{run_dir} has no checkpoints/ folder: is it a ctseg run directory?")
+            raise CtsegError(
+                f"{run_dir} has no {rundir.CHECKPOINTS}/ folder: is it a ctseg run directory?"
+            )
         policy = policies.AnyPreservationPolicy(
             [
                 policies.LatestN(n=keep),
@@ -249,7 +251,7 @@ class Checkpoints:
 
         A step number means that one; `latest` every step, newest first; `best` the
         scored steps, best first, then the others newest first. A reader takes the
-        first it can read (`load_for_inference`).
+        first it can read (`load_model`).
         """
         steps = sorted(self.manager.all_steps(), reverse=True)
         if not steps:
@@ -311,7 +313,7 @@ class Checkpoints:
         if difference:
             raise CtsegError(
                 f"checkpoint {step} in {self.run_dir} does not match "
-                f"{self.run_dir / 'config.toml'}: {difference}; use the config.toml of the run "
+                f"{self.run_dir / rundir.CONFIG}: {difference}; use the config.toml of the run "
                 "that wrote it"
             )
 
@@ -357,32 +359,31 @@ class Checkpoints:
             self.manager.close()
 
 
-def replicated_like(state: TrainState, mesh: Mesh) -> TrainState:
-    """Abstract `state` with every leaf replicated over `mesh`."""
-    sharding = NamedSharding(mesh, REPLICATED)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
+@dataclass(frozen=True)
+class TrainedModel:
+    """A run's network ready for inference: its config, architecture, weights and step."""
+
+    config: cfg.Config
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    stats: nnx.State  # the batch-norm statistics inference uses
+    step: int  # the checkpoint's training step
 
 
-def load_run_config(run_dir: Path) -> cfg.Config:
-    path = Path(run_dir) / "config.toml"
-    if not path.is_file():
-        raise CtsegError(f"{run_dir} is not a ctseg run directory (no config.toml)")
-    return cfg.load(path)
+def load_model(run_dir: Path, which: str, config: cfg.Config | None = None) -> TrainedModel:
+    """Checkpoint `which` (`best`, `latest` or a step number) of a run, for inference.
 
-
-def load_for_inference(
-    run_dir: Path, which: str
-) -> tuple[cfg.Config, nnx.GraphDef, nnx.State, nnx.State, int]:
-    """(config, graphdef, params, batch_stats, step) of a run's checkpoint, as host arrays.
-
+    Only the parameters and batch-norm statistics are read, as host arrays, whatever
+    mesh trained them: the model's shapes come from its config (`config`, else the
+    run's config.toml), not from a train state, so no optimiser is built or read.
     `latest` and `best` take the latest (best) checkpoint that can be read, and log a
     warning for each skipped; a step number must be readable. A checkpoint that does
     not match the run's config.toml is an error either way: falling back to an older
     one would hide that the run directory is not one run's any more.
     """
-    config = load_run_config(run_dir)
-    graphdef, abstract = init_state_abstract(config)
-    item = {"params": abstract.params, "stats": abstract.stats}
+    config = rundir.load_config(run_dir) if config is None else config
+    graphdef, params, stats = unet.abstract(config.model)
+    item = {"params": params, "stats": stats}
     checkpoints = Checkpoints(run_dir, keep=1, read_only=True)
     try:
         candidates = checkpoints.candidates(which)
@@ -394,22 +395,9 @@ def load_for_inference(
                     raise
                 _log.warning("%s; skipped", exc)
                 continue
-            return config, graphdef, restored["params"], restored["stats"], step
+            return TrainedModel(config, graphdef, restored["params"], restored["stats"], step)
     finally:
         checkpoints.close()
     raise CtsegError(
         f"no checkpoint in {checkpoints.directory} can be read (steps {sorted(candidates)})"
     )
-
-
-def init_state_abstract(config: cfg.Config) -> tuple[nnx.GraphDef, TrainState]:
-    """Graphdef and shapes of a fresh train state, without allocating it."""
-    holder = {}
-
-    def build():
-        graphdef, state = init_state(config)
-        holder["graphdef"] = graphdef
-        return state
-
-    abstract = jax.eval_shape(build)
-    return holder["graphdef"], abstract

@@ -116,6 +116,22 @@ class PredictConfig:
 
 
 @dataclass(frozen=True)
+class InferenceOptions:
+    """What a command asks of a trained run's model, built once from its options and passed
+    down whole (`ctseg predict`, `ctseg evaluate RUN_DIR`, the Python API).
+
+    None leaves the choice to the run's config (`tile`, `tta`: its predict section) or to
+    the device policy (`backend`: JAX on accelerators, else ONNX Runtime when installed).
+    """
+
+    checkpoint: str = "best"  # best, latest or a step number
+    tile: int | None = None  # core size of level-wise tiles; 0 whole volume; -1 automatic
+    backend: str | None = None  # "jax" or "onnx"
+    device: str = "auto"  # auto, cpu, gpu or tpu
+    tta: bool | None = None  # mirrored test-time augmentation
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -160,7 +176,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         args = typing.get_args(hint)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise CtsegError(f"{key} must be a list of {len(args)} values, got {value!r}")
-        return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+        return tuple(
+            _coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True))
+        )
     if hint is bool:
         if not isinstance(value, bool):
             raise CtsegError(f"{key} must be true or false, got {value!r}")
@@ -323,7 +341,7 @@ def _validate_mesh(config: Config) -> None:
         f"mesh.spatial and mesh.data must be positive, got {list(mesh.spatial)} and {mesh.data}",
     )
     halo = config.model.kernel_size // 2
-    for axis, parts in zip("xyz", mesh.spatial):
+    for axis, parts in zip("xyz", mesh.spatial, strict=True):
         step = parts * config.alignment
         _require(
             resolution % step == 0,

@@ -40,7 +40,7 @@ class Device(Protocol):
     def memory_stats(self) -> dict[str, int] | None: ...
 
 
-def prepare(request: str) -> None:
+def restrict_backends(request: str) -> None:
     """Before JAX starts: with ``--device cpu`` only the CPU backend starts.
 
     An accelerator backend that starts reserves most of its memory (JAX's

@@ -1,16 +1,20 @@
-"""Evaluate folders of predicted label maps against reference label maps (NIfTI).
+"""Evaluation: folders of predicted label maps against references, or a run on a store's split.
 
-Label maps are compared in their own file geometry: a prediction must have
-its reference's shape and affine, so no resampling or reorientation happens
-here. Problems with one case (unreadable file, other geometry, labels outside
-0–2) are recorded in the result's ``errors`` and the other cases still count.
-
-`evaluate_arrays` is the in-memory core, so that a caller that predicts on the
-fly (the RUN_DIR form of ``ctseg evaluate``) can reuse it without files.
+`evaluate_folders` (``ctseg evaluate --pred P --ref R``) pairs NIfTI label maps by
+name and compares them in their own file geometry: a prediction must have its
+reference's shape and affine, so no resampling or reorientation happens here.
+`evaluate_run` (``ctseg evaluate RUN_DIR --data PREP``) predicts every case of a
+store's split with the run's model from its original scan and scores it against
+the original label file (LiTS style, in the original geometry), plus the
+grid-level Dice that training reports. Both go through one per-case loop
+(`score_cases`): a case that fails (unreadable file, other geometry, labels
+outside 0–2) is listed under ``errors`` and the other cases still count.
+`evaluate_arrays` is the in-memory core of both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -18,18 +22,22 @@ import re
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import nibabel as nib
 import numpy as np
 
-from ctseg import metrics
+from ctseg import atomic, lock, metrics, rundir, volume
 from ctseg.atomic import claim_report, is_json_with, write_text
+from ctseg.config import Config, InferenceOptions
 from ctseg.errors import CtsegError
+from ctseg.store import CaseEntry, Store
 
-AFFINE_TOLERANCE_MM = 1e-3
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
-CSV_SECTIONS = ("liver", "tumor", "detection", "burden")
+CSV_SECTIONS = ("liver", "tumour", "detection", "burden")
+# In an evaluation's --out: the run, checkpoint, store and split it holds.
+EVALUATED = "evaluated.json"
+Case = TypeVar("Case")
 
 Progress = Callable[[int, int, str], None]  # (cases done, cases in total, current case name)
 
@@ -121,7 +129,7 @@ def pair_files(pred_dir: Path, ref_dir: Path) -> tuple[list[CasePair], list[str]
 
 def check_labels(labels: np.ndarray, role: str) -> np.ndarray:
     """The label map as uint8, or CtsegError if it holds anything but 0, 1, 2."""
-    if labels.size and (labels.min() < 0 or labels.max() > metrics.TUMOR):
+    if labels.size and (labels.min() < 0 or labels.max() > metrics.TUMOUR):
         raise CtsegError(f"{role} has labels outside 0–2 (min {labels.min()}, max {labels.max()})")
     # LiTS stores some segmentations as floats; only whole numbers are labels.
     if not np.issubdtype(labels.dtype, np.integer) and not np.array_equal(labels, np.rint(labels)):
@@ -162,12 +170,11 @@ def _read_labels(image: nib.Nifti1Image, path: Path) -> np.ndarray:
 def evaluate_pair(pair: CasePair) -> dict:
     """Read one prediction/reference pair, check their geometry, and evaluate it."""
     pred_image, ref_image = _load_nifti(pair.pred), _load_nifti(pair.ref)
-    if pred_image.shape != ref_image.shape:
-        raise CtsegError(
-            f"prediction shape {pred_image.shape} differs from reference shape {ref_image.shape}"
-        )
-    if not np.allclose(pred_image.affine, ref_image.affine, rtol=0, atol=AFFINE_TOLERANCE_MM):
-        raise CtsegError("prediction affine differs from the reference affine (other geometry)")
+    difference = volume.geometry_difference(
+        pred_image.shape, pred_image.affine, ref_image.shape, ref_image.affine
+    )
+    if difference:
+        raise CtsegError(f"the prediction's geometry is not the reference's: {difference}")
     spacing = tuple(float(z) for z in ref_image.header.get_zooms()[:3])
     return evaluate_arrays(
         pair.case, _read_labels(pred_image, pair.pred), _read_labels(ref_image, pair.ref), spacing
@@ -177,22 +184,36 @@ def evaluate_pair(pair: CasePair) -> dict:
 # ---------------------------------------------------------------- many cases
 
 
+def score_cases(
+    cases: Sequence[Case],
+    name: Callable[[Case], str],
+    score: Callable[[Case], dict],
+    progress: Progress | None = None,
+) -> tuple[list[dict], list[dict]]:
+    """`score` every case: (the records, {"case", "message"} of each that failed).
+
+    A case's `CtsegError` fails that case alone; the others go on.
+    """
+    records, errors = [], []
+    for done, case in enumerate(cases):
+        if progress is not None:
+            progress(done, len(cases), name(case))
+        try:
+            records.append(score(case))
+        except CtsegError as exc:
+            errors.append({"case": name(case), "message": str(exc)})
+    if progress is not None:
+        progress(len(cases), len(cases), "")
+    return records, errors
+
+
 def evaluate_pairs(pairs: Sequence[CasePair], progress: Progress | None = None) -> dict:
     """Evaluate every pair; a case that fails is listed under "errors" and the rest go on.
 
     Returns ``{"cases", "summary", "errors", "unpaired"}`` (unpaired lists empty;
     `evaluate_folders` fills them).
     """
-    cases, errors = [], []
-    for done, pair in enumerate(pairs):
-        if progress is not None:
-            progress(done, len(pairs), pair.case)
-        try:
-            cases.append(evaluate_pair(pair))
-        except CtsegError as exc:
-            errors.append({"case": pair.case, "message": str(exc)})
-    if progress is not None:
-        progress(len(pairs), len(pairs), "")
+    cases, errors = score_cases(pairs, lambda pair: pair.case, evaluate_pair, progress)
     return {
         "cases": cases,
         "summary": metrics.summarize(cases),
@@ -244,6 +265,162 @@ def evaluate_folders(pred_dir: Path, ref_dir: Path, progress: Progress | None = 
     return result
 
 
+# ---------------------------------------------------------------- a run on a store's split
+
+
+def evaluate_run(
+    run_dir: Path,
+    data_dir: Path,
+    split: str = "val",
+    out_dir: Path | None = None,
+    options: InferenceOptions | None = None,
+    config: Config | None = None,
+    progress: Progress | None = None,
+    force: bool = False,
+    warn: Callable[[str], None] | None = None,
+) -> dict:
+    """Predict a store's split with a run and score it; writes summary.json and metrics.csv.
+
+    `options`: checkpoint, tiles, backend, devices and TTA (`ctseg.predict.Predictor`);
+    `config`: the run's config.toml if already read. `out_dir` (default RUN_DIR/eval)
+    holds one evaluation: `EVALUATED` records its run, checkpoint, store and split.
+    Another one is replaced only with `force`; every evaluation first clears what an
+    earlier one wrote, so that predictions are never mixed. The folder's lock is held
+    throughout (`ctseg.lock`; `warn` hears of a dead holder's).
+
+    Metrics compare the post-processed prediction, mapped back to the case's
+    original scan, with its original label file (the LiTS way); each case also
+    gets the Dice of the raw prediction on the grid against the store's label
+    (`grid_dice`, what training validates with). Returns the report (the JSON's content).
+    """
+    # Imported here: the prediction pipeline starts JAX, which `ctseg evaluate --pred/--ref`
+    # never needs (and which must not start before the CLI has chosen the devices).
+    from ctseg.predict import Predictor
+
+    run_dir, data_dir = Path(run_dir), Path(data_dir)
+    out_dir = rundir.evaluation_dir(run_dir, out_dir)
+    store = Store.open(data_dir)
+    try:
+        cases = store.split(split)
+    except ValueError as exc:
+        raise CtsegError(str(exc)) from None
+    cases = [case for case in cases if case.labelled]
+    if not cases:
+        raise CtsegError(f"the store at {data_dir} has no labelled cases in the {split!r} split")
+    with lock.hold(out_dir, warn):
+        atomic.claim_folder(out_dir, ("summary.json", "predictions", EVALUATED), force=None)
+        predictor = Predictor.from_run(run_dir, options, config)
+        if store.resolution != predictor.config.data.resolution:
+            raise CtsegError(
+                f"{data_dir} holds a {store.resolution}³ grid but the run was trained on "
+                f"{predictor.config.data.resolution}³"
+            )
+        _claim_evaluation(
+            out_dir, _evaluation_of(run_dir, predictor.model.step, data_dir, split), force
+        )
+
+        def score(case: CaseEntry) -> dict:
+            return _evaluate_case(predictor, store, case, out_dir)
+
+        records, errors = score_cases(cases, lambda case: case.id, score, progress)
+        summary = metrics.summarize(records)
+        summary["grid_dice"] = {
+            key: metrics.mean_defined([r["grid_dice"][key] for r in records])
+            for key in ("liver", "tumour")
+        }
+        result = {
+            "run": {
+                "run_dir": str(run_dir),
+                "checkpoint_step": predictor.model.step,
+                "data": str(data_dir),
+                "split": split,
+                "tiling": predictor.engine.description,
+                "backend": predictor.engine.backend,
+                "tta": predictor.tta,
+                "device": predictor.summary,
+            },
+            "cases": records,
+            "summary": summary,
+            "errors": errors,
+            "unpaired": {"pred": [], "ref": []},  # the --pred/--ref report's shape
+        }
+        write_reports(result, out_dir / "summary.json", out_dir / "metrics.csv")
+        return result
+
+
+def _evaluation_of(run_dir: Path, step: int, data_dir: Path, split: str) -> dict[str, Any]:
+    return {
+        "run_dir": str(Path(run_dir).resolve()),
+        "checkpoint_step": step,
+        "data": str(Path(data_dir).resolve()),
+        "split": split,
+    }
+
+
+def _claim_evaluation(out_dir: Path, evaluation: dict[str, Any], force: bool) -> None:
+    """Make `out_dir` the folder of `evaluation`: refuse another's unless `force`, then clear."""
+    record, summary = out_dir / EVALUATED, out_dir / "summary.json"
+    earlier = None
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        if record.exists():
+            earlier = json.loads(record.read_text())
+            earlier = earlier if isinstance(earlier, dict) else None
+        elif summary.exists():  # written before the record existed: its "run" says the same
+            run = json.loads(summary.read_text())["run"]
+            earlier = _evaluation_of(
+                run["run_dir"], run["checkpoint_step"], run["data"], run["split"]
+            )
+    has_files = record.exists() or summary.exists() or (out_dir / "predictions").exists()
+    if earlier != evaluation and has_files and not force:
+        what = (
+            "an evaluation that cannot be read"
+            if earlier is None
+            else f"the evaluation of {earlier['run_dir']} (checkpoint "
+            f"{earlier['checkpoint_step']}, {earlier['data']} split {earlier['split']!r})"
+        )
+        raise CtsegError(f"{out_dir} holds {what}; give another --out, or --force to replace it")
+    # An evaluation is never resumed: what an earlier one wrote goes, so that the
+    # predictions and reports here are all of this one, even if it stops half-way.
+    predictions = out_dir / "predictions"
+    if predictions.is_dir():
+        for path in predictions.iterdir():
+            if path.name.endswith("_seg.nii.gz") or path.name.startswith(atomic.TEMP_PREFIX):
+                path.unlink()
+    for name in ("summary.json", "metrics.csv"):
+        (out_dir / name).unlink(missing_ok=True)
+    atomic.write_json(record, evaluation)
+
+
+def _evaluate_case(predictor: Any, store: Store, case: CaseEntry, out_dir: Path) -> dict:
+    """Predict one case from its original scan and score it there and on the grid."""
+    scan = volume.read_scan(case.image_source)
+    # A source is outside the store: use it only while it is the scan the case was made from.
+    if volume.geometry_difference(
+        scan.original_shape, scan.original_affine, case.original_shape, case.original_affine
+    ):
+        raise CtsegError(
+            f"{case.image_source} is not the scan case {case.id} was prepared from (its geometry "
+            "differs from the store manifest's); re-run `ctseg preprocess --force`"
+        )
+    reference = volume.read_scan(case.label_source)
+    if volume.geometry_difference(
+        scan.original_shape,
+        scan.original_affine,
+        reference.original_shape,
+        reference.original_affine,
+    ):
+        raise CtsegError(f"{case.label_source} does not have its scan's geometry")
+    prediction = predictor.predict(scan)
+    volume.write_labels(scan, prediction.labels, out_dir / "predictions" / f"{case.id}_seg.nii.gz")
+    # Canonical order is a flip/permutation of the file's, and scan.spacing is canonical: the
+    # metrics equal those computed in the file's own voxel order.
+    record = evaluate_arrays(case.id, prediction.labels, reference.array, scan.spacing)
+    record["grid_dice"] = metrics.grid_dice(
+        prediction.grid_labels, np.asarray(store.label(case.id))
+    )
+    return record
+
+
 # ---------------------------------------------------------------- reports
 
 
@@ -278,7 +455,9 @@ def is_cases_csv(path: Path) -> bool:
     except OSError:
         return False
     columns = header.split(",")
-    return columns[0] == "case" and all(c.split("_")[0] in CSV_SECTIONS for c in columns[1:])
+    # "tumor_…": the spelling of reports written before the outputs settled on one.
+    sections = (*CSV_SECTIONS, "tumor")
+    return columns[0] == "case" and all(c.split("_")[0] in sections for c in columns[1:])
 
 
 def claim_reports(

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 from scipy import ndimage
 
-LIVER, TUMOR = 1, 2
+LIVER, TUMOUR = 1, 2
 DETECTION_IOU = 0.5  # the LiTS detection threshold
 SURFACE_DISTANCE_KEYS = ("assd", "hd95", "mssd")
 OVERLAP_KEYS = ("dice", "jaccard", "voe", "rvd")
@@ -216,7 +216,7 @@ def lesion_detection(pred_tumour: np.ndarray, ref_tumour: np.ndarray) -> dict:
 def tumour_burden(labels: np.ndarray) -> float | None:
     """Tumour volume / liver volume (liver including tumour); None without liver."""
     n_liver = np.count_nonzero(labels >= LIVER)
-    return None if n_liver == 0 else float(np.count_nonzero(labels == TUMOR)) / float(n_liver)
+    return None if n_liver == 0 else float(np.count_nonzero(labels == TUMOUR)) / float(n_liver)
 
 
 def burden_metrics(pred_labels: np.ndarray, ref_labels: np.ndarray) -> dict:
@@ -229,10 +229,10 @@ def case_metrics(pred_labels: np.ndarray, ref_labels: np.ndarray, spacing: Spaci
     """All metrics of one case from two label maps on the same grid (spacing in mm per axis)."""
     if pred_labels.shape != ref_labels.shape:
         raise ValueError(f"label map shapes differ: {pred_labels.shape} vs {ref_labels.shape}")
-    pred_tumour, ref_tumour = pred_labels == TUMOR, ref_labels == TUMOR
+    pred_tumour, ref_tumour = pred_labels == TUMOUR, ref_labels == TUMOUR
     return {
         "liver": structure_metrics(pred_labels >= LIVER, ref_labels >= LIVER, spacing),
-        "tumor": structure_metrics(pred_tumour, ref_tumour, spacing),
+        "tumour": structure_metrics(pred_tumour, ref_tumour, spacing),
         "detection": lesion_detection(pred_tumour, ref_tumour),
         "burden": burden_metrics(pred_labels, ref_labels),
     }
@@ -247,7 +247,7 @@ def grid_dice(pred_labels: np.ndarray, ref_labels: np.ndarray) -> dict[str, floa
 
     return {
         "liver": dice(pred_labels >= LIVER, ref_labels >= LIVER),
-        "tumor": dice(pred_labels == TUMOR, ref_labels == TUMOR),
+        "tumour": dice(pred_labels == TUMOUR, ref_labels == TUMOUR),
     }
 
 
@@ -285,7 +285,7 @@ def summarize(cases: list[dict]) -> dict:
     Detection precision and recall pool the lesion counts of all cases (see
     the module docstring); they are None when there is nothing to divide by.
     """
-    tumour = _summarize_structure([c["tumor"] for c in cases])
+    tumour = _summarize_structure([c["tumour"] for c in cases])
     detection = [c["detection"] for c in cases]
     tumour["detection_precision"] = _ratio(
         sum(d["n_pred_tp"] for d in detection), sum(d["n_pred"] for d in detection)
@@ -297,5 +297,5 @@ def summarize(cases: list[dict]) -> dict:
     return {
         "n_cases": len(cases),
         "liver": _summarize_structure([c["liver"] for c in cases]),
-        "tumor": tumour,
+        "tumour": tumour,
     }

@@ -152,7 +152,7 @@ def export(graphdef: nnx.GraphDef, params: nnx.State, stats: nnx.State) -> onnx.
 def export_stage(
     graphdef: nnx.GraphDef, params: nnx.State, stats: nnx.State, kind: str, level: int
 ) -> onnx.ModelProto:
-    """One stage of level-wise tiled inference as an ONNX model (`ctseg.infer.stage_forward`).
+    """One stage of level-wise tiled inference as an ONNX model (`unet.UNet.stage`).
 
     `kind` DOWN: max_pool(encoder `level` of STAGE_INPUT); BOTTOM: encoder `level`;
     UP: decoder `level` of (encoder `level` of STAGE_INPUT, STAGE_BELOW). The stage

@@ -107,6 +107,15 @@ def activation_sharding(mesh: Mesh) -> NamedSharding:
 # --------------------------------------------------------------------------- halo exchange
 
 
+def replicated_shapes(tree: Any, mesh: Mesh) -> Any:
+    """The shapes and dtypes of `tree`'s arrays (concrete or abstract), replicated over
+    `mesh`: what a program is compiled for, or a checkpoint restored into, with no transfer."""
+    sharding = NamedSharding(mesh, REPLICATED)
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding), tree
+    )
+
+
 def exchange_halo(x: jax.Array, halo: Sequence[tuple[str, int] | None], width: int) -> jax.Array:
     """`x` zero-padded by `width` on the spatial dims, with neighbours' slices where split.
 
@@ -122,7 +131,7 @@ def exchange_halo(x: jax.Array, halo: Sequence[tuple[str, int] | None], width: i
     if width == 0:
         return x
     padded = jnp.pad(x, [(0, 0), *[(width, width)] * 3, (0, 0)])
-    for dim, split in zip((1, 2, 3), halo):
+    for dim, split in zip((1, 2, 3), halo, strict=True):
         if split is None:
             continue
         axis, size = split

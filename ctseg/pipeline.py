@@ -47,7 +47,7 @@ class Augmentation:
         """Block `index` (slices over x, y, z) of the augmented volume; reads only that block."""
         n = volume.shape
         source = [slice(None)] * 3
-        for sl, axis, rev in zip(index, self.source_axis, self.reverse):
+        for sl, axis, rev in zip(index, self.source_axis, self.reverse, strict=True):
             start, stop, _ = sl.indices(n[axis])
             source[axis] = slice(n[axis] - stop, n[axis] - start) if rev else slice(start, stop)
         block = np.asarray(volume[tuple(source)])
@@ -73,7 +73,7 @@ def draw_augmentation(config: Config, step: int, sample: int) -> Augmentation:
     rng = np.random.default_rng([t.seed, step, sample, 1])
     source_axis, rotated = _ROTATIONS[int(rng.integers(4)) if t.rotate90 else 0]
     flips = [bool(t.flip and rng.random() < 0.5) for _ in range(3)]
-    reverse = tuple(r != f for r, f in zip(rotated, flips))  # flipping twice undoes it
+    reverse = tuple(r != f for r, f in zip(rotated, flips, strict=True))  # flipping twice undoes it
     scale = 1.0 + rng.uniform(-t.intensity_scale, t.intensity_scale)
     shift = rng.uniform(-t.intensity_shift, t.intensity_shift)
     return Augmentation(source_axis, reverse, float(scale), float(shift))

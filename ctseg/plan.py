@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from ctseg import step
 from ctseg.config import Config, with_mesh
-from ctseg.partition import ACTIVATION_SPEC, REPLICATED, local_block_shape, make_mesh
+from ctseg.partition import ACTIVATION_SPEC, local_block_shape, make_mesh, replicated_shapes
 from ctseg.unet import level_widths
 
 MODES = ("train", "predict")
@@ -84,19 +84,8 @@ def global_image_shape(config: Config) -> tuple[int, ...]:
 
 def abstract_state(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, step.TrainState]:
     """The train state's shapes (no values), replicated over `mesh`, and the model's graphdef."""
-    captured: dict[str, nnx.GraphDef] = {}
-
-    def build() -> step.TrainState:
-        # The graphdef is static structure: safe to keep from inside the trace.
-        captured["graphdef"], state = step.init_state(config)
-        return state
-
-    shapes = jax.eval_shape(build)
-    replicated = NamedSharding(mesh, REPLICATED)
-    state = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), shapes
-    )
-    return captured["graphdef"], state
+    graphdef, shapes = step.abstract_state(config)
+    return graphdef, replicated_shapes(shapes, mesh)
 
 
 def abstract_batch(config: Config, mesh: Mesh) -> tuple[jax.ShapeDtypeStruct, ...]:

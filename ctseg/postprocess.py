@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from scipy import ndimage, spatial
 
-from ctseg.metrics import LIVER, TUMOR, bounding_box, tumour_burden
+from ctseg.metrics import LIVER, TUMOUR, bounding_box, tumour_burden
 
 _CONNECTIVITY = ndimage.generate_binary_structure(3, 3)
 # Tumours (the largest by volume) whose largest diameter `scan_stats` measures: RECIST
@@ -87,7 +87,7 @@ def scan_stats(labels: np.ndarray, affine: np.ndarray) -> dict[str, Any]:
     """
     voxel_ml = abs(float(np.linalg.det(affine[:3, :3]))) / 1000.0
     liver_voxels = int(np.count_nonzero(labels >= LIVER))
-    tumour = labels == TUMOR
+    tumour = labels == TUMOUR
     tumour_voxels = int(np.count_nonzero(tumour))
     tumours: list[dict[str, Any]] = []
     box = bounding_box(tumour)

@@ -26,7 +26,7 @@ def plot_curves(entries: Sequence[dict[str, Any]], path: Path) -> None:
     val = [e for e in entries if "val_dice_liver" in e]
     for key, label, colour in (
         ("val_dice_liver", "liver", "tab:red"),
-        ("val_dice_tumor", "tumour", "tab:green"),
+        ("val_dice_tumour", "tumour", "tab:green"),
     ):
         ax_dice.plot(
             [e["step"] for e in val], [e[key] for e in val], "o-", label=label, color=colour
@@ -59,7 +59,7 @@ def preview_centre(labels: np.ndarray) -> tuple[int, int, int]:
     if not liver.any():
         return tuple(n // 2 for n in labels.shape)
     centre = (round(c * step) for c in ndimage.center_of_mass(liver))
-    return tuple(min(int(c), n - 1) for c, n in zip(centre, labels.shape))
+    return tuple(min(int(c), n - 1) for c, n in zip(centre, labels.shape, strict=True))
 
 
 def _drawable(text: str) -> str:
@@ -93,7 +93,7 @@ def plot_preview(
         (hu[cx, :, :].T, labels[cx, :, :].T, sz, sy, f"sagittal x={cx}"),
     )
     fig, axes = plt.subplots(1, 3, figsize=(12, 4.4), constrained_layout=True)
-    for ax, (image, label, row_mm, col_mm, name) in zip(axes, panels):
+    for ax, (image, label, row_mm, col_mm, name) in zip(axes, panels, strict=True):
         ax.imshow(
             image,
             cmap="gray",

@@ -55,6 +55,13 @@ def init_state(config: Config) -> tuple[nnx.GraphDef, TrainState]:
     return graphdef, TrainState(jnp.zeros((), jnp.int32), params, stats, opt_state)
 
 
+def abstract_state(config: Config) -> tuple[nnx.GraphDef, TrainState]:
+    """The model's graphdef and a fresh train state's shapes, without allocating it."""
+    graphdef, params, stats = unet.abstract(config.model)
+    opt_state = jax.eval_shape(make_optimizer(config.train).init, params)
+    return graphdef, TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, stats, opt_state)
+
+
 def make_loss(graphdef: nnx.GraphDef, config: Config, mesh: Mesh) -> Callable[..., Any]:
     """loss(params, stats, image, label) -> (loss, (parts, new_stats)), partitioned over `mesh`."""
     tc = config.train

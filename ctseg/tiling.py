@@ -38,12 +38,15 @@ programs. `ctseg.infer` then decides from the compiled programs' own memory anal
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from ctseg.config import Config
 from ctseg.unet import BOTTOM, DOWN, NUM_CLASSES, UP, level_widths
+
+TileProgress = Callable[[int, int], None]  # (windows done, windows in total)
 
 # Live activation bytes per voxel of a level, per channel of its width and per byte of
 # the compute dtype: the level's input, its halo-padded copy, the convolution output and,

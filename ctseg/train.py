@@ -1,23 +1,15 @@
 """The training loop: `train_and_evaluate(config, store_dir, run_dir)`.
 
-Run directory::
-
-    RUN_DIR/config.toml      the fully resolved config (a resumed run must match it)
-    RUN_DIR/checkpoints/     orbax checkpoints: the latest K plus the best by validation Dice
-    RUN_DIR/metrics.jsonl    one JSON object per logged step; validation entries carry Dice
-    RUN_DIR/curves.png       loss and validation Dice over steps, redrawn at each validation
-    RUN_DIR/layouts.jsonl    the layout (mesh) and devices of every start: which trained which steps
-
-Running the same command on an existing RUN_DIR resumes from its latest
-checkpoint; because batches and augmentation are functions of (seed, step),
-a resumed run ends with the same parameters as an uninterrupted one (to the
-order of floating-point sums when it resumes on another layout).
+It writes the run directory (its layout: `ctseg.rundir`). Running the same
+command on an existing RUN_DIR resumes from its latest checkpoint; because
+batches and augmentation are functions of (seed, step), a resumed run ends with
+the same parameters as an uninterrupted one (to the order of floating-point sums
+when it resumes on another layout).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import signal
 import threading
@@ -33,12 +25,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from ctseg import atomic, lock, metrics, plan, report
+from ctseg import atomic, lock, metrics, plan, report, rundir
 from ctseg import config as cfg
 from ctseg import devices as dev
-from ctseg.checkpoints import Checkpoints, replicated_like
+from ctseg.checkpoints import Checkpoints
 from ctseg.errors import CtsegError
-from ctseg.partition import REPLICATED, make_mesh
+from ctseg.partition import REPLICATED, make_mesh, replicated_shapes
 from ctseg.pipeline import Prefetcher, statistics_batches, validation_batches
 from ctseg.step import (
     TrainState,
@@ -48,8 +40,6 @@ from ctseg.step import (
     pool_statistics,
 )
 from ctseg.store import Store
-
-LAYOUTS = "layouts.jsonl"  # which layout and devices trained which steps
 
 
 @dataclass
@@ -66,34 +56,6 @@ class Progress:
 ProgressFn = Callable[[Progress], None]
 
 
-def check_run_dir(run_dir: Path, config: cfg.Config, write: bool = True) -> None:
-    """Write RUN_DIR/config.toml, or check that an existing run used the same config.
-
-    The mesh is not part of a run's identity: every layout trains the same model
-    (invariant 1), so a run may resume on another machine with another layout.
-    """
-    path = run_dir / "config.toml"
-    text = cfg.to_toml(config)
-    if path.exists():
-        previous, current = cfg.to_dict(cfg.load(path)), cfg.to_dict(config)
-        previous.pop("mesh")
-        current.pop("mesh")
-        if previous != current:
-            changed = [
-                f"{section}.{key}"
-                for section, values in current.items()
-                for key, value in values.items()
-                if previous[section][key] != value
-            ]
-            raise CtsegError(
-                f"{run_dir} holds a run with a different config ({', '.join(changed)}); "
-                "use a new --workdir, or the same config to resume"
-            )
-        return
-    if write:
-        atomic.write_text(path, text)
-
-
 def open_store(data_dir: Path, config: cfg.Config) -> Store:
     store = Store.open(data_dir)
     if store.resolution != config.data.resolution:
@@ -105,46 +67,6 @@ def open_store(data_dir: Path, config: cfg.Config) -> Store:
     if not store.split("train"):
         raise CtsegError(f"{data_dir} has no training cases")
     return store
-
-
-class MetricsLog:
-    """RUN_DIR/metrics.jsonl; on resume, entries after the restored step are dropped.
-
-    Only the writing process (process 0 of a multi-host job) touches the file;
-    the others keep the entries in memory.
-    """
-
-    def __init__(self, path: Path, resume_step: int, write: bool = True):
-        self.path = path
-        self.write = write
-        kept = [e for e in self.read(path) if e["step"] <= resume_step]
-        if write:
-            atomic.write_text(path, "".join(json.dumps(e) + "\n" for e in kept))
-        self.entries = kept
-
-    @staticmethod
-    def read(path: Path) -> list[dict[str, Any]]:
-        if not path.exists():
-            return []
-        entries = []
-        for line in path.read_text().splitlines():
-            try:
-                entries.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line cut by a kill: everything after it is lost anyway
-        return entries
-
-    def append(self, entry: dict[str, Any]) -> None:
-        self.entries.append(entry)
-        if not self.write:
-            return
-        # A full disk is the user's to fix: one line, not a traceback. A line cut short
-        # here is no harm: `read` stops at it, and a resume drops it with the later steps.
-        try:
-            with self.path.open("a") as f:
-                f.write(json.dumps(entry) + "\n")
-        except OSError as exc:
-            raise CtsegError(f"could not write {self.path}: {exc.strerror or exc}") from exc
 
 
 def validate(
@@ -162,7 +84,7 @@ def validate(
             scores.append(metrics.grid_dice(predicted[i], labels[i]))
     if not scores:
         return {}
-    return {k: float(np.mean([s[k] for s in scores])) for k in ("liver", "tumor")}
+    return {k: float(np.mean([s[k] for s in scores])) for k in ("liver", "tumour")}
 
 
 def population_statistics(
@@ -232,7 +154,7 @@ def _nan_cause(store: Store) -> str:
     # The store's images are int16 (checked when it is opened): only labels can be out of range.
     for case in store.split("train"):
         top = int(np.max(store.label(case.id)))
-        if top > metrics.TUMOR:
+        if top > metrics.TUMOUR:
             return (
                 f"The label map of case {case.id} holds the value {top} (labels are 0, 1, 2): "
                 "re-run `ctseg preprocess --force`"
@@ -245,21 +167,17 @@ def _wait_fraction(prefetch: Prefetcher, compute_seconds: float) -> float:
     return prefetch.wait_seconds / max(prefetch.wait_seconds + compute_seconds, 1e-9)
 
 
-def _dice_of(entry: dict[str, Any]) -> dict[str, float]:
-    """A validation entry of metrics.jsonl as {step, liver, tumor}."""
-    return {
-        "step": entry["step"],
-        "liver": entry["val_dice_liver"],
-        "tumor": entry["val_dice_tumor"],
-    }
-
-
-def record_layout(run_dir: Path, step: int, config: cfg.Config, where: str) -> None:
-    """Append to RUN_DIR/layouts.jsonl which layout and devices train from `step` on."""
-    entry = {"from_step": step, "mesh": cfg.to_dict(config)["mesh"], "devices": where}
-    path = run_dir / LAYOUTS
-    previous = path.read_text() if path.exists() else ""
-    atomic.write_text(path, previous + json.dumps(entry) + "\n")
+def _resuming(run_dir: Path, step: int, steps: int) -> str:
+    """The line that says a run resumes: from which step, and the layout it trained on before."""
+    line = f"resuming from checkpoint {step} (of {steps} steps)"
+    before = rundir.last_layout(run_dir)
+    if before is None:
+        return line
+    mesh = before.get("mesh") or {}
+    return (
+        f"{line}; steps {before.get('from_step')}–{step} trained on mesh.spatial "
+        f"{mesh.get('spatial')}, data {mesh.get('data')}: {before.get('devices')}"
+    )
 
 
 def check_memory(compiled: jax.stages.Compiled, config: cfg.Config, devices: list) -> None:
@@ -285,14 +203,16 @@ def train_and_evaluate(
     devices: list | None = None,
     where: str = "",
     warn: Callable[[str], None] | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Train (or resume) a run; returns a summary of the final state.
 
     `devices`: where the config's mesh goes (`devices.fit_training` chooses them
     and `where` says it); by default JAX's default devices. The writing process
     holds the run directory's lock (`ctseg.lock`; `warn` hears of a dead holder's).
-    Ctrl-C or SIGTERM saves a checkpoint and raises KeyboardInterrupt (its args:
-    the signal's number, none for Ctrl-C).
+    `say` hears, before anything compiles, that a run resumes: from which step, and
+    the layout it last trained on. Ctrl-C or SIGTERM saves a checkpoint and raises
+    KeyboardInterrupt (its args: the signal's number, none for Ctrl-C).
     """
     run_dir = Path(run_dir)
     store = open_store(Path(data_dir), config)
@@ -303,7 +223,7 @@ def train_and_evaluate(
             # One writer: a second `ctseg train` would log every step twice and race orbax.
             stack.enter_context(lock.hold(run_dir, warn))
         stack.enter_context(_handled({signal.SIGTERM: _stop}))
-        return _train(config, store, run_dir, progress, devices, where)
+        return _train(config, store, run_dir, progress, devices, where, say)
 
 
 def _train(
@@ -313,16 +233,17 @@ def _train(
     progress: ProgressFn | None,
     devices: list | None,
     where: str,
+    say: Callable[[str], None] | None,
 ) -> dict[str, Any]:
     """`train_and_evaluate` once it holds the run directory."""
     main_process = jax.process_index() == 0
     if main_process:
         # Never a folder of others' files: orbax deletes folders it takes for its temporaries.
         # (Only the writer looks: the others could see its config.toml half-written.)
-        atomic.claim_folder(run_dir, ("config.toml", "checkpoints"), force=None)
+        atomic.claim_folder(run_dir, rundir.OWN_FILES, force=None)
     else:
         atomic.output_folder(run_dir)
-    check_run_dir(run_dir, config, write=main_process)
+    rundir.write_or_check_config(run_dir, config, write=main_process)
     mesh = make_mesh(config.mesh.spatial, config.mesh.data, devices)
     devices = list(mesh.devices.flat)
     tc = config.train
@@ -332,11 +253,14 @@ def _train(
     checkpoints = Checkpoints(run_dir, keep=tc.keep_checkpoints)
     start = checkpoints.latest_step()
     if start is not None:
-        state = checkpoints.restore(start, replicated_like(state, mesh))
+        state = checkpoints.restore(start, replicated_shapes(state, mesh))
     start = int(state.step)
-    log = MetricsLog(run_dir / "metrics.jsonl", start, write=main_process)
+    where = where or dev.describe(devices, simulated=True)
+    if start and say is not None:
+        say(_resuming(run_dir, start, tc.steps))
+    log = rundir.MetricsLog(run_dir, start, write=main_process)
     if main_process:
-        record_layout(run_dir, start, config, where or dev.describe(devices, simulated=True))
+        rundir.record_layout(run_dir, start, config, where)
 
     # Compiled ahead, before the first batch, so that its memory need is checked on
     # accelerators; the loop runs this very program (compiling the step a second time
@@ -386,12 +310,14 @@ def _train(
                 entry.update(step=done, steps_per_second=rate)
                 entry["data_wait_fraction"] = _wait_fraction(prefetch, compute_seconds)
                 if validating:
-                    entry.update(val_dice_liver=val_dice["liver"], val_dice_tumor=val_dice["tumor"])
+                    entry.update(
+                        val_dice_liver=val_dice["liver"], val_dice_tumour=val_dice["tumour"]
+                    )
                 log.append(entry)
             if validating:
-                checkpoints.save(state, 0.5 * (val_dice["liver"] + val_dice["tumor"]))
+                checkpoints.save(state, 0.5 * (val_dice["liver"] + val_dice["tumour"]))
                 if main_process:
-                    report.plot_curves(log.entries, run_dir / "curves.png")
+                    report.plot_curves(log.entries, run_dir / rundir.CURVES)
             elif saving:
                 checkpoints.save(state)
             if progress:
@@ -409,7 +335,7 @@ def _train(
         # Waits for the last save: a failed one (full disk) raises CtsegError here,
         # naming its step and the latest intact one, and still releases orbax's threads.
         checkpoints.close()
-    validations = {e["step"]: _dice_of(e) for e in log.entries if "val_dice_liver" in e}
+    validations = log.validations()
     return {
         "step": int(state.step),
         "val_dice": val_dice,

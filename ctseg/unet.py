@@ -14,6 +14,7 @@ size at every level (the config checks the alignment).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -167,10 +168,10 @@ class UNet(nnx.Module):
         nnx.update(level, state)
         return y
 
-    # The pieces `__call__` composes; level-wise tiled inference (`ctseg.infer`) runs them
-    # one level at a time.
+    # The pieces `__call__` composes; level-wise tiled inference runs them one stage at a
+    # time (`stage`).
 
-    def prepare(self, x: jax.Array, comm: Comm) -> jax.Array:
+    def as_input(self, x: jax.Array, comm: Comm) -> jax.Array:
         """The image [b, x, y, z, 1] in the compute dtype, as the first level takes it."""
         return comm.constrain(x.astype(jnp.dtype(self.cfg.dtype)))
 
@@ -189,8 +190,24 @@ class UNet(nnx.Module):
         """The 1×1×1 head: float32 logits [b, x, y, z, 3]."""
         return self.head(x).astype(jnp.float32)
 
+    def stage(self, kind: str, level: int, inputs: Sequence[jax.Array], comm: Comm) -> jax.Array:
+        """Stage (`kind`, `level`) of the inference-mode network on windows [b, x, y, z, C].
+
+        `inputs`: the level's activations a_level (the image at level 0) and, for an up
+        stage, d_{level+1}. An encoder level with its pooling (DOWN), the bottom, or a
+        decoder level with its skip's encoder recomputed (UP); the stage that returns
+        level 0's decoder output ends with the head.
+        """
+        x = self.as_input(inputs[0], comm) if level == 0 else inputs[0]
+        h = self.encode(level, x, comm, train=False)
+        if kind == DOWN:
+            return max_pool(h)
+        if kind == UP:
+            h = self.decode(level, h, inputs[1], comm, train=False)
+        return self.classify(h) if level == 0 else h
+
     def __call__(self, x: jax.Array, comm: Comm, train: bool) -> jax.Array:
-        h = self.prepare(x, comm)
+        h = self.as_input(x, comm)
         skips = []
         for level in range(self.cfg.depth):
             if level > 0:
@@ -210,6 +227,19 @@ def create(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State, nnx.St
     model = UNet(cfg, nnx.Rngs(params=seed))
     graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
     return graphdef, params, stats
+
+
+def abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, params, batch_stats) of the model with shapes only: nothing is allocated."""
+    captured: dict[str, nnx.GraphDef] = {}
+
+    def build() -> tuple[nnx.State, nnx.State]:
+        # The graphdef is static structure: safe to keep from inside the trace.
+        captured["graphdef"], params, stats = create(cfg, seed=0)
+        return params, stats
+
+    params, stats = jax.eval_shape(build)
+    return captured["graphdef"], params, stats
 
 
 def apply(

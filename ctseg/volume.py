@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,9 @@ MAX_SCAN_BYTES_ENV = "CTSEG_MAX_SCAN_BYTES"
 # Slice positions of a DICOM series may differ from even spacing by rounding in the
 # headers; more than this fraction of the spacing is a missing (or extra) slice.
 _SLICE_SPACING_TOLERANCE = 0.1
+# Two grids are one geometry when their affines agree to this (mm): headers written by
+# different tools round the same geometry differently.
+GEOMETRY_TOLERANCE_MM = 1e-3
 
 
 @dataclass
@@ -61,6 +65,19 @@ class Scan:
     def spacing(self) -> tuple[float, float, float]:
         """Voxel size in mm along the canonical x, y and z axes."""
         return tuple(float(s) for s in np.sqrt((self.affine[:3, :3] ** 2).sum(axis=0)))
+
+
+def geometry_difference(
+    shape: Sequence[int], affine: np.ndarray, other_shape: Sequence[int], other_affine: np.ndarray
+) -> str:
+    """How two voxel grids differ, in words ("" when they are one geometry): the shapes
+    first, then the largest difference of their affines (voxel → mm)."""
+    if tuple(shape) != tuple(other_shape):
+        return f"shape {tuple(shape)} vs {tuple(other_shape)}"
+    difference = float(np.abs(np.asarray(affine) - np.asarray(other_affine)).max())
+    if not difference <= GEOMETRY_TOLERANCE_MM:  # NaN counts as different
+        return f"their affines differ by up to {difference:.4g} mm"
+    return ""
 
 
 def scan_name(path: Path) -> str:

@@ -28,35 +28,16 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from ctseg.errors import CtsegError
+from ctseg.store import Layout, RawCase
 from ctseg.volume import SCAN_SUFFIXES, is_dicom_folder, scan_name
 
 _LITS_IMAGE = re.compile(r"^volume-(\d+)\.nii(\.gz)?$")
 _LITS_LABEL = re.compile(r"^segmentation-(\d+)\.nii(\.gz)?$")
 _MSD_FILE = re.compile(r"^[A-Za-z]+_(\d+)\.nii(\.gz)?$")
 _NOT_IN_ID = re.compile(r"[^A-Za-z0-9-]+")
-_CASE_ID = re.compile(r"[A-Za-z0-9-]+")
-
-
-def is_case_id(value: object) -> bool:
-    """Whether `value` is a case id as this module makes them (safe as a folder name)."""
-    return isinstance(value, str) and _CASE_ID.fullmatch(value) is not None
-
-
-@dataclass(frozen=True)
-class RawCase:
-    case_id: str
-    image: Path
-    label: Path | None  # None: a predict-only case, or a training image whose label is missing
-
-
-@dataclass(frozen=True)
-class Layout:
-    cases: list[RawCase]
-    predict_only: bool  # the folder holds no labels at all: every case is label-free
 
 
 def find_cases(raw_dir: str | Path) -> Layout:

@@ -50,12 +50,13 @@ def make_untrained_run(run_dir: Path, config_path: Path) -> None:
     """A run directory with the config and a step-0 checkpoint of freshly initialised weights
     (in the child process, `untrained_run`)."""
     from ctseg import config as cfg
+    from ctseg import rundir
     from ctseg.checkpoints import Checkpoints
     from ctseg.step import init_state
 
     config = cfg.load(config_path)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(cfg.to_toml(config))
+    rundir.write_or_check_config(run_dir, config)
     _, state = init_state(config)
     checkpoints = Checkpoints(run_dir, keep=1)
     checkpoints.save(state)

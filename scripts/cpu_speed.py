@@ -9,8 +9,9 @@ ctseg dependency; install it and the onnx extra into the virtualenv first:
     GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184 \\
         python scripts/cpu_speed.py [--size 128] [--repeats 3]
 
-(The GLIBC_TUNABLES setting keeps freed activation buffers in the process, see
-/work/shared/CPU-SPEED.md; run once with and once without it to see its effect.)
+(The GLIBC_TUNABLES setting keeps freed activation buffers in the process instead of
+handing them back to the system; run once with and once without it to see its effect,
+as the README's "CPU speed" section does.)
 """
 
 from __future__ import annotations

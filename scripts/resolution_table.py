@@ -18,15 +18,15 @@ def main(out: Path, resolutions: list[int]) -> None:
     rows = []
     for r in resolutions:
         summary = json.loads((out / f"eval{r}" / "summary.json").read_text())["summary"]
-        liver, tumor = summary["liver"], summary["tumor"]
+        liver, tumour = summary["liver"], summary["tumour"]
         rows.append(
             (
                 r,
                 liver["dice_per_case"],
                 liver["dice_global"],
-                tumor["dice_per_case"],
-                tumor["dice_global"],
-                tumor.get("detection_recall"),
+                tumour["dice_per_case"],
+                tumour["dice_global"],
+                tumour.get("detection_recall"),
             )
         )
     lines = [

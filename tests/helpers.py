@@ -12,21 +12,31 @@ import numpy as np
 import SimpleITK as sitk
 
 from ctseg import config as cfg
-from ctseg import infer, unet
-from ctseg.store import prepare
+from ctseg import unet
+from ctseg.checkpoints import TrainedModel
+from ctseg.store_writer import PrepareResult, write_store
 from ctseg.train import train_and_evaluate
+from data_prep.layouts import find_cases
 from data_prep.synth import write_dataset
 
 RESOLUTION = 32  # the grid of `random_model`'s models
+# The smallest model worth testing, as `--set` overrides (the CLI's own words).
+TINY = ("data.resolution=16", "model.base_filters=2", "model.depth=2")
 
 # Hand-built label maps (`labels`) and their voxels' size.
 SPACING = (0.8, 0.8, 2.0)
 SHAPE = (16, 16, 8)
 
 
+def tiny_config(*overrides: str) -> cfg.Config:
+    """`TINY` (a base-2, depth-2 U-Net on a 16³ grid, one device) with `--set`-style
+    overrides on top, e.g. `tiny_config("model.depth=3", "train.steps=4")`."""
+    return cfg.load(None, [*TINY, *overrides])
+
+
 def random_model(
     depth: int, dtype: str = "float32", spatial: tuple[int, int, int] = (2, 2, 1)
-) -> infer.Model:
+) -> TrainedModel:
     """An untrained tiny model whose batch-norm running statistics are not the identity."""
     config = cfg.from_dict(
         {
@@ -50,7 +60,7 @@ def random_model(
 
     stats = jax.tree_util.tree_map_with_path(perturb, stats)
     params = jax.tree_util.tree_map_with_path(perturb, params)
-    return infer.Model(config, graphdef, params, stats, step=0)
+    return TrainedModel(config, graphdef, params, stats, step=0)
 
 
 def labels(tumour: bool = True, shift: int = 0) -> np.ndarray:
@@ -83,21 +93,21 @@ def itk_image(data: np.ndarray) -> sitk.Image:
     return image
 
 
+def prepare_store(raw_dir: Path, out_dir: Path, config: cfg.Config, **options) -> PrepareResult:
+    """`ctseg preprocess RAW_DIR OUT_DIR`: the store of the cases found in `raw_dir`."""
+    return write_store(find_cases(raw_dir), out_dir, config, **options)
+
+
 def write_trained_run(root: Path) -> tuple[Path, Path, Path]:
     """(run_dir, store_dir, raw_dir) of a 2-step run of a tiny model on a 16³ grid."""
-    config = cfg.load(
-        None,
-        [
-            "data.resolution=16",
-            "model.base_filters=2",
-            "model.depth=3",
-            "mesh.spatial=[2,2,1]",
-            "train.steps=2",
-            "train.eval_every=2",
-            "train.checkpoint_every=2",
-        ],
+    config = tiny_config(
+        "model.depth=3",
+        "mesh.spatial=[2,2,1]",
+        "train.steps=2",
+        "train.eval_every=2",
+        "train.checkpoint_every=2",
     )
     write_dataset(root / "raw", cases=3, size=32, seed=0)
-    prepare(root / "raw", root / "store", config)
+    prepare_store(root / "raw", root / "store", config)
     train_and_evaluate(config, root / "store", root / "run")
     return root / "run", root / "store", root / "raw"

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import tiny_config
+
 from ctseg import config as cfg
 
 REPO = Path(__file__).resolve().parent.parent
@@ -13,8 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_cold_only_runs_end_to_end_on_the_cpu(tmp_path):
     config = tmp_path / "tiny.toml"
-    overrides = ["data.resolution=16", "model.base_filters=2", "model.depth=2"]
-    config.write_text(cfg.to_toml(cfg.load(overrides=[*overrides, "mesh.spatial=[1,1,1]"])))
+    config.write_text(cfg.to_toml(tiny_config("mesh.spatial=[1,1,1]")))
     workdir = tmp_path / "bench"
     command = [sys.executable, str(REPO / "scripts" / "bench_predict512.py"), str(workdir)]
     command += ["--cold-only", "--size", "32", "--config", str(config), "--scans", "2"]

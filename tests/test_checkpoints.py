@@ -6,9 +6,10 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
+from helpers import tiny_config
 
 from ctseg import config as cfg
-from ctseg.checkpoints import Checkpoints, load_for_inference
+from ctseg.checkpoints import Checkpoints, load_model
 from ctseg.errors import CtsegError
 from ctseg.step import TrainState, init_state
 
@@ -52,7 +53,7 @@ def test_a_checkpoint_folder_ctseg_did_not_write_is_one_error(tmp_path):
 def run(tmp_path_factory):
     """A run directory with checkpoints 4 and 8 of a tiny untrained model (no training)."""
     run = tmp_path_factory.mktemp("run")
-    config = cfg.load(None, ["data.resolution=8", "model.base_filters=2", "model.depth=2"])
+    config = tiny_config("data.resolution=8")
     (run / "config.toml").write_text(cfg.to_toml(config))
     _, state = init_state(config)
     writer = Checkpoints(run, keep=3)
@@ -74,7 +75,8 @@ def _copy(run: Path, tmp_path: Path, edit: str | None = None) -> Path:
 
 
 def test_the_run_s_own_checkpoint_loads(run):
-    config, _, params, _, step = load_for_inference(run, "latest")
+    model = load_model(run, "latest")
+    config, params, step = model.config, model.params, model.step
     assert step == 8 and config.model.base_filters == 2
     assert params["down"][0]["first"]["conv"]["kernel"][...].shape == (3, 3, 3, 1, 2)
 
@@ -91,7 +93,7 @@ def test_a_checkpoint_that_does_not_fit_config_toml_is_one_line(run, tmp_path, e
     copy = _copy(run, tmp_path, edit)
     for which in ("best", "latest", "8"):
         with pytest.raises(CtsegError, match=f"checkpoint 8 in .* does not match .*{message}"):
-            load_for_inference(copy, which)
+            load_model(copy, which)
     # Resuming training checks the same way.
     config = cfg.load(copy / "config.toml")
     reader = Checkpoints(copy, keep=3, read_only=True)
@@ -119,12 +121,12 @@ def test_latest_and_best_skip_an_unreadable_checkpoint_a_step_number_does_not(
     else:
         shutil.rmtree(step_folder)
         step_folder.mkdir()
-    assert load_for_inference(copy, "best")[4] == 4
+    assert load_model(copy, "best").step == 4
     caplog.clear()
-    assert load_for_inference(copy, "latest")[4] == 4
+    assert load_model(copy, "latest").step == 4
     assert "checkpoint 8 in" in caplog.text and "is unreadable" in caplog.text
     with pytest.raises(CtsegError, match=r"checkpoint 8 in .* is unreadable \(truncated") as info:
-        load_for_inference(copy, "8")
+        load_model(copy, "8")
     assert "\n" not in str(info.value)
 
 
@@ -133,13 +135,13 @@ def test_no_readable_checkpoint_at_all(run, tmp_path):
     for step in ("4", "8"):
         _truncate_arrays(copy / "checkpoints" / step)
     with pytest.raises(CtsegError, match=r"no checkpoint in .* can be read \(steps \[4, 8\]\)"):
-        load_for_inference(copy, "latest")
+        load_model(copy, "latest")
 
 
 @pytest.mark.parametrize("which", ["²", "٣", "-4", "4.0", "last", ""])
 def test_a_checkpoint_that_is_no_step_number_is_one_line(run, which):
     with pytest.raises(CtsegError, match="use best, latest or one of"):
-        load_for_inference(run, which)
+        load_model(run, which)
 
 
 def test_a_damaged_metrics_file_is_one_line_naming_its_checkpoint(run, tmp_path):
@@ -148,4 +150,4 @@ def test_a_damaged_metrics_file_is_one_line_naming_its_checkpoint(run, tmp_path)
     # Orbax reads every checkpoint's metrics when it opens the folder, whichever is asked for.
     for which in ("latest", "4"):
         with pytest.raises(CtsegError, match=r"checkpoint 8 in .* is unreadable .*metrics/metrics"):
-            load_for_inference(copy, which)
+            load_model(copy, which)

@@ -110,9 +110,9 @@ def test_bad_cases_are_recorded_and_others_evaluated(folders):
 
     first = result["cases"][0]
     assert first["liver"]["mssd"] == pytest.approx(SPACING[0])  # shifted one voxel along x
-    assert result["cases"][1]["tumor"]["hd95"] is None  # no tumour on either side
+    assert result["cases"][1]["tumour"]["hd95"] is None  # no tumour on either side
     assert result["summary"]["n_cases"] == 2
-    assert result["summary"]["tumor"]["detection_recall"] == 1.0
+    assert result["summary"]["tumour"]["detection_recall"] == 1.0
 
 
 def test_float_labels_are_accepted_when_whole():
@@ -132,24 +132,24 @@ def test_reports_are_written_with_the_schema(folders, tmp_path):
 
     report = json.loads(json_path.read_text())
     assert set(report) == {"cases", "summary", "errors", "unpaired"}
-    assert set(report["cases"][0]) == {"case", "liver", "tumor", "detection", "burden"}
+    assert set(report["cases"][0]) == {"case", "liver", "tumour", "detection", "burden"}
     structure_keys = {"dice", "jaccard", "voe", "rvd", "assd", "hd95", "mssd"}
-    assert structure_keys <= set(report["cases"][0]["tumor"])
+    assert structure_keys <= set(report["cases"][0]["tumour"])
     assert {"dice_per_case", "dice_global", *structure_keys - {"dice"}} <= set(
         report["summary"]["liver"]
     )
     assert {"detection_precision", "detection_recall", "burden_error"} <= set(
-        report["summary"]["tumor"]
+        report["summary"]["tumour"]
     )
-    assert report["cases"][1]["tumor"]["assd"] is None  # JSON null, never NaN
+    assert report["cases"][1]["tumour"]["assd"] is None  # JSON null, never NaN
     assert "NaN" not in json_path.read_text()
 
     with csv_path.open() as handle:
         rows = list(csv.DictReader(handle))
     assert [row["case"] for row in rows] == ["segmentation-1", "segmentation-2"]
     assert float(rows[0]["liver_dice"]) == pytest.approx(report["cases"][0]["liver"]["dice"])
-    assert rows[1]["tumor_hd95"] == ""
-    assert {"tumor_dice", "detection_n_detected", "burden_error"} <= set(rows[0])
+    assert rows[1]["tumour_hd95"] == ""
+    assert {"tumour_dice", "detection_n_detected", "burden_error"} <= set(rows[0])
 
 
 # ---------------------------------------------------------------- command line

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import labels, save
+from helpers import labels, prepare_store, save
 from typer.testing import CliRunner
 
 import cli.main  # noqa: F401  (registers the commands)
@@ -320,14 +320,15 @@ def test_a_second_synth_into_one_folder_is_refused(tmp_path):
 
 def test_a_second_preprocess_into_one_store_is_refused(tmp_path):
     from ctseg import config as cfg
-    from ctseg.store import prepare
     from data_prep.synth import write_dataset
 
     write_dataset(tmp_path / "raw", cases=1, size=16, seed=0)
     proc = _holding(tmp_path / "prep")
     try:
         with pytest.raises(CtsegError, match="being written by another command"):
-            prepare(tmp_path / "raw", tmp_path / "prep", cfg.load(None, ["data.resolution=16"]))
+            prepare_store(
+                tmp_path / "raw", tmp_path / "prep", cfg.load(None, ["data.resolution=16"])
+            )
     finally:
         proc.communicate("")
     assert not (tmp_path / "prep" / "manifest.json").exists()

@@ -15,17 +15,19 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 from dicom_series import write_dicom_series
+from helpers import prepare_store
 from typer.testing import CliRunner
 
 import cli.main  # noqa: F401  (registers the commands)
 from cli.app import app
 from ctseg import config as cfg
-from ctseg import store, volume
+from ctseg import store_writer, volume
 from ctseg.errors import CtsegError
 from ctseg.report import plot_preview
-from ctseg.store import Store, prepare, usable_workers
+from ctseg.store import Store, is_case_id
+from ctseg.store_writer import usable_workers
 from ctseg.volume import find_scans, read_scan
-from data_prep.layouts import find_cases, is_case_id
+from data_prep.layouts import find_cases
 from data_prep.synth import write_dataset
 
 AFFINE = np.diag([0.8, 0.8, 2.5, 1.0])
@@ -175,7 +177,7 @@ def test_preprocess_reports_a_refused_scan_and_stores_the_others(tmp_path):
     _nifti(raw / "broken.nii.gz", ct, sform_code=0, quatern_b=np.nan)
     os.mkfifo(raw / "pipe.nii.gz")
     (raw / "dangling.nii").symlink_to(tmp_path / "gone.nii")
-    result = prepare(raw, tmp_path / "prep", cfg.load(None, ["data.resolution=8"]))
+    result = prepare_store(raw, tmp_path / "prep", cfg.load(None, ["data.resolution=8"]))
     outcomes = {o.case_id: o for o in result.outcomes}
     assert outcomes["good"].status == "prepared"
     assert outcomes["broken"].status == "failed" and NO_AFFINE in outcomes["broken"].reason
@@ -212,8 +214,9 @@ def _alive(pid: int) -> bool:
 def test_workers_end_when_preprocess_is_killed(tmp_path):
     write_dataset(tmp_path / "raw", cases=6, size=24, seed=0)
     script = (
-        "from ctseg import config; from ctseg.store import prepare; "
-        f"prepare({str(tmp_path / 'raw')!r}, {str(tmp_path / 'prep')!r}, "
+        "from ctseg import config; from ctseg.store_writer import write_store; "
+        "from data_prep.layouts import find_cases; "
+        f"write_store(find_cases({str(tmp_path / 'raw')!r}), {str(tmp_path / 'prep')!r}, "
         "config.load(None, ['data.resolution=160']), workers=2)"
     )
     parent = subprocess.Popen([sys.executable, "-c", script])
@@ -263,7 +266,7 @@ def test_a_read_only_store_folder_is_one_line_before_any_case(tmp_path, monkeypa
         raise PermissionError(errno.EACCES, "Permission denied")
 
     # As root (CI containers) chmod does not stop writes: refuse them where the probe goes.
-    monkeypatch.setattr(store.tempfile, "TemporaryFile", refused)
+    monkeypatch.setattr(store_writer.tempfile, "TemporaryFile", refused)
     result = CliRunner().invoke(
         app, ["preprocess", str(raw), str(tmp_path / "prep"), "--set", "data.resolution=8"]
     )
@@ -285,7 +288,7 @@ def test_a_full_disk_is_said_as_such(tmp_path, monkeypatch, failure):
         raise failure
 
     monkeypatch.setattr(np, "save", full)
-    result = prepare(raw, tmp_path / "prep", cfg.load(None, ["data.resolution=8"]))
+    result = prepare_store(raw, tmp_path / "prep", cfg.load(None, ["data.resolution=8"]))
     (outcome,) = result.outcomes
     assert outcome.status == "failed" and result.store is None
     assert re.fullmatch(

@@ -178,7 +178,7 @@ def test_the_plan_is_chosen_from_the_compiled_programs_memory(monkeypatch, image
     np.testing.assert_allclose(tiled.logits(image), reference, rtol=0, atol=1e-5)
     # When even small cores do not fit, the levels waiting for their up stage wait on the
     # host, whole: the same logits.
-    tiled._plan.spill = True
+    tiled._backend._plan.spill = True
     np.testing.assert_allclose(tiled.logits(image), reference, rtol=0, atol=1e-5)
     # The default is the devices' free memory, as the device policy reports it.
     monkeypatch.setattr(infer.dev, "free_memory", lambda devices: memory)

@@ -140,10 +140,10 @@ def test_empty_mask_convention(pred, ref, expected):
 def test_grid_dice_follows_empty_convention():
     ref = np.zeros((4, 4, 4), np.uint8)
     ref[1:3, 1:3, 1:3] = 1
-    assert metrics.grid_dice(ref, ref) == {"liver": 1.0, "tumor": 1.0}
+    assert metrics.grid_dice(ref, ref) == {"liver": 1.0, "tumour": 1.0}
     pred = ref.copy()
     pred[1, 1, 1] = 2
-    assert metrics.grid_dice(pred, ref) == {"liver": 1.0, "tumor": 0.0}
+    assert metrics.grid_dice(pred, ref) == {"liver": 1.0, "tumour": 0.0}
 
 
 # ---------------------------------------------------------------- lesions and burden
@@ -178,8 +178,8 @@ def test_lesion_detection_on_a_constructed_case():
     summary = metrics.summarize(
         [metrics.case_metrics(pred.astype(np.uint8) * 2, ref * 2, (1, 1, 1))]
     )
-    assert summary["tumor"]["detection_recall"] == pytest.approx(4 / 5)
-    assert summary["tumor"]["detection_precision"] == pytest.approx(4 / 6)
+    assert summary["tumour"]["detection_recall"] == pytest.approx(4 / 5)
+    assert summary["tumour"]["detection_precision"] == pytest.approx(4 / 6)
 
 
 def naive_lesion_detection(pred, ref):
@@ -263,7 +263,7 @@ def test_summary_skips_undefined_values():
         metrics.case_metrics(labels, labels, (1, 1, 1)),  # no tumour anywhere: distances None
         metrics.case_metrics(with_tumour, with_tumour, (1, 1, 1)),
     ]
-    tumour = metrics.summarize(cases)["tumor"]
+    tumour = metrics.summarize(cases)["tumour"]
     assert tumour["dice_per_case"] == 1.0
     assert tumour["assd"] == 0.0
     assert metrics.summarize([])["liver"]["dice_global"] is None

@@ -60,7 +60,7 @@ def _collect(workers: list[tuple[subprocess.Popen, Path]]) -> list[dict[str, np.
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    for (proc, _), log in zip(workers, logs):
+    for (proc, _), log in zip(workers, logs, strict=True):
         assert proc.returncode == 0, log[-3000:]
     return [dict(np.load(out, allow_pickle=False)) for _, out in workers]
 
@@ -83,8 +83,9 @@ def test_two_processes_equal_one_process(tmp_path):
 def test_two_process_train_command_equals_one_process(tmp_path):
     """`ctseg train` with --coordinator/--num-processes/--process-id on two local
     processes logs the same losses as the same training in one process."""
+    from helpers import prepare_store
+
     from ctseg import config as cfg
-    from ctseg.store import prepare
     from ctseg.train import train_and_evaluate
     from data_prep.synth import write_dataset
 
@@ -102,7 +103,7 @@ def test_two_process_train_command_equals_one_process(tmp_path):
     ]
     config = cfg.load(overrides=overrides)
     write_dataset(tmp_path / "raw", cases=3, size=24, seed=5)
-    prepare(tmp_path / "raw", tmp_path / "prep", config)
+    prepare_store(tmp_path / "raw", tmp_path / "prep", config)
 
     coordinator = f"localhost:{_free_port()}"
     command = [
@@ -141,7 +142,7 @@ def test_two_process_train_command_equals_one_process(tmp_path):
     multi = (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()
     single = (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()
     assert len(multi) == len(single) == 2  # process 0 alone writes the log
-    for m, s in zip(multi, single):
+    for m, s in zip(multi, single, strict=True):
         m, s = json.loads(m), json.loads(s)
         np.testing.assert_allclose(m["loss"], s["loss"], rtol=1e-5)
         assert m.get("val_dice_liver") == pytest.approx(s.get("val_dice_liver"), abs=1e-6)

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from cli.app import app
 from ctseg import infer, tiling, unet
+from ctseg.checkpoints import TrainedModel
 from ctseg.errors import CtsegError
 from ctseg.partition import LOCAL
 
@@ -25,7 +26,7 @@ needs_onnx = pytest.mark.skipif(
 )
 
 
-def with_head_bias(model: infer.Model) -> infer.Model:
+def with_head_bias(model: TrainedModel) -> TrainedModel:
     """The model with a small non-zero head bias, so the exported head's bias is exercised."""
     rng = np.random.default_rng(2)
 
@@ -35,7 +36,7 @@ def with_head_bias(model: infer.Model) -> infer.Model:
         return leaf
 
     params = jax.tree_util.tree_map_with_path(perturb, model.params)
-    return infer.Model(model.config, model.graphdef, params, model.stats, model.step)
+    return TrainedModel(model.config, model.graphdef, params, model.stats, model.step)
 
 
 @needs_onnx
@@ -62,7 +63,7 @@ def test_onnx_logits_equal_jax_inference_mode(depth):
 
 @needs_onnx
 def test_onnx_stage_graphs_equal_jax_stages():
-    """Each stage graph computes `infer.stage_forward` on channels-last inputs."""
+    """Each stage graph computes `UNet.stage` on channels-last inputs."""
     import onnx
     import onnxruntime as ort
 
@@ -78,10 +79,10 @@ def test_onnx_stage_graphs_equal_jax_stages():
         onnx.checker.check_model(proto, full_check=True)
         a = rng.uniform(-1, 1, (*shape, channels["image" if level == 0 else level]))
         inputs = {onnx_export.STAGE_INPUT: a.astype(np.float32)}
-        if kind == infer.UP:
+        if kind == unet.UP:
             below = rng.uniform(0, 1, (2, 4, 6, 2, 2 * 2 ** (level + 1)))
             inputs[onnx_export.STAGE_BELOW] = below.astype(np.float32)
-        expected = np.asarray(infer.stage_forward(net, kind, level, list(inputs.values()), LOCAL))
+        expected = np.asarray(net.stage(kind, level, list(inputs.values()), LOCAL))
         session = ort.InferenceSession(
             proto.SerializeToString(), providers=["CPUExecutionProvider"]
         )
@@ -89,7 +90,7 @@ def test_onnx_stage_graphs_equal_jax_stages():
         assert out.shape == expected.shape, (kind, level)
         np.testing.assert_allclose(out, expected, rtol=0, atol=1e-4, err_msg=f"{kind} {level}")
     with pytest.raises(ValueError, match="bottom stage"):
-        onnx_export.export_stage(model.graphdef, model.params, model.stats, infer.UP, 2)
+        onnx_export.export_stage(model.graphdef, model.params, model.stats, unet.UP, 2)
 
 
 @needs_onnx

@@ -28,7 +28,7 @@ def test_halo_exchange_equals_slices_of_the_zero_padded_array(kernel, spatial):
     got = np.asarray(padded_blocks)
 
     reference = np.pad(x, [(0, 0)] + [(width, width)] * 3 + [(0, 0)])
-    local = [n // p for n, p in zip(shape[1:4], spatial)]
+    local = [n // p for n, p in zip(shape[1:4], spatial, strict=True)]
     for index in np.ndindex(*spatial):
         got_block = got[
             :,

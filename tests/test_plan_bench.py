@@ -3,26 +3,21 @@
 import json
 
 import pytest
+from helpers import TINY, tiny_config
 from typer.testing import CliRunner
 
 import cli.main  # noqa: F401  (registers the commands)
 from cli.app import app
 from ctseg import bench, plan
-from ctseg import config as cfg
 from ctseg.devices import auto_spatial
 from ctseg.errors import CtsegError
 
-TINY = [
-    "data.resolution=16",
-    "model.base_filters=2",
-    "model.depth=3",
-    "mesh.spatial=[2,2,1]",
-]
+DEPTH_3 = ["model.depth=3", "mesh.spatial=[2,2,1]"]
 
 
 @pytest.fixture(scope="module")
 def tiny_plan():
-    return plan.plan(cfg.load(overrides=TINY))
+    return plan.plan(tiny_config(*DEPTH_3))
 
 
 def test_plan_covers_the_layout_and_the_unpartitioned_one(tiny_plan):
@@ -44,10 +39,7 @@ def test_plan_covers_the_layout_and_the_unpartitioned_one(tiny_plan):
 
 def test_halo_bytes_match_a_hand_count():
     # depth 2, base 2, float32, batch 1, 16³ split [2, 2, 1]: local block 8×8×16, 4×4×8 below.
-    config = cfg.load(
-        overrides=["data.resolution=16", "model.base_filters=2", "model.depth=2"]
-        + ["mesh.spatial=[2,2,1]"]
-    )
+    config = tiny_config("mesh.spatial=[2,2,1]")
 
     def conv(cin, bx, by, bz):
         # x faces: by·bz; y faces on the x-extended block: (bx+2)·bz; z is not split.
@@ -74,7 +66,7 @@ def test_auto_spatial(partitions, split):
 
 
 def test_bench_refuses_a_split_that_does_not_divide_the_grid():
-    config = cfg.load(overrides=TINY[:3])  # depth 3: blocks must be multiples of 4
+    config = tiny_config(DEPTH_3[0])  # depth 3: blocks must be multiples of 4
     # 16 / 3 partitions along x is not a multiple of the alignment 2^(depth-1) = 4.
     with pytest.raises(CtsegError, match=r"3 partitions split \[3, 1, 1\]"):
         bench.bench(config, [(1, 1, 1), auto_spatial(3)], ["halo"], steps=1)
@@ -82,7 +74,7 @@ def test_bench_refuses_a_split_that_does_not_divide_the_grid():
 
 def test_bench_returns_one_result_per_layout():
     # One level (two convolutions and the head): the schema, not the model, is under test.
-    config = cfg.load(overrides=["data.resolution=8", "model.base_filters=2", "model.depth=1"])
+    config = tiny_config("data.resolution=8", "model.depth=1")
     seen = []
     results = bench.bench(
         config,
@@ -120,7 +112,7 @@ def test_peak_is_a_timed_matrix_product_and_shared_by_simulated_devices():
 
 def test_plan_cli_writes_the_json_schema(tmp_path):
     out = tmp_path / "plan.json"
-    small = ["data.resolution=16", "model.base_filters=2", "model.depth=2", "mesh.spatial=[2,1,1]"]
+    small = [*TINY, "mesh.spatial=[2,1,1]"]
     args = ["plan", "--json", str(out)] + [f"--set={item}" for item in small]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -145,7 +137,7 @@ def test_plan_cli_writes_the_json_schema(tmp_path):
 
 def test_bench_cli_reports_throughput_against_the_measured_peak(tmp_path):
     out = tmp_path / "bench.json"
-    tiny = ["data.resolution=8", "model.base_filters=2", "model.depth=1"]
+    tiny = [*TINY, "data.resolution=8", "model.depth=1"]
     args = ["bench", "--partitions", "1", "--partitioner", "halo", "--steps", "1", "--peak"]
     args += ["--json", str(out)] + [f"--set={item}" for item in tiny]
     result = CliRunner().invoke(app, args)

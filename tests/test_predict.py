@@ -21,9 +21,11 @@ from typer.testing import CliRunner
 import cli.main  # noqa: F401  (registers the commands)
 from cli.app import app
 from ctseg import config as cfg
-from ctseg.checkpoints import Checkpoints, load_for_inference
+from ctseg.checkpoints import Checkpoints, load_model
+from ctseg.config import InferenceOptions
 from ctseg.errors import CtsegError
-from ctseg.predict import PHASES, Predictor, expand_inputs, hu_warnings
+from ctseg.predict import PHASES, Predictor, hu_warnings
+from ctseg.predict_files import expand_inputs
 from ctseg.step import TrainState
 
 runner = CliRunner()
@@ -102,8 +104,8 @@ def test_tiled_pipeline_equals_whole(trained, tmp_path):
     from ctseg.volume import read_scan
 
     scan = read_scan(raw / "volume-0.nii.gz")
-    whole = Predictor.from_run(run_dir, "latest", tile=0).predict(scan)
-    tiled = Predictor.from_run(run_dir, "latest", tile=8).predict(scan)
+    whole = Predictor.from_run(run_dir, InferenceOptions("latest", tile=0)).predict(scan)
+    tiled = Predictor.from_run(run_dir, InferenceOptions("latest", tile=8)).predict(scan)
     np.testing.assert_array_equal(whole.grid_labels, tiled.grid_labels)
     np.testing.assert_array_equal(whole.labels, tiled.labels)
 
@@ -112,11 +114,11 @@ def test_tta_tiled_equals_tta_whole_and_needs_a_model_trained_with_flips(trained
     run_dir, _, raw = trained
     from ctseg.volume import read_scan
 
-    whole = Predictor.from_run(run_dir, "latest", tile=0, tta=True)
-    tiled = Predictor.from_run(run_dir, "latest", tile=8, tta=True)
+    whole = Predictor.from_run(run_dir, InferenceOptions("latest", tile=0, tta=True))
+    tiled = Predictor.from_run(run_dir, InferenceOptions("latest", tile=8, tta=True))
     assert whole.summary.endswith("mirrored 8× (TTA)")
     seconds: dict[str, float] = {}
-    unit = whole.prepare(read_scan(raw / "volume-0.nii.gz"), seconds)
+    unit = whole.to_grid(read_scan(raw / "volume-0.nii.gz"), seconds)
     np.testing.assert_allclose(tiled.infer(unit, seconds), whole.infer(unit, seconds), atol=1e-5)
 
     model = whole.model
@@ -124,7 +126,7 @@ def test_tta_tiled_equals_tta_whole_and_needs_a_model_trained_with_flips(trained
         model, config=dataclasses.replace(model.config, train=cfg.TrainConfig(flip=False))
     )
     with pytest.raises(CtsegError, match=r"trained without flips \(train.flip = false\)"):
-        Predictor(unflipped, tile=0, tta=True)
+        Predictor(unflipped, InferenceOptions(tile=0, tta=True))
 
 
 def test_run_without_checkpoints(trained, tmp_path):
@@ -154,7 +156,7 @@ def test_evaluate_run_dir(trained, tmp_path):
     assert set(report) >= {"run", "cases", "summary", "errors"}
     assert report["errors"] == [] and len(report["cases"]) == report["summary"]["n_cases"] >= 1
     case = report["cases"][0]
-    assert {"liver", "tumor", "detection", "burden", "grid_dice"} <= set(case)
+    assert {"liver", "tumour", "detection", "burden", "grid_dice"} <= set(case)
     assert 0 <= report["summary"]["grid_dice"]["liver"] <= 1
     assert (out / "metrics.csv").read_text().startswith("case,")
     assert (out / "predictions" / f"{case['case']}_seg.nii.gz").is_file()
@@ -185,15 +187,17 @@ def test_restoring_for_inference_reads_no_optimiser_state(trained, tmp_path):
     say) still loads for inference: only parameters and statistics are read."""
     run_dir = tmp_path / "run"
     shutil.copytree(trained[0], run_dir)
-    _, _, params, stats, _ = load_for_inference(run_dir, "latest")
+    model = load_model(run_dir, "latest")
+    params, stats = model.params, model.stats
     foreign = TrainState(jnp.asarray(99), params, stats, {"not": np.zeros(3, np.float32)})
     checkpoints = Checkpoints(run_dir, keep=5)
     checkpoints.save(foreign)
     checkpoints.close()
-    _, _, got_params, got_stats, step = load_for_inference(run_dir, "99")
-    assert step == 99
+    got = load_model(run_dir, "99")
+    assert got.step == 99
+    got_params, got_stats = got.params, got.stats
     for got, want in zip(
-        jax.tree.leaves((got_params, got_stats)), jax.tree.leaves((params, stats))
+        jax.tree.leaves((got_params, got_stats)), jax.tree.leaves((params, stats)), strict=True
     ):
         assert isinstance(got, np.ndarray)  # host arrays: each engine places them itself
         np.testing.assert_array_equal(got, want)
@@ -329,11 +333,11 @@ def test_an_out_of_memory_scan_is_retried_with_smaller_tiles_or_fails_alone(
     """The second of three scans runs out of accelerator memory: once, it is retried with
     smaller tiles and says so; twice, its row fails and the other two are written."""
     from ctseg import infer
-    from ctseg.predict import predict_files
+    from ctseg.predict_files import predict_files
 
     run_dir, _, raw = trained
     scans = [raw / f"volume-{i}.nii.gz" for i in range(3)]
-    predictor = Predictor.from_run(run_dir, "latest", tile=0)
+    predictor = Predictor.from_run(run_dir, InferenceOptions("latest", tile=0))
     calls = []
     real = infer.probabilities
 

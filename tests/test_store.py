@@ -7,10 +7,12 @@ import shutil
 import nibabel as nib
 import numpy as np
 import pytest
+from helpers import prepare_store
 
 from ctseg import config as cfg
 from ctseg.errors import CtsegError
-from ctseg.store import Store, assign_splits, prepare
+from ctseg.store import Store
+from ctseg.store_writer import assign_splits
 from data_prep.layouts import find_cases
 from data_prep.synth import write_dataset
 
@@ -31,7 +33,7 @@ def raw(tmp_path_factory):
 
 @pytest.fixture
 def store(raw, tmp_path):
-    result = prepare(raw, tmp_path / "prep", _config())
+    result = prepare_store(raw, tmp_path / "prep", _config())
     assert result.failures == []
     return result.store
 
@@ -91,20 +93,20 @@ def test_resume_skips_finished_cases(raw, store):
     before = image.stat().st_mtime_ns
     (store.path / "cases" / "lits-2" / "label.npy").unlink()  # as if killed mid-case
     calls = []
-    again = prepare(raw, store.path, _config(), progress=lambda *a: calls.append(a))
+    again = prepare_store(raw, store.path, _config(), progress=lambda *a: calls.append(a))
     assert image.stat().st_mtime_ns == before
     assert (store.path / "cases" / "lits-2" / "label.npy").is_file()
     assert again.store == store
     assert [o.status for o in again.outcomes] == ["resumed", "resumed", "prepared"]
     assert calls[-1] == (3, 3, "lits-2")
-    prepare(raw, store.path, _config(), force=True)
+    prepare_store(raw, store.path, _config(), force=True)
     assert image.stat().st_mtime_ns != before
 
 
 def test_refuses_other_resolution_unless_forced(raw, store):
     with pytest.raises(CtsegError, match="resolution 16, not 8; .*--force"):
-        prepare(raw, store.path, _config(8))
-    assert prepare(raw, store.path, _config(8), force=True).store.resolution == 8
+        prepare_store(raw, store.path, _config(8))
+    assert prepare_store(raw, store.path, _config(8), force=True).store.resolution == 8
 
 
 # --- failed cases ------------------------------------------------------------------------
@@ -160,7 +162,7 @@ EXPECTED_REASONS = {
 
 
 def test_bad_cases_are_named_and_the_others_complete(raw, tmp_path):
-    result = prepare(_bad_folder(raw, tmp_path), tmp_path / "prep", _config())
+    result = prepare_store(_bad_folder(raw, tmp_path), tmp_path / "prep", _config())
     assert [c.id for c in result.store.cases] == ["lits-0"]
     assert [o.case_id for o in result.outcomes] == [f"lits-{i}" for i in range(10)]
     assert result.outcomes[0].status == "prepared"
@@ -177,10 +179,10 @@ def test_bad_cases_are_named_and_the_others_complete(raw, tmp_path):
 def test_fixed_case_is_added_on_rerun_and_splits_stay(raw, tmp_path):
     folder = _copy_case(raw, tmp_path, 0)
     shutil.copy(raw / "volume-1.nii.gz", folder / "volume-1.nii.gz")  # its label comes later
-    first = prepare(folder, tmp_path / "prep", _config())
+    first = prepare_store(folder, tmp_path / "prep", _config())
     assert [f.case_id for f in first.failures] == ["lits-1"]
     shutil.copy(raw / "segmentation-1.nii.gz", folder / "segmentation-1.nii.gz")
-    second = prepare(folder, tmp_path / "prep", _config())
+    second = prepare_store(folder, tmp_path / "prep", _config())
     assert second.failures == [] and [c.id for c in second.store.cases] == ["lits-0", "lits-1"]
     assert [o.status for o in second.outcomes] == ["resumed", "prepared"]
     assert [o.split for o in first.outcomes] == [o.split for o in second.outcomes]
@@ -190,17 +192,17 @@ def test_no_case_succeeded(raw, tmp_path):
     folder = _bad_folder(raw, tmp_path)
     for name in ("volume-0.nii.gz", "segmentation-0.nii.gz"):
         (folder / name).unlink()
-    result = prepare(folder, tmp_path / "prep", _config())
+    result = prepare_store(folder, tmp_path / "prep", _config())
     assert result.store is None and len(result.failures) == 9
     assert not (tmp_path / "prep" / "manifest.json").exists()
 
 
 def test_workers_give_the_same_store(raw, tmp_path):
-    serial = prepare(raw, tmp_path / "serial", _config()).store
-    result = prepare(raw, tmp_path / "pool", _config(), workers=2)
+    serial = prepare_store(raw, tmp_path / "serial", _config()).store
+    result = prepare_store(raw, tmp_path / "pool", _config(), workers=2)
     assert result.failures == []
     assert [c.id for c in result.store.cases] == [c.id for c in serial.cases]
-    for case, other in zip(result.store.cases, serial.cases):
+    for case, other in zip(result.store.cases, serial.cases, strict=True):
         assert case.split == other.split and case.label_counts == other.label_counts
         np.testing.assert_array_equal(result.store.image(case.id), serial.image(case.id))
         np.testing.assert_array_equal(result.store.label(case.id), serial.label(case.id))
@@ -222,7 +224,7 @@ def test_predict_only_store(raw, tmp_path):
     scans.mkdir()
     shutil.copy(raw / "volume-0.nii.gz", scans / "test-volume-0.nii.gz")
     shutil.copy(raw / "volume-1.nii.gz", scans / "patient 7_arterial.nii.gz")
-    result = prepare(scans, tmp_path / "prep", _config())
+    result = prepare_store(scans, tmp_path / "prep", _config())
     store = result.store
     assert [c.id for c in store.cases] == ["patient-7-arterial", "test-volume-0"]
     assert [c.split for c in store.cases] == ["test", "test"]
@@ -234,16 +236,16 @@ def test_predict_only_store(raw, tmp_path):
     with pytest.raises(CtsegError, match="has no label: .*prediction only"):
         store.label("test-volume-0")
     assert Store.open(store.path) == store
-    again = prepare(scans, tmp_path / "prep", _config())
+    again = prepare_store(scans, tmp_path / "prep", _config())
     assert [o.status for o in again.outcomes] == ["resumed", "resumed"]
 
 
 def test_missing_and_empty(tmp_path):
     with pytest.raises(CtsegError, match="raw data folder not found"):
-        prepare(tmp_path / "nothing", tmp_path / "prep", _config())
+        prepare_store(tmp_path / "nothing", tmp_path / "prep", _config())
     (tmp_path / "empty").mkdir()
     with pytest.raises(CtsegError, match="no scans found in .*empty"):
-        prepare(tmp_path / "empty", tmp_path / "prep", _config())
+        prepare_store(tmp_path / "empty", tmp_path / "prep", _config())
     with pytest.raises(CtsegError, match="no prepared store at .*run `ctseg preprocess`"):
         Store.open(tmp_path / "nothing")
     empty = tmp_path / "empty-store"
@@ -402,8 +404,8 @@ def test_preprocess_refuses_a_folder_of_other_files_unless_forced(raw, tmp_path)
     out.mkdir()
     (out / "thesis.docx").write_text("precious")
     with pytest.raises(CtsegError, match="already holds files that ctseg did not write"):
-        prepare(raw, out, _config())
-    assert prepare(raw, out, _config(), force=True).store is not None
+        prepare_store(raw, out, _config())
+    assert prepare_store(raw, out, _config(), force=True).store is not None
     assert (out / "thesis.docx").read_text() == "precious"
 
 
@@ -411,10 +413,10 @@ def test_manifest_that_is_a_folder_or_out_that_is_a_file(raw, tmp_path):
     (tmp_path / "prep" / "manifest.json").mkdir(parents=True)
     for force in (False, True):
         with pytest.raises(CtsegError, match="manifest.json is not a file"):
-            prepare(raw, tmp_path / "prep", _config(), force=force)
+            prepare_store(raw, tmp_path / "prep", _config(), force=force)
     (tmp_path / "file").write_text("")
     with pytest.raises(CtsegError, match="is a file, not a folder"):
-        prepare(raw, tmp_path / "file", _config())
+        prepare_store(raw, tmp_path / "file", _config())
 
 
 def test_symlinked_folders_are_followed_and_loops_walked_once(tmp_path):

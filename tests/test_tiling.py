@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import tiny_config
 
 from ctseg import config as cfg
 from ctseg import tiling
@@ -15,9 +16,7 @@ from ctseg import tiling
     [(32, 2, 6), (32, 3, 12), (64, 4, 10), (512, 4, 128), (48, 4, 8)],
 )
 def test_stage_windows_cover_each_level_once_with_enough_context(resolution, depth, tile):
-    config = cfg.from_dict(
-        {"data": {"resolution": resolution}, "model": {"base_filters": 2, "depth": depth}}
-    )
+    config = tiny_config(f"data.resolution={resolution}", f"model.depth={depth}")
     for stage in tiling.plan_stages(config, tile):
         size = resolution >> stage.level
         assert stage.size == size
@@ -27,7 +26,7 @@ def test_stage_windows_cover_each_level_once_with_enough_context(resolution, dep
             if covered is not None:
                 covered[w.core] += 1
             assert all(s.stop - s.start == stage.extent for s in w.window)  # one compile
-            for window, core in zip(w.window, w.core):
+            for window, core in zip(w.window, w.core, strict=True):
                 assert window.start <= core.start and core.stop <= window.stop
                 # Context on each side, unless the window stops at the level's face.
                 assert window.start == 0 or core.start - window.start >= stage.context
@@ -50,7 +49,7 @@ def test_windows_cover_the_grid_once_with_enough_context(size, core, context):
     for w in windows:
         covered[w.core] += 1
         assert all(s.stop - s.start == extent for s in w.window)  # one shape: one compile
-        for window, c in zip(w.window, w.core):
+        for window, c in zip(w.window, w.core, strict=True):
             assert window.start <= c.start and c.stop <= window.stop
             assert window.start == 0 or c.start - window.start >= context
             assert window.stop == size or window.stop - c.stop >= context
@@ -85,8 +84,8 @@ def test_automatic_plan_from_memory():
         tiling.choose_stages(config, memory=8 * 2**30, itemsize=2),
         tiling.choose_stages(config, memory=16 * 2**30, itemsize=4),
     ):
-        assert all(a.core <= b.core for a, b in zip(smaller, stages))
-        assert any(a.core < b.core for a, b in zip(smaller, stages))
+        assert all(a.core <= b.core for a, b in zip(smaller, stages, strict=True))
+        assert any(a.core < b.core for a, b in zip(smaller, stages, strict=True))
     # Nothing fits: small cores are the best chance.
     tiny = tiling.choose_stages(config, memory=2**20, itemsize=2)
     assert max(s.core for s in tiny) == 32
@@ -122,9 +121,7 @@ def test_stitch_table_blocks_hold_their_cores_with_their_margins(resolution, dep
     """Every block has the stage's static size, lies inside the grid and its window's
     output, holds the window's core, keeps a margin of context where it is not at a face,
     and the cores (the voxels each window owns) cover the output level exactly once."""
-    config = cfg.from_dict(
-        {"data": {"resolution": resolution}, "model": {"base_filters": 2, "depth": depth}}
-    )
+    config = tiny_config(f"data.resolution={resolution}", f"model.depth={depth}")
     for stage in tiling.plan_stages(config, tile):
         table = tiling.stitch_table(stage)
         block = stage.core // stage.scale

@@ -16,18 +16,20 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import TINY, prepare_store, tiny_config
 
 from ctseg import checkpoints, pipeline, train
 from ctseg import config as cfg
 from ctseg.errors import CtsegError
-from ctseg.partition import make_mesh
-from ctseg.store import Store, prepare
-from ctseg.train import MetricsLog, train_and_evaluate
+from ctseg.partition import make_mesh, replicated_shapes
+from ctseg.rundir import MetricsLog
+from ctseg.step import abstract_state
+from ctseg.store import Store
+from ctseg.train import train_and_evaluate
 from data_prep.synth import write_dataset
 
-TINY = [
-    "data.resolution=16",
-    "model.base_filters=2",
+TRAIN = [
+    *TINY,
     "model.depth=3",
     "mesh.spatial=[2,2,1]",
     "train.steps=4",
@@ -39,15 +41,15 @@ TINY = [
 ]
 
 
-def tiny(*extra):
-    return cfg.load(overrides=[*TINY, *extra])
+def tiny(*extra: str) -> cfg.Config:
+    return tiny_config(*TRAIN, *extra)
 
 
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     write_dataset(root / "raw", cases=4, size=32, seed=3)
-    prepare(root / "raw", root / "prep", tiny())
+    prepare_store(root / "raw", root / "prep", tiny())
     return root / "prep"
 
 
@@ -61,7 +63,8 @@ def uninterrupted(store_dir, tmp_path_factory):
 def final_params(run_dir):
     """Parameters and batch-norm statistics of the run's last checkpoint, as leaves."""
     config = cfg.load(run_dir / "config.toml")
-    _, params, stats, step = checkpoints.load_for_inference(run_dir, "latest")[1:]
+    model = checkpoints.load_model(run_dir, "latest")
+    params, stats, step = model.params, model.stats, model.step
     assert step == config.train.steps
     return jax.tree.leaves(jax.device_get((params, stats)))  # batch-norm statistics too
 
@@ -95,7 +98,7 @@ def test_global_batch_is_the_same_on_every_layout(store_dir):
         for spatial, data in (((1, 1, 1), 1), ((2, 2, 1), 2), ((1, 2, 4), 2))
     ]
     for other in batches[1:]:
-        for got, want in zip(other, batches[0]):
+        for got, want in zip(other, batches[0], strict=True):
             np.testing.assert_array_equal(got, want)
     assert not np.array_equal(batches[0][1][0], batches[0][1][1])  # two different cases
 
@@ -133,7 +136,7 @@ def test_population_statistics_are_the_same_on_every_layout(store_dir):
     ]
     params, want = runs[0]
     for _, got in runs[1:]:
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
     # Independent reference for the first layer: 3 volumes cycled into 2 batches of 2.
@@ -181,7 +184,7 @@ def test_crash_then_resume_ends_with_identical_parameters(
         train_and_evaluate(tiny(), store_dir, tmp_path, progress=crash_after(3))
     # The resumed run's last validation is its best (validation changes no parameter):
     # the summary must count the final checkpoint, whose save finishes after the loop.
-    monkeypatch.setattr(train, "validate", lambda *args: {"liver": 0.9, "tumor": 0.9})
+    monkeypatch.setattr(train, "validate", lambda *args: {"liver": 0.9, "tumour": 0.9})
     resolve = checkpoints.Checkpoints.resolve
 
     def resolve_once_written(self, which):
@@ -191,7 +194,7 @@ def test_crash_then_resume_ends_with_identical_parameters(
     monkeypatch.setattr(checkpoints.Checkpoints, "resolve", resolve_once_written)
     summary = train_and_evaluate(tiny(), store_dir, tmp_path)
     assert summary["step"] == 4
-    for got, want in zip(final_params(tmp_path), final_params(uninterrupted)):
+    for got, want in zip(final_params(tmp_path), final_params(uninterrupted), strict=True):
         np.testing.assert_array_equal(got, want)
     steps = [
         int(line.split('"step": ')[1].split(",")[0])
@@ -199,9 +202,9 @@ def test_crash_then_resume_ends_with_identical_parameters(
     ]
     assert steps == [1, 2, 3, 4]  # the lost step 3 was logged once, not twice
     # The summary names the best and the last validation and the checkpoint predict takes.
-    entries = MetricsLog.read(tmp_path / "metrics.jsonl")
+    entries = MetricsLog.read(tmp_path)
     validated = [e for e in entries if "val_dice_liver" in e]
-    best = max(validated, key=lambda e: (e["val_dice_liver"] + e["val_dice_tumor"], e["step"]))
+    best = max(validated, key=lambda e: (e["val_dice_liver"] + e["val_dice_tumour"], e["step"]))
     assert summary["last_validation"]["step"] == 4
     assert summary["best_validation"]["step"] == best["step"] == summary["predict_checkpoint"] == 4
     assert summary["best_validation"]["liver"] == best["val_dice_liver"]
@@ -224,7 +227,7 @@ def start_train_command(store_dir, run_dir, overrides, **popen):
 
 def test_sigkill_at_any_moment_then_resume_is_bit_identical(store_dir, uninterrupted, tmp_path):
     proc = start_train_command(
-        store_dir, tmp_path, TINY, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        store_dir, tmp_path, TRAIN, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     deadline = time.monotonic() + 240
     while not (tmp_path / "checkpoints" / "2").exists() and proc.poll() is None:
@@ -237,13 +240,13 @@ def test_sigkill_at_any_moment_then_resume_is_bit_identical(store_dir, uninterru
     train_and_evaluate(tiny(), store_dir, tmp_path)
     got, want = final_params(tmp_path), final_params(uninterrupted)
     assert len(got) == len(want)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize(("stop", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(stop, status, store_dir, tmp_path):
-    overrides = [*TINY, "train.steps=200", "train.checkpoint_every=100", "train.eval_every=100"]
+    overrides = [*TRAIN, "train.steps=200", "train.checkpoint_every=100", "train.eval_every=100"]
     proc = start_train_command(
         store_dir, tmp_path, overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -328,7 +331,7 @@ def test_full_disk_while_training_is_one_error_line_and_keeps_the_last_checkpoin
         proc = start_train_command(
             store_dir,
             tmp_path,
-            TINY,
+            TRAIN,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -343,16 +346,16 @@ def test_full_disk_while_training_is_one_error_line_and_keeps_the_last_checkpoin
     assert "step 2 is the latest intact one" in line
     # The half-written step 4 is not a checkpoint; step 2 still restores.
     assert [n for n in checkpoint_folders(tmp_path) if "orbax-checkpoint-tmp" not in n] == ["2"]
-    assert checkpoints.load_for_inference(tmp_path, "latest")[-1] == 2
+    assert checkpoints.load_model(tmp_path, "latest").step == 2
 
 
 def test_failed_background_save_is_reported_at_the_next_save_under_its_own_step(
     uninterrupted, tmp_path
 ):
     shutil.copytree(uninterrupted, tmp_path, dirs_exist_ok=True)
-    _, abstract = checkpoints.init_state_abstract(tiny())
+    _, abstract = abstract_state(tiny())
     manager = checkpoints.Checkpoints(tmp_path, keep=3)
-    state = manager.restore(4, checkpoints.replicated_like(abstract, make_mesh((1, 1, 1))))
+    state = manager.restore(4, replicated_shapes(abstract, make_mesh((1, 1, 1))))
     later = state._replace(step=state.step + 2)
     with file_size_limit(FULL_DISK), pytest.raises(CtsegError) as failure:
         manager.save(later)  # step 6: fails in orbax's background thread...
@@ -369,7 +372,7 @@ def test_failed_background_save_is_reported_at_the_next_save_under_its_own_step(
     reader = checkpoints.Checkpoints(tmp_path, keep=1, read_only=True)
     assert reader.manager.all_steps() == [2, 4] and reader.resolve("latest") == 4
     reader.close()
-    for got, want in zip(final_params(tmp_path), final_params(uninterrupted)):
+    for got, want in zip(final_params(tmp_path), final_params(uninterrupted), strict=True):
         np.testing.assert_array_equal(got, want)
     # Resuming: the leftover temporary folder goes, and step 6 can be saved again.
     manager = checkpoints.Checkpoints(tmp_path, keep=3)
@@ -381,7 +384,7 @@ def test_failed_background_save_is_reported_at_the_next_save_under_its_own_step(
 def test_metrics_log_on_a_full_disk_is_one_error_line(tmp_path):
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")
-    log = MetricsLog(tmp_path / "metrics.jsonl", resume_step=0)
+    log = MetricsLog(tmp_path, resume_step=0)
     log.path = Path("/dev/full")  # every write: ENOSPC
     with pytest.raises(CtsegError, match="No space left on device"):
         log.append({"step": 1, "loss": 0.5})
@@ -397,7 +400,7 @@ def test_resume_on_another_layout_equals_the_run_that_never_moved(
         train_and_evaluate(tiny("mesh.spatial=[4,4,1]"), store_dir, tmp_path, crash_after(2))
     summary = train_and_evaluate(tiny("mesh.spatial=[1,1,1]"), store_dir, tmp_path)
     assert summary["step"] == 4
-    for got, want in zip(final_params(tmp_path), final_params(uninterrupted)):
+    for got, want in zip(final_params(tmp_path), final_params(uninterrupted), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     history = [json.loads(line) for line in (tmp_path / "layouts.jsonl").read_text().splitlines()]
     assert [(h["from_step"], h["mesh"]["spatial"]) for h in history] == [
@@ -440,7 +443,7 @@ def test_cli_warns_when_the_store_has_no_validation_cases(monkeypatch, store_dir
     summary.update(last_validation=None, best_validation=None, predict_checkpoint=4)
     monkeypatch.setattr(ctseg.train, "train_and_evaluate", lambda *a, **k: summary)
     args = ["train", "--data", str(store_dir), "--workdir", str(tmp_path)]
-    result = CliRunner().invoke(app, [*args, *[f"--set={o}" for o in TINY]])
+    result = CliRunner().invoke(app, [*args, *[f"--set={o}" for o in TRAIN]])
     assert result.exit_code == 0, result.output
     output = " ".join(result.output.split())
     assert "warning: the store has no validation cases" in output

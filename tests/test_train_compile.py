@@ -1,17 +1,13 @@
 """Training compiles its step once: the program the memory check reads is the one the loop runs."""
 
 import pytest
+from helpers import prepare_store, tiny_config
 
-from ctseg import config as cfg
 from ctseg import devices as dev
-from ctseg.store import prepare
 from ctseg.train import train_and_evaluate
 from data_prep.synth import write_dataset
 
-TINY = [
-    "data.resolution=16",
-    "model.base_filters=2",
-    "model.depth=2",
+TRAIN = [
     "mesh.spatial=[2,1,1]",
     "train.steps=2",
     "train.eval_every=2",
@@ -25,7 +21,7 @@ TINY = [
 def store_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("compile")
     write_dataset(root / "raw", cases=3, size=24, seed=5)
-    prepare(root / "raw", root / "prep", cfg.load(overrides=TINY))
+    prepare_store(root / "raw", root / "prep", tiny_config(*TRAIN))
     return root / "prep"
 
 
@@ -36,6 +32,6 @@ def test_the_step_compiles_once_with_the_memory_check(store_dir, tmp_path, monke
     monkeypatch.setattr(dev, "is_accelerator", lambda devices: True)
     clock = dev.compile_clock()
     before = clock.by_name["jit(train_step)"]
-    train_and_evaluate(cfg.load(overrides=TINY), store_dir, tmp_path / "run")
+    train_and_evaluate(tiny_config(*TRAIN), store_dir, tmp_path / "run")
     # Measured before the loop ran the checked program: 2 (the check's, then the loop's).
     assert clock.by_name["jit(train_step)"] - before == 1

@@ -89,10 +89,10 @@ def test_partitioned_step_equals_unpartitioned(reference, spatial, data, partiti
     )
     got = _loss_grads_and_logits(config, pt.make_mesh(spatial, data))
     names = ["loss", "gradients", "batch statistics", "logits"]
-    for name, g, w in zip(names, got, reference):
+    for name, g, w in zip(names, got, reference, strict=True):
         g_leaves, w_leaves = jax.tree.leaves(g), jax.tree.leaves(w)
         assert len(g_leaves) == len(w_leaves)
-        for gl, wl in zip(g_leaves, w_leaves):
+        for gl, wl in zip(g_leaves, w_leaves, strict=True):
             assert _relative_error(gl, wl) <= 1e-5, name
 
 
@@ -122,7 +122,7 @@ def test_remat_changes_memory_not_results():
             return jnp.sum(unet.apply(graphdef, p, stats, x, pt.LOCAL, True)[0] ** 2)
 
         outs.append(jax.grad(loss)(params))
-    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 

@@ -1,0 +1,160 @@
+"""The run directory: what `ctseg train` writes, and what `predict` and `evaluate` read.
+
+Layout (the contract between `ctseg train` and the commands after it)::
+
+    RUN_DIR/config.toml      the fully resolved config; a resumed run must match it (mesh aside)
+    RUN_DIR/checkpoints/     orbax checkpoints (`ctseg.checkpoints`): the latest K plus the best
+    RUN_DIR/metrics.jsonl    one JSON object per logged step; validation entries carry Dice
+    RUN_DIR/curves.png       loss and validation Dice over steps, redrawn at each validation
+    RUN_DIR/layouts.jsonl    one line per start: {"from_step", "mesh", "devices"}
+    RUN_DIR/eval/            `ctseg evaluate RUN_DIR`'s default output folder
+
+This module reads and writes the plain files; it imports no JAX, so a command can
+read a run's config before it chooses (and starts) the devices.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ctseg import atomic
+from ctseg import config as cfg
+from ctseg.errors import CtsegError
+
+CONFIG = "config.toml"
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+CURVES = "curves.png"
+LAYOUTS = "layouts.jsonl"
+EVALUATION = "eval"
+# What makes a folder a run directory's: `ctseg train` claims no folder of others' files.
+OWN_FILES = (CONFIG, CHECKPOINTS)
+
+
+def load_config(run_dir: Path) -> cfg.Config:
+    """The run's config.toml; CtsegError if `run_dir` is no run directory."""
+    path = Path(run_dir) / CONFIG
+    if not path.is_file():
+        raise CtsegError(f"{run_dir} is not a ctseg run directory (no {CONFIG})")
+    return cfg.load(path)
+
+
+def write_or_check_config(run_dir: Path, config: cfg.Config, write: bool = True) -> None:
+    """Write RUN_DIR/config.toml, or check that an existing run used the same config.
+
+    The mesh is not part of a run's identity: every layout trains the same model
+    (invariant 1), so a run may resume on another machine with another layout.
+    """
+    path = Path(run_dir) / CONFIG
+    if path.exists():
+        previous, current = cfg.to_dict(cfg.load(path)), cfg.to_dict(config)
+        previous.pop("mesh")
+        current.pop("mesh")
+        if previous != current:
+            changed = [
+                f"{section}.{key}"
+                for section, values in current.items()
+                for key, value in values.items()
+                if previous[section][key] != value
+            ]
+            raise CtsegError(
+                f"{run_dir} holds a run with a different config ({', '.join(changed)}); "
+                "use a new --workdir, or the same config to resume"
+            )
+        return
+    if write:
+        atomic.write_text(path, cfg.to_toml(config))
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir).absolute() / CHECKPOINTS
+
+
+def evaluation_dir(run_dir: Path, out: Path | None = None) -> Path:
+    """Where `ctseg evaluate RUN_DIR` writes: `out`, else RUN_DIR/eval."""
+    return Path(run_dir) / EVALUATION if out is None else Path(out)
+
+
+class MetricsLog:
+    """RUN_DIR/metrics.jsonl; on resume, entries after the restored step are dropped.
+
+    Only the writing process (process 0 of a multi-host job) touches the file;
+    the others keep the entries in memory.
+    """
+
+    def __init__(self, run_dir: Path, resume_step: int, write: bool = True):
+        self.path = Path(run_dir) / METRICS
+        self.write = write
+        kept = [e for e in self.read(run_dir) if e["step"] <= resume_step]
+        if write:
+            atomic.write_text(self.path, "".join(json.dumps(e) + "\n" for e in kept))
+        self.entries = kept
+
+    @staticmethod
+    def read(run_dir: Path) -> list[dict[str, Any]]:
+        """The entries of RUN_DIR/metrics.jsonl, old runs' keys spelled as today's."""
+        path = Path(run_dir) / METRICS
+        if not path.exists():
+            return []
+        entries = []
+        for line in path.read_text().splitlines():
+            try:
+                entries.append(_current_keys(json.loads(line)))
+            except json.JSONDecodeError:
+                break  # a line cut by a kill: everything after it is lost anyway
+        return entries
+
+    def append(self, entry: dict[str, Any]) -> None:
+        self.entries.append(entry)
+        if not self.write:
+            return
+        # A full disk is the user's to fix: one line, not a traceback. A line cut short
+        # here is no harm: `read` stops at it, and a resume drops it with the later steps.
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(entry) + "\n")
+        except OSError as exc:
+            raise CtsegError(f"could not write {self.path}: {exc.strerror or exc}") from exc
+
+    def validations(self) -> dict[int, dict[str, float]]:
+        """Step → {step, liver, tumour} of every validation entry."""
+        return {
+            e["step"]: {
+                "step": e["step"],
+                "liver": e["val_dice_liver"],
+                "tumour": e["val_dice_tumour"],
+            }
+            for e in self.entries
+            if "val_dice_liver" in e
+        }
+
+
+def _current_keys(entry: dict[str, Any]) -> dict[str, Any]:
+    # Runs written before the outputs settled on one spelling logged `val_dice_tumor`.
+    if "val_dice_tumor" in entry:
+        entry["val_dice_tumour"] = entry.pop("val_dice_tumor")
+    return entry
+
+
+def record_layout(run_dir: Path, step: int, config: cfg.Config, where: str) -> None:
+    """Append to RUN_DIR/layouts.jsonl which layout and devices train from `step` on."""
+    entry = {"from_step": step, "mesh": cfg.to_dict(config)["mesh"], "devices": where}
+    path = Path(run_dir) / LAYOUTS
+    previous = path.read_text() if path.exists() else ""
+    atomic.write_text(path, previous + json.dumps(entry) + "\n")
+
+
+def last_layout(run_dir: Path) -> dict[str, Any] | None:
+    """The latest entry of RUN_DIR/layouts.jsonl (the layout the run last trained on)."""
+    path = Path(run_dir) / LAYOUTS
+    if not path.exists():
+        return None
+    last = None
+    for line in path.read_text().splitlines():
+        try:
+            last = json.loads(line)
+        except json.JSONDecodeError:
+            break
+    return last if isinstance(last, dict) else None

@@ -1,0 +1,376 @@
+"""Building a prepared store (`ctseg preprocess`): every case of a raw data set resampled
+to the R³ grid, in worker processes, resumable. The store's layout is `ctseg.store`'s.
+
+Every write is atomic and a case counts as done only once its ``case.json`` is
+written (after its arrays), so a killed run is simply run again: finished cases are
+skipped. The manifest is written last and lists only the cases that were prepared.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import errno
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from ctseg import lock, preprocess, store
+from ctseg.atomic import claim_folder, write_json, write_npy
+from ctseg.config import Config
+from ctseg.errors import CtsegError
+from ctseg.store import CaseEntry, Layout, RawCase, Store
+from ctseg.volume import Scan, geometry_difference, read_scan
+
+Progress = Callable[[int, int, str], None]
+Status = Literal["prepared", "resumed", "failed"]
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@dataclass(frozen=True)
+class CaseOutcome:
+    """What `write_store` did with one case of the raw folder."""
+
+    case_id: str
+    split: str
+    status: Status  # "resumed": already prepared by an earlier run, left as it was
+    reason: str = ""  # the one-line error of a failed case
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    store: Store | None  # None when no case could be prepared (then no manifest is written)
+    outcomes: list[CaseOutcome]  # one per case found, in the raw folder's order
+
+    @property
+    def failures(self) -> list[CaseOutcome]:
+        return [o for o in self.outcomes if o.status == "failed"]
+
+
+def assign_splits(case_ids: list[str], val_fraction: float, seed: int) -> dict[str, str]:
+    """Deterministic train/val split: at least one val case once there are two or more."""
+    count = len(case_ids)
+    n_val = round(count * val_fraction)
+    if val_fraction > 0 and count >= 2:
+        n_val = min(max(n_val, 1), count - 1)
+    order = np.random.default_rng(seed).permutation(count)
+    val = {case_ids[i] for i in order[:n_val]}
+    return {cid: "val" if cid in val else "train" for cid in case_ids}
+
+
+def write_store(
+    layout: Layout,
+    out_dir: str | Path,
+    config: Config,
+    progress: Progress | None = None,
+    force: bool = False,
+    workers: int = 1,
+    warn: Callable[[str], None] | None = None,
+) -> PrepareResult:
+    """Resample every case of `layout` into a store at `out_dir`; resumable.
+
+    Cases already prepared at this resolution from the same sources are skipped
+    unless `force`. A case that fails (bad file, missing label, ...) is recorded
+    with its one-line reason and left out of the manifest; the others go on.
+    `workers` > 1 prepares cases in that many processes at once. Problems that
+    stop everything (a store of another resolution, another command writing the
+    store) raise CtsegError; `warn` hears of a lock taken over from a command that died.
+    """
+    workers = usable_workers(workers)
+    out_dir = Path(out_dir)
+    # One writer per store: two preprocesses at once would write one case's arrays twice.
+    with lock.hold(out_dir, warn):
+        return _write(layout, out_dir, config, progress, force, workers)
+
+
+def _write(
+    layout: Layout,
+    out_dir: Path,
+    config: Config,
+    progress: Progress | None,
+    force: bool,
+    workers: int,
+) -> PrepareResult:
+    resolution = config.data.resolution
+    _check_existing_store(out_dir, resolution, force)
+    # A manifest must never describe arrays that are being rewritten.
+    (out_dir / store.MANIFEST).unlink(missing_ok=True)
+
+    splits = _splits(layout, config)
+    entries: dict[str, CaseEntry] = {}
+    outcomes: dict[str, CaseOutcome] = {}
+
+    def record(case: RawCase, result: CaseEntry | str, resumed: bool = False) -> None:
+        split = splits[case.case_id]
+        if isinstance(result, str):
+            outcomes[case.case_id] = CaseOutcome(case.case_id, split, "failed", result)
+        else:
+            entries[case.case_id] = dataclasses.replace(result, split=split)
+            outcomes[case.case_id] = CaseOutcome(
+                case.case_id, split, "resumed" if resumed else "prepared"
+            )
+        if progress is not None:
+            progress(len(outcomes), len(layout.cases), case.case_id)
+
+    todo = []
+    for case in layout.cases:
+        finished = None if force else _finished_entry(out_dir, case, resolution)
+        if finished is not None:
+            record(case, finished, resumed=True)
+        elif case.label is None and not layout.predict_only:
+            record(case, f"training case without its label: no label file for {case.image}")
+        else:
+            todo.append(case)
+    for case, result in _prepare_all(todo, out_dir, resolution, workers):
+        record(case, result)
+
+    ordered = [c.case_id for c in layout.cases]
+    good = [entries[i] for i in ordered if i in entries]
+    written = _write_manifest(out_dir, resolution, good) if good else None
+    return PrepareResult(store=written, outcomes=[outcomes[i] for i in ordered])
+
+
+def usable_workers(requested: int) -> int:
+    """`requested` worker processes, but at most one per CPU this process may run on.
+
+    More would only share the CPUs (and multiply the memory): 1000 workers on 2 cores
+    were 20× slower than 2. CtsegError below 1.
+    """
+    if requested < 1:
+        raise CtsegError(f"--workers must be at least 1, got {requested}")
+    try:
+        cpus = len(os.sched_getaffinity(0))  # what taskset or a container's cpuset leaves
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return min(requested, cpus)
+
+
+def _splits(layout: Layout, config: Config) -> dict[str, str]:
+    """Case id -> split: "test" in a predict-only store, else a train/val split.
+
+    The split is drawn over all training cases found, failed ones included, so that
+    a case keeps its split when a failed neighbour is fixed and the store brought up to date.
+    """
+    case_ids = [c.case_id for c in layout.cases]
+    if layout.predict_only:
+        return dict.fromkeys(case_ids, "test")
+    return assign_splits(case_ids, config.data.val_fraction, config.data.split_seed)
+
+
+def _write_manifest(out_dir: Path, resolution: int, entries: list[CaseEntry]) -> Store:
+    write_json(
+        out_dir / store.MANIFEST,
+        {
+            "format": store.FORMAT,
+            "version": store.VERSION,
+            "resolution": resolution,
+            "cases": [e.to_json() for e in entries],
+        },
+    )
+    return Store.open(out_dir)
+
+
+def _check_existing_store(out_dir: Path, resolution: int, force: bool) -> None:
+    """Refuse a folder that is not a store (unless `force`), or a store of another grid."""
+    # A killed first run leaves cases/ without a manifest: the folder is still the store's.
+    claim_folder(out_dir, (store.MANIFEST, "cases"), force)
+    _check_writable(out_dir)
+    store.manifest_file(out_dir)
+    manifest = None if force else store.read_manifest(out_dir)
+    if manifest is not None and manifest.get("resolution") != resolution:
+        raise CtsegError(
+            f"{out_dir} holds a store at resolution {manifest.get('resolution')}, "
+            f"not {resolution}; use another folder or --force to rebuild it"
+        )
+
+
+def _check_writable(folder: Path) -> None:
+    """CtsegError naming the folder if no file can be created in it (read-only, not ours).
+
+    Found here, before any case, rather than as the same failure for every case and
+    then a traceback at the manifest.
+    """
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise CtsegError(f"cannot write in {folder}: {exc.strerror or exc}") from None
+
+
+def _write_array(path: Path, array: np.ndarray) -> None:
+    """`write_npy`, with a full disk said as such.
+
+    numpy writes arrays with fwrite, whose short write on a full disk reaches Python
+    as "32768 requested and 6080 written", without an errno.
+    """
+    try:
+        write_npy(path, array)
+    except CtsegError as exc:
+        cause = exc.__cause__
+        short_write = isinstance(cause, OSError) and cause.errno is None
+        if not (short_write or getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT)):
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise CtsegError(
+            f"cannot write {path}: no space left on the device of {path.parent} "
+            f"({array.nbytes / 2**20:.0f} MiB to write, {free / 2**20:.0f} MiB free); free "
+            "some space and run the same command: finished cases are kept"
+        ) from cause
+
+
+def _finished_entry(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry | None:
+    """The entry of a case already prepared from the same sources at this resolution, else None.
+
+    Sources are compared by path only (a DICOM series is a folder: nothing is hashed or
+    stat-ed), so a scan changed in place needs --force.
+    """
+    case_json = store.case_json_path(out_dir, case.case_id)
+    if not case_json.is_file():
+        return None
+    kinds = ("image",) if case.label is None else ("image", "label")
+    try:
+        entry = CaseEntry.from_json(json.loads(case_json.read_text()))
+        shapes = [
+            np.load(store.array_path(out_dir, case.case_id, kind), mmap_mode="r").shape
+            for kind in kinds
+        ]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # damaged or from an older layout: prepare the case again
+    same_sources = (entry.image_source, entry.label_source) == _sources(case)
+    if same_sources and shapes == [(resolution,) * 3] * len(kinds):
+        return entry
+    return None
+
+
+def _sources(case: RawCase) -> tuple[str, str | None]:
+    label = None if case.label is None else str(case.label.resolve())
+    return str(case.image.resolve()), label
+
+
+def _prepare_all(
+    cases: list[RawCase], out_dir: Path, resolution: int, workers: int
+) -> Iterator[tuple[RawCase, CaseEntry | str]]:
+    """Prepare `cases`, in this process or in a pool; yield each with its entry or error."""
+    if workers == 1 or len(cases) <= 1:
+        for case in cases:
+            yield case, _prepare_or_reason(out_dir, case, resolution)
+        return
+    # 'spawn': forking a parent that may have started JAX's threads can deadlock the child.
+    pool = ProcessPoolExecutor(
+        max_workers=min(workers, len(cases)),
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_end_with_parent,
+        initargs=(os.getpid(),),
+    )
+    try:
+        futures = {
+            pool.submit(_prepare_or_reason, out_dir, case, resolution): case for case in cases
+        }
+        for future in as_completed(futures):
+            yield futures[future], _worker_result(future)
+    finally:
+        # On Ctrl-C, start no further case; those running finish (their writes are atomic).
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _end_with_parent(parent: int) -> None:
+    """Pool initializer: this worker ends when `parent` does, even killed by SIGKILL.
+
+    A worker busy with a case outlives a killed parent otherwise, and keeps the
+    multiprocessing resource tracker (which waits for every holder of its pipe) alive.
+    """
+    try:  # Linux: the kernel sends the signal, whatever the worker is doing
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (AttributeError, OSError):  # elsewhere: a thread watches for the parent
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # it died before the signal was asked for
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _worker_result(future: Future) -> CaseEntry | str:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        return "the worker process died (out of memory?); re-run with fewer --workers"
+
+
+def _prepare_or_reason(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry | str:
+    """The case's entry, or the one-line reason it could not be prepared (runs in workers)."""
+    try:
+        return _prepare_case(out_dir, case, resolution)
+    except CtsegError as exc:
+        return str(exc)
+    except MemoryError:
+        return "out of memory; re-run with fewer --workers or more memory"
+
+
+def _prepare_case(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry:
+    image = read_scan(case.image)
+    label_counts = None
+    if case.label is not None:
+        label_grid = _label_grid(image, case.label, resolution)
+        _write_array(store.array_path(out_dir, case.case_id, "label"), label_grid)
+        # Not np.bincount: it would first copy a 512³ grid into 1 GiB of int64.
+        label_counts = tuple(
+            int(np.count_nonzero(label_grid == v)) for v in preprocess.LABEL_VALUES
+        )
+    _write_array(
+        store.array_path(out_dir, case.case_id, "image"),
+        preprocess.image_to_grid(image.array, resolution),
+    )
+    image_source, label_source = _sources(case)
+    entry = CaseEntry(
+        id=case.case_id,
+        split="",  # assigned over all cases in `prepare`
+        image_source=image_source,
+        label_source=label_source,
+        original_shape=image.original_shape,
+        original_affine=_rows(image.original_affine),
+        canonical_shape=tuple(int(n) for n in image.array.shape),
+        canonical_affine=_rows(image.affine),
+        spacing=image.spacing,
+        label_counts=label_counts,
+    )
+    write_json(store.case_json_path(out_dir, case.case_id), entry.to_json())
+    return entry
+
+
+def _label_grid(image: Scan, label_path: Path, resolution: int) -> np.ndarray:
+    """The case's label map on the grid, after checking it against the image."""
+    label = read_scan(label_path)
+    _check_same_geometry(image, label)
+    labels = preprocess.check_labels(label.array, label_path.name)
+    return preprocess.to_grid(labels, resolution, order=0)
+
+
+def _rows(affine: np.ndarray) -> tuple[tuple[float, ...], ...]:
+    return tuple(tuple(float(v) for v in row) for row in affine)
+
+
+def _check_same_geometry(image: Scan, label: Scan) -> None:
+    difference = geometry_difference(
+        image.original_shape, image.original_affine, label.original_shape, label.original_affine
+    )
+    if difference:
+        raise CtsegError(
+            f"{image.source.name} and {label.source.name} differ in geometry: {difference}"
+        )
