@@ -97,7 +97,7 @@ def write_dicom_seg(
     `scan` is what `volume.read_scan` read from a DICOM series folder (its `source`);
     `labels` are the uint8 0/1/2 label map in the scan's canonical order, the array
     `volume.write_labels` takes. The series is found again the way the reader found
-    it (`volume._dicom_series_files`: the folder's one series, other files ignored,
+    it (`volume.dicom_series_files`: the folder's one series, other files ignored,
     several series refused) and its headers read with pydicom (no pixel data). Each
     source instance gets the slice of the label map at its own Image Position
     (Patient), whatever the file names' order. New series and instance UIDs; the
@@ -115,7 +115,7 @@ def write_dicom_seg(
     folder = Path(scan.source)
     check_dicom_source(folder)
     hd, pydicom = _libraries()
-    files = volume._dicom_series_files(folder)
+    files = volume.dicom_series_files(folder)
     datasets = [_read_header(pydicom, Path(file)) for file in files]
     _check_series(folder, datasets)
     slices = _slice_indices(scan, datasets, files)
@@ -223,7 +223,7 @@ def _slice_indices(scan: volume.Scan, datasets: list[Dataset], files: list[str])
         )
     to_voxel = np.linalg.inv(scan.original_affine)
     slices = np.empty(len(datasets), dtype=np.int64)
-    for n, (ds, file) in enumerate(zip(datasets, files)):
+    for n, (ds, file) in enumerate(zip(datasets, files, strict=True)):
         position = ds.get("ImagePositionPatient")
         if position is None or len(position) != 3:
             raise CtsegError(

@@ -299,7 +299,7 @@ def _itemsize(info: sitk.ImageFileReader) -> int:
 
 
 def _read_dicom_series(folder: Path) -> tuple[np.ndarray, np.ndarray, None]:
-    files = _dicom_series_files(folder)
+    files = dicom_series_files(folder)
     try:
         first = _image_information(files[0])
         columns, rows = first.GetSize()[:2]
@@ -314,7 +314,7 @@ def _read_dicom_series(folder: Path) -> tuple[np.ndarray, np.ndarray, None]:
     return (*_read_itk_image(folder, image), None)
 
 
-def _dicom_series_files(folder: Path) -> list[str]:
+def dicom_series_files(folder: Path) -> list[str]:
     """File names of the folder's one series, in slice order; CtsegError if not exactly one.
 
     Never a choice among several (a scout beside the CT, two reconstructions of one

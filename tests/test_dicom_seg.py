@@ -60,7 +60,7 @@ def _ct_series(folder: Path, *, shuffle: bool = False, uids: bool = True) -> Non
             ds.save_as(file)
     if shuffle:
         order = np.random.default_rng(1).permutation(len(files))
-        for file, n in zip(files, order):
+        for file, n in zip(files, order, strict=True):
             file.rename(folder / f"tmp{n:03d}")
         for n in range(len(files)):
             (folder / f"tmp{n:03d}").rename(folder / f"IM{(n * 7) % len(files):04d}.dcm")
@@ -135,7 +135,7 @@ def test_seg_matches_the_nifti_labels_frame_by_frame(tmp_path, shuffle):
 
     expected = _expected_frames(scan, labels, tmp_path)
     masks = _masks(seg, uids)  # [instance, row, column, segment]
-    for uid, mask in zip(uids, masks):
+    for uid, mask in zip(uids, masks, strict=True):
         np.testing.assert_array_equal(mask[..., 0], expected[uid] >= 1, err_msg=f"liver {uid}")
         np.testing.assert_array_equal(mask[..., 1], expected[uid] == 2, err_msg=f"tumour {uid}")
     assert masks[..., 1].any() and (masks[..., 0] & ~masks[..., 1]).any()
