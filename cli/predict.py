@@ -134,11 +134,12 @@ def predict(
     start_jax(config, devices=1, device=device, compile_cache=compile_cache)
     # After start_jax: importing the pipeline starts JAX.
     from ctseg.predict import Predictor
-    from ctseg.predict_files import expand_inputs, predict_files
+    from ctseg.predict_files import check_output_folder, expand_inputs, predict_files
 
     options = InferenceOptions(checkpoint, tile, backend and backend.value, device.value, tta)
     # One writer per --out: two predictions at once would mix their outputs. A file in
     # its place is one error line, not a failure per scan.
+    check_output_folder(out)
     with lock.hold(out, warn):
         scans, outcomes = expand_inputs(inputs, out)
         predictor = Predictor.from_run(run_dir, options, config)

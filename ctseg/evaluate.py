@@ -35,8 +35,6 @@ from ctseg.store import CaseEntry, Store
 
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
 CSV_SECTIONS = ("liver", "tumour", "detection", "burden")
-# In an evaluation's --out: the run, checkpoint, store and split it holds.
-EVALUATED = "evaluated.json"
 Case = TypeVar("Case")
 
 Progress = Callable[[int, int, str], None]  # (cases done, cases in total, current case name)
@@ -283,7 +281,7 @@ def evaluate_run(
 
     `options`: checkpoint, tiles, backend, devices and TTA (`ctseg.predict.Predictor`);
     `config`: the run's config.toml if already read. `out_dir` (default RUN_DIR/eval)
-    holds one evaluation: `EVALUATED` records its run, checkpoint, store and split.
+    holds one evaluation: `rundir.EVALUATED` records its run, checkpoint, store and split.
     Another one is replaced only with `force`; every evaluation first clears what an
     earlier one wrote, so that predictions are never mixed. The folder's lock is held
     throughout (`ctseg.lock`; `warn` hears of a dead holder's).
@@ -308,7 +306,7 @@ def evaluate_run(
     if not cases:
         raise CtsegError(f"the store at {data_dir} has no labelled cases in the {split!r} split")
     with lock.hold(out_dir, warn):
-        atomic.claim_folder(out_dir, ("summary.json", "predictions", EVALUATED), force=None)
+        atomic.claim_folder(out_dir, ("summary.json", "predictions", rundir.EVALUATED), force=None)
         predictor = Predictor.from_run(run_dir, options, config)
         if store.resolution != predictor.config.data.resolution:
             raise CtsegError(
@@ -359,7 +357,7 @@ def _evaluation_of(run_dir: Path, step: int, data_dir: Path, split: str) -> dict
 
 def _claim_evaluation(out_dir: Path, evaluation: dict[str, Any], force: bool) -> None:
     """Make `out_dir` the folder of `evaluation`: refuse another's unless `force`, then clear."""
-    record, summary = out_dir / EVALUATED, out_dir / "summary.json"
+    record, summary = out_dir / rundir.EVALUATED, out_dir / "summary.json"
     earlier = None
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         if record.exists():

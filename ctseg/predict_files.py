@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ctseg import atomic, postprocess, report, volume
+from ctseg import atomic, postprocess, report, rundir, store, volume
 from ctseg.errors import CtsegError
 from ctseg.jax_backend import is_out_of_memory
 from ctseg.predict import PHASES, Predictor, Seconds, StageProgress, timed, volume_warnings
@@ -53,6 +53,22 @@ class ScanOutcome:
     # compiling ahead) are the predictor's, added to them in the stats file.
     seconds: Seconds = field(default_factory=dict)
     done_earlier: bool = False  # its outputs, by this model, were all there: left as they were
+
+
+def check_output_folder(out_dir: Path) -> None:
+    """CtsegError if `out_dir` is another command's folder: a run directory, a prepared
+    store or an evaluation's folder. Predictions written there would be mixed with what
+    that command reads back (and `ctseg preprocess` would take the store for foreign)."""
+    out_dir = Path(out_dir)
+    if rundir.is_run_dir(out_dir):
+        what = "a run directory of `ctseg train`"
+    elif (out_dir / store.MANIFEST).exists():
+        what = "a prepared store of `ctseg preprocess`"
+    elif (out_dir / rundir.EVALUATED).exists():
+        what = "the folder of a `ctseg evaluate RUN_DIR`"
+    else:
+        return
+    raise CtsegError(f"--out {out_dir} is {what}; give a folder for the predictions")
 
 
 def expand_inputs(

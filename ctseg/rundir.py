@@ -7,7 +7,8 @@ Layout (the contract between `ctseg train` and the commands after it)::
     RUN_DIR/metrics.jsonl    one JSON object per logged step; validation entries carry Dice
     RUN_DIR/curves.png       loss and validation Dice over steps, redrawn at each validation
     RUN_DIR/layouts.jsonl    one line per start: {"from_step", "mesh", "devices"}
-    RUN_DIR/eval/            `ctseg evaluate RUN_DIR`'s default output folder
+    RUN_DIR/eval/            `ctseg evaluate RUN_DIR`'s default output folder: evaluated.json
+                             (what it evaluated), summary.json, metrics.csv, predictions/
 
 This module reads and writes the plain files; it imports no JAX, so a command can
 read a run's config before it chooses (and starts) the devices.
@@ -29,6 +30,8 @@ METRICS = "metrics.jsonl"
 CURVES = "curves.png"
 LAYOUTS = "layouts.jsonl"
 EVALUATION = "eval"
+# In an evaluation's folder (RUN_DIR/eval, or --out): the run, checkpoint, store and split.
+EVALUATED = "evaluated.json"
 # What makes a folder a run directory's: `ctseg train` claims no folder of others' files.
 OWN_FILES = (CONFIG, CHECKPOINTS)
 
@@ -66,6 +69,11 @@ def write_or_check_config(run_dir: Path, config: cfg.Config, write: bool = True)
         return
     if write:
         atomic.write_text(path, cfg.to_toml(config))
+
+
+def is_run_dir(folder: Path) -> bool:
+    """Whether `folder` is a run directory (a `ctseg train` wrote its config there)."""
+    return all((Path(folder) / name).exists() for name in OWN_FILES)
 
 
 def checkpoints_dir(run_dir: Path) -> Path:

@@ -270,6 +270,23 @@ def test_outputs_are_never_put_among_a_runs_checkpoints(trained, tmp_path):
     assert not inside.exists()
 
 
+def test_predict_never_writes_into_a_run_a_store_or_an_evaluation(trained, tmp_path):
+    run_dir, store, raw = trained
+    evaluation = tmp_path / "eval"
+    evaluation.mkdir()
+    (evaluation / "evaluated.json").write_text("{}")
+    for out, what in (
+        (run_dir, "a run directory"),
+        (store, "a prepared store"),
+        (evaluation, "the folder of a `ctseg evaluate RUN_DIR`"),
+    ):
+        before = sorted(p.name for p in out.iterdir())
+        result = runner.invoke(app, ["predict", str(run_dir), str(raw), "--out", str(out)])
+        assert isinstance(result.exception, CtsegError), result.output
+        assert f"--out {out} is {what}" in str(result.exception)
+        assert sorted(p.name for p in out.iterdir()) == before  # not even a lock file
+
+
 def test_an_evaluation_of_another_run_is_replaced_only_with_force_and_never_mixed(
     trained, tmp_path
 ):

@@ -20,6 +20,7 @@ from helpers import TINY, prepare_store, tiny_config
 
 from ctseg import checkpoints, pipeline, train
 from ctseg import config as cfg
+from ctseg import devices as dev
 from ctseg.errors import CtsegError
 from ctseg.partition import make_mesh, replicated_shapes
 from ctseg.rundir import MetricsLog
@@ -398,8 +399,14 @@ def test_resume_on_another_layout_equals_the_run_that_never_moved(
 
     with pytest.raises(Crash):
         train_and_evaluate(tiny("mesh.spatial=[4,4,1]"), store_dir, tmp_path, crash_after(2))
-    summary = train_and_evaluate(tiny("mesh.spatial=[1,1,1]"), store_dir, tmp_path)
+    said: list[str] = []
+    summary = train_and_evaluate(tiny("mesh.spatial=[1,1,1]"), store_dir, tmp_path, say=said.append)
     assert summary["step"] == 4
+    # A resumed run says so before it compiles: from which step, and where it trained before.
+    assert said == [
+        "resuming from checkpoint 2 (of 4 steps); steps 0–2 trained on mesh.spatial "
+        f"[4, 4, 1], data 1: {dev.describe(jax.devices()[:16], simulated=True)}"
+    ]
     for got, want in zip(final_params(tmp_path), final_params(uninterrupted), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     history = [json.loads(line) for line in (tmp_path / "layouts.jsonl").read_text().splitlines()]
