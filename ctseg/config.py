@@ -29,7 +29,20 @@ def _f(default: Any, doc: str) -> Any:
 
 @dataclass(frozen=True)
 class DataConfig:
-    resolution: int = _f(128, "Side R of the cubic R³ grid every scan is resampled to.")
+    resolution: int = _f(
+        128,
+        "Side R of the R³ box the network trains on: the whole scan stretched onto it "
+        "(grid = cube), or a box of the scan at data.spacing (grid = spacing).",
+    )
+    grid: Literal["cube", "spacing"] = _f(
+        "cube",
+        "cube: every scan's field of view stretched onto R³ (the Mesh-TensorFlow LiTS "
+        "model's choice); spacing: every scan resampled to data.spacing, training on an "
+        "R³ box of it (around the liver) and predicting over the scan's whole extent.",
+    )
+    spacing: tuple[float, float, float] = _f(
+        (1.5, 1.5, 1.5), "Voxel size [x, y, z] in mm of the spacing grid (grid = spacing)."
+    )
     hu_window: tuple[float, float] = _f(
         (-200.0, 250.0),
         "Hounsfield window [low, high] clipped and scaled to [-1, 1] when a batch is made.",
@@ -309,6 +322,10 @@ def _require(ok: bool, message: str) -> None:
 def _validate_data(d: DataConfig) -> None:
     _require(d.resolution >= 1, f"data.resolution must be positive, got {d.resolution}")
     _require(
+        all(math.isfinite(v) and v > 0 for v in d.spacing),
+        f"data.spacing = {list(d.spacing)} must be three positive voxel sizes in mm",
+    )
+    _require(
         d.hu_window[0] < d.hu_window[1],
         # No "[low, high]": the CLI prints errors as rich markup, which would eat it as a tag.
         f"data.hu_window = {list(d.hu_window)} must be a low and a high HU with low < high",
@@ -335,32 +352,43 @@ def _validate_model(m: ModelConfig) -> None:
 
 def _validate_mesh(config: Config) -> None:
     """The mesh must cut the grid into blocks that every U-Net level can work on locally."""
-    mesh, resolution = config.mesh, config.data.resolution
+    mesh = config.mesh
     _require(
         all(p >= 1 for p in mesh.spatial) and mesh.data >= 1,
         f"mesh.spatial and mesh.data must be positive, got {list(mesh.spatial)} and {mesh.data}",
     )
+    problem = split_problem(config, mesh.spatial, (config.data.resolution,) * 3)
+    _require(problem is None, f"mesh.spatial = {list(mesh.spatial)} {problem}")
+
+
+def split_problem(
+    config: Config, spatial: typing.Sequence[int], shape: typing.Sequence[int]
+) -> str | None:
+    """Why splitting a grid of `shape` into `spatial` blocks fails the U-Net (invariant 3),
+    in words after "mesh.spatial = [...]"; None when every level's blocks are even and at
+    least as thick as the halo."""
     halo = config.model.kernel_size // 2
-    for axis, parts in zip("xyz", mesh.spatial, strict=True):
+    cube = len(set(shape)) == 1
+    for axis, parts, size in zip("xyz", spatial, shape, strict=True):
         step = parts * config.alignment
-        _require(
-            resolution % step == 0,
-            f"mesh.spatial = {list(mesh.spatial)} does not fit data.resolution = "
-            f"{resolution}: along {axis}, {resolution} / {parts} partitions must be "
-            f"divisible by 2^(model.depth-1) = {config.alignment} so that every U-Net level "
-            f"pools evenly; use a resolution that is a multiple of {step}",
-        )
+        what = f"data.resolution = {size}" if cube else f"a {size}-voxel {axis} side"
+        if size % step:
+            return (
+                f"does not fit {what}: along {axis}, {size} / {parts} partitions must be "
+                f"divisible by 2^(model.depth-1) = {config.alignment} so that every U-Net "
+                f"level pools evenly; use a resolution that is a multiple of {step}"
+            )
         # The halo exchange reaches only the direct neighbour, so the neighbour's block
         # must be at least as thick as the halo even at the deepest, smallest level.
-        deepest = resolution // step
-        _require(
-            parts == 1 or deepest >= halo,
-            f"mesh.spatial = {list(mesh.spatial)} is too fine for data.resolution = "
-            f"{resolution} and model.depth = {config.model.depth}: at the deepest level a "
-            f"block is {deepest} voxel(s) thick along {axis}, less than the {halo} halo "
-            f"voxels of a {config.model.kernel_size}³ kernel; use fewer partitions along "
-            f"{axis}, a larger resolution or a smaller depth",
-        )
+        deepest = size // step
+        if parts > 1 and deepest < halo:
+            return (
+                f"is too fine for {what} and model.depth = {config.model.depth}: at the "
+                f"deepest level a block is {deepest} voxel(s) thick along {axis}, less than "
+                f"the {halo} halo voxels of a {config.model.kernel_size}³ kernel; use fewer "
+                f"partitions along {axis}, a larger resolution or a smaller depth"
+            )
+    return None
 
 
 def _validate_train(t: TrainConfig, mesh: MeshConfig) -> None:

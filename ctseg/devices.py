@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ctseg.config import Config, with_mesh
+from ctseg.config import Config, split_problem, with_mesh
 from ctseg.errors import CtsegError
 
 DEVICE_CHOICES = ("auto", "cpu", "gpu", "tpu")
@@ -291,6 +291,16 @@ def fit_layout(config: Config, devices: int, data: int = 1) -> Config:
         except CtsegError:
             continue
     return with_mesh(config, (1, 1, 1), data=data)
+
+
+def fit_split(config: Config, shape: Sequence[int], devices: int) -> tuple[int, int, int]:
+    """The `auto_spatial` split of a grid of `shape` over the most of `devices` whose blocks
+    every U-Net level can work on (`config.split_problem`); [1, 1, 1] when none can."""
+    for count in range(devices, 1, -1):
+        spatial = auto_spatial(count)
+        if split_problem(config, spatial, shape) is None:
+            return spatial
+    return (1, 1, 1)
 
 
 # --------------------------------------------------------------------------- compilation cache

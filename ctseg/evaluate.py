@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, TypeVar
 import nibabel as nib
 import numpy as np
 
-from ctseg import atomic, lock, metrics, rundir, volume
+from ctseg import atomic, lock, metrics, preprocess, rundir, volume
 from ctseg.atomic import claim_report, is_json_with, write_text
 from ctseg.config import Config, InferenceOptions
 from ctseg.errors import CtsegError
@@ -308,10 +308,10 @@ def evaluate_run(
     with lock.hold(out_dir, warn):
         atomic.claim_folder(out_dir, ("summary.json", "predictions", rundir.EVALUATED), force=None)
         predictor = Predictor.from_run(run_dir, options, config)
-        if store.resolution != predictor.config.data.resolution:
+        if store.grid_spec != predictor.grid:
             raise CtsegError(
-                f"{data_dir} holds a {store.resolution}³ grid but the run was trained on "
-                f"{predictor.config.data.resolution}³"
+                f"{data_dir} holds a store of {store.grid_spec.describe()} but the run was "
+                f"trained on {predictor.grid.describe()}"
             )
         _claim_evaluation(
             out_dir, _evaluation_of(run_dir, predictor.model.step, data_dir, split), force
@@ -332,8 +332,8 @@ def evaluate_run(
                 "checkpoint_step": predictor.model.step,
                 "data": str(data_dir),
                 "split": split,
-                "tiling": predictor.engine.description,
-                "backend": predictor.engine.backend,
+                "tiling": predictor.plan,
+                "backend": predictor.backend,
                 "tta": predictor.tta,
                 "device": predictor.summary,
             },
@@ -413,9 +413,11 @@ def _evaluate_case(predictor: Any, store: Store, case: CaseEntry, out_dir: Path)
     # Canonical order is a flip/permutation of the file's, and scan.spacing is canonical: the
     # metrics equal those computed in the file's own voxel order.
     record = evaluate_arrays(case.id, prediction.labels, reference.array, scan.spacing)
-    record["grid_dice"] = metrics.grid_dice(
-        prediction.grid_labels, np.asarray(store.label(case.id))
-    )
+    # On the grid: the prediction where the store's training box lies (the whole grid on
+    # the cube), against the box's labels.
+    box = (store.resolution,) * 3
+    predicted = preprocess.take_box(prediction.grid_labels, case.box_offset, box)
+    record["grid_dice"] = metrics.grid_dice(predicted, np.asarray(store.label(case.id)))
     return record
 
 

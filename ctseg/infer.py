@@ -31,7 +31,7 @@ from ctseg.config import Config
 from ctseg.errors import CtsegError
 from ctseg.jax_backend import COMPILED_SHARE, JaxBackend
 from ctseg.onnx_backend import OnnxBackend
-from ctseg.tiling import Stage, TileProgress
+from ctseg.tiling import Shape, Stage, TileProgress
 
 BACKENDS = ("jax", "onnx")
 _SOFTMAX_SLAB = 32
@@ -49,6 +49,7 @@ class Engine:
         backend: str = "jax",
         devices: Sequence[Any] | None = None,
         memory: int | None = None,
+        shape: Shape | None = None,
     ):
         """`tile`: core side (even) at every level, 0 whole volume, −1 automatic.
 
@@ -57,7 +58,8 @@ class Engine:
         device (`ctseg.devices` chooses them for commands). A whole-volume pass
         is partitioned over them; a stage's windows are dealt out over them.
         `memory`: bytes per device to plan for; default, the devices' free memory
-        (the host's available memory under ONNX Runtime).
+        (the host's available memory under ONNX Runtime). `shape`: the grids it takes
+        (x, y, z voxels, each a multiple of the model's alignment); default the run's R³.
         """
         if backend not in BACKENDS:
             raise CtsegError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -69,33 +71,39 @@ class Engine:
             raise CtsegError(
                 f"--tile {tile} must be even: level-wise tiles are pooled in pairs of voxels"
             )
+        config = model.config
         self.model = model
-        self.resolution = model.config.data.resolution
+        self.shape = tiling.grid_shape(config) if shape is None else tuple(shape)
+        if any(n % config.alignment for n in self.shape):
+            raise ValueError(f"grid {self.shape} is not a multiple of {config.alignment}")
         self.backend = backend
+        self.tile_request = tile
         # A core as large as the grid is one window: the whole-volume pass does it better.
-        fixed = plan_stages_for(model.config, tile) if tile >= 0 else None
+        fixed = plan_stages_for(config, tile, self.shape) if tile >= 0 else None
         if backend == "onnx":
             self.devices: list[Any] = []  # the host's CPU cores
             self.memory = dev.host_memory() if memory is None else memory
-            self._backend: JaxBackend | OnnxBackend = OnnxBackend(model, fixed, self.memory)
+            onnx = OnnxBackend(model, self.shape, fixed, self.memory)
+            self._backend: JaxBackend | OnnxBackend = onnx
             self.needed, self.spatial, self.spills = 0, (1, 1, 1), False
         else:
             self.devices = list(devices or jax.local_devices()[:1])
             self.memory = dev.free_memory(self.devices) if memory is None else memory
-            jax_backend = JaxBackend(model, fixed, self.devices, self.memory)
+            jax_backend = JaxBackend(model, self.shape, fixed, self.devices, self.memory)
             self._backend = jax_backend
             self.needed, self.spatial = jax_backend.needed, jax_backend.spatial
             self.spills = jax_backend.spills
         self.stages = self._backend.stages
         # Materialised activations: the compute dtype under JAX, float32 in ONNX Runtime.
         self.dtype = self._backend.dtype.name
-        self.tile = (tile if tile >= 0 else max(s.core for s in self.stages)) if self.stages else 0
+        largest = max((stage.largest_core for stage in self.stages), default=0)
+        self.tile = (tile if tile >= 0 else largest) if self.stages else 0
 
     @property
     def description(self) -> str:
         if not self.stages:
             split = "" if self.spatial == (1, 1, 1) else f" split {list(self.spatial)}"
-            return f"whole volume {self.resolution}³{split}"
+            return f"whole volume {tiling.shape_text(self.shape)}{split}"
         windows = sum(len(stage.windows()) for stage in self.stages)
         at_once = f", {len(self.devices)} at a time" if len(self.devices) > 1 else ""
         return (
@@ -104,17 +112,18 @@ class Engine:
         )
 
     def place(self, image: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
-        """A unit-scaled image [R, R, R] as the engine takes it: [1, R, R, R, 1] float32, on
-        the devices under JAX (one transfer), on the host under ONNX Runtime."""
-        if image.shape != (self.resolution,) * 3:
-            raise ValueError(f"image shape {image.shape} is not the run's grid {self.resolution}³")
+        """A unit-scaled image of the engine's shape [x, y, z] as the engine takes it:
+        [1, x, y, z, 1] float32, on the devices under JAX (one transfer), on the host under
+        ONNX Runtime."""
+        if tuple(image.shape) != self.shape:
+            raise ValueError(f"image shape {image.shape} is not the engine's grid {self.shape}")
         return self._backend.place(image)
 
     def logits(
         self, image: np.ndarray | jax.Array, progress: TileProgress | None = None
     ) -> np.ndarray | jax.Array:
-        """Logits [R, R, R, 3] float32 of a unit-scaled image [R, R, R] (`hu_to_unit`), or of
-        an image already `place`d; a device array under JAX."""
+        """Logits [x, y, z, 3] float32 of a unit-scaled image [x, y, z] (`hu_to_unit`) of the
+        engine's shape, or of an image already `place`d; a device array under JAX."""
         if image.ndim == 3:
             image = self.place(image)
         return self._backend.logits(image, progress)
@@ -123,13 +132,13 @@ class Engine:
         """An automatic plan for half the memory this plan's programs need (after an
         out-of-memory on the accelerator)."""
         memory = int(self.needed / 2 / COMPILED_SHARE)
-        return Engine(self.model, -1, self.backend, self.devices, memory=memory)
+        return Engine(self.model, -1, self.backend, self.devices, memory, self.shape)
 
 
-def plan_stages_for(config: Config, tile: int) -> list[Stage]:
-    """The stages of cores of `tile` voxels; [] (the whole volume) for 0 or a tile as large
-    as the grid."""
-    return tiling.plan_stages(config, tile) if 0 < tile < config.data.resolution else []
+def plan_stages_for(config: Config, tile: int, shape: Shape) -> list[Stage]:
+    """The stages of cores of `tile` voxels over a grid of `shape`; [] (the whole volume)
+    for 0 or a tile as large as the grid."""
+    return tiling.plan_stages(config, tile, shape) if 0 < tile < max(shape) else []
 
 
 # --------------------------------------------------------------------------- probabilities
@@ -166,7 +175,7 @@ def probabilities(
     mirrored: bool,
     progress: TileProgress | None = None,
 ) -> np.ndarray | jax.Array:
-    """Class probabilities [R, R, R, 3] float32 of a unit-scaled image [R, R, R].
+    """Class probabilities [x, y, z, 3] float32 of a unit-scaled image [x, y, z].
 
     `mirrored`: the mean of the probabilities of the 8 mirrorings of the image,
     each flipped back. Every pass is the engine's own (tiled passes equal the
@@ -240,7 +249,7 @@ def _linear_weights(size: int, out: int) -> tuple[np.ndarray, np.ndarray, np.nda
 def _on_scan(
     probabilities: jax.Array, shape: tuple[int, ...], with_probabilities: bool
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Probabilities [R, R, R, C] resampled linearly onto `shape`, and their argmax (uint8)."""
+    """Grid probabilities [x, y, z, C] resampled linearly onto `shape`, and their argmax."""
     x = probabilities
     # Shrinking axes first keeps the intermediates small (a 512³ grid onto 63 slices).
     for axis in sorted(range(3), key=lambda a: shape[a] / x.shape[a]):
@@ -256,7 +265,7 @@ def _on_scan(
 def scan_labels(
     probabilities: np.ndarray | jax.Array, shape: Sequence[int], with_probabilities: bool = False
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Labels (uint8) on the scan's canonical voxels from grid probabilities [R, R, R, 3]:
+    """Labels (uint8) on the scan's canonical voxels from grid probabilities [x, y, z, 3]:
     linear on the probabilities, then the argmax (smoother borders than resampling
     labels). With `with_probabilities`, the resampled probabilities too."""
     shape = tuple(int(n) for n in shape)
@@ -265,6 +274,22 @@ def scan_labels(
         return on_scan.argmax(-1).astype(np.uint8), on_scan if with_probabilities else None
     labels, on_scan = jax.device_get(_on_scan(probabilities, shape, with_probabilities))
     return labels, on_scan
+
+
+def crop(probabilities: np.ndarray | jax.Array, shape: Sequence[int]) -> np.ndarray | jax.Array:
+    """The first `shape` voxels of a box's probabilities: the grid a padded box holds."""
+    shape = tuple(int(n) for n in shape)
+    if tuple(probabilities.shape[:3]) == shape:
+        return probabilities
+    if isinstance(probabilities, np.ndarray):
+        return probabilities[: shape[0], : shape[1], : shape[2]]
+    return _crop(probabilities, shape)
+
+
+@partial(jax.jit, static_argnums=1)
+def _crop(probabilities: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    # Jitted: an eager index of a sharded array would send the index from the host.
+    return probabilities[: shape[0], : shape[1], : shape[2]]
 
 
 def grid_labels(probabilities: np.ndarray | jax.Array) -> np.ndarray:

@@ -22,6 +22,7 @@ memory. A plan is compiled before the first scan, so every scan after it only ru
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from ctseg.partition import (
     replicated_shapes,
 )
 from ctseg.step import make_predict
-from ctseg.tiling import Stage, TileProgress
+from ctseg.tiling import Shape, Stage, TileProgress
 from ctseg.unet import BOTTOM, DOWN, NUM_CLASSES, UP
 
 # Share of the devices' free memory a plan's compiled programs, with the levels alive
@@ -62,21 +63,31 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(exc)
 
 
-def _level_shape(config: Config, kind: str, level: int) -> tuple[tuple[int, ...], Any]:
-    """Shape [1, s, s, s, C] and dtype of the output level of stage (`kind`, `level`)."""
-    size = config.data.resolution >> (level + (kind == DOWN))
-    if kind != DOWN and level == 0:
-        return (1, size, size, size, NUM_CLASSES), jnp.float32
-    width = unet.level_widths(config.model)[level]
-    return (1, size, size, size, width), jnp.dtype(config.model.dtype)
+def _output_level(config: Config, stage: Stage) -> tuple[tuple[int, ...], Any]:
+    """Shape [1, x, y, z, C] and dtype of a stage's output level."""
+    if stage.kind != DOWN and stage.level == 0:
+        return (1, *stage.out_size, NUM_CLASSES), jnp.float32
+    width = unet.level_widths(config.model)[stage.level]
+    return (1, *stage.out_size, width), jnp.dtype(config.model.dtype)
+
+
+def _input_level(config: Config, stage: Stage) -> tuple[tuple[int, ...], Any]:
+    """Shape [1, x, y, z, C] and dtype of a stage's input level (the image at level 0)."""
+    if stage.level == 0:
+        return (1, *stage.size, 1), jnp.float32
+    width = unet.level_widths(config.model)[stage.level - 1]
+    return (1, *stage.size, width), jnp.dtype(config.model.dtype)
+
+
+def _below_level(config: Config, stage: Stage) -> tuple[tuple[int, ...], Any]:
+    """Shape and dtype of an up stage's second input, d_{level+1}, from the stage below."""
+    width = unet.level_widths(config.model)[stage.level + 1]
+    below = tuple(n // 2 for n in stage.size)
+    return (1, *below, width), jnp.dtype(config.model.dtype)
 
 
 def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
     return int(np.prod(shape)) * jnp.dtype(dtype).itemsize
-
-
-def _image_shape(config: Config) -> tuple[int, ...]:
-    return (1, *(config.data.resolution,) * 3, 1)
 
 
 def _stage_program(
@@ -89,33 +100,32 @@ def _stage_program(
     Result: the whole output level, replicated.
     """
     devices = mesh.shape["data"]
-    extent = stage.extent
-    block = stage.core // stage.scale
-    out_shape, out_dtype = _level_shape(config, stage.kind, stage.level)
-    channels = 1 if stage.level == 0 else unet.level_widths(config.model)[stage.level - 1]
+    extent, block = stage.extent, stage.block
+    out_shape, out_dtype = _output_level(config, stage)
+    in_shape, in_dtype = _input_level(config, stage)
+    channels = in_shape[-1]
 
     def body(comm: Comm, params: Any, stats: Any, table: jax.Array, *levels: jax.Array):
         # The mesh splits no spatial axis, so `comm` pads with zeros, as LOCAL does.
         net = nnx.merge(graphdef, params, stats, copy=True)
-        offsets = jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
+        offsets = [jax.lax.broadcasted_iota(jnp.int32, (side,), 0) for side in block]
 
         def one(step: jax.Array, out: jax.Array) -> jax.Array:
             start, kept, first, stop = (table[0, step, i] for i in range(4))
-            window = [
-                jax.lax.dynamic_slice(levels[0], (0, *start, 0), (1, *(extent,) * 3, channels))
-            ]
+            window = [jax.lax.dynamic_slice(levels[0], (0, *start, 0), (1, *extent, channels))]
             if stage.kind == UP:
                 below = levels[1]
-                half = (1, *(extent // 2,) * 3, below.shape[-1])
+                half = (1, *(side // 2 for side in extent), below.shape[-1])
                 window.append(jax.lax.dynamic_slice(below, (0, *(start // 2), 0), half))
             y = net.stage(stage.kind, stage.level, window, comm)
             into = (0, *kept, 0)
-            size = (1, *(block,) * 3, out_shape[-1])
+            size = (1, *block, out_shape[-1])
             result = jax.lax.dynamic_slice(y, (0, *(kept - start // stage.scale), 0), size)
             # Only the core's voxels: a shortened last core's block overlaps its neighbour's,
             # and on several devices the sum over them must see each voxel once.
             owned = [
-                (kept[a] + offsets >= first[a]) & (kept[a] + offsets < stop[a]) for a in range(3)
+                (kept[a] + offsets[a] >= first[a]) & (kept[a] + offsets[a] < stop[a])
+                for a in range(3)
             ]
             mask = owned[0][:, None, None] & owned[1][None, :, None] & owned[2][None, None, :]
             current = jax.lax.dynamic_slice(out, into, size)
@@ -142,18 +152,9 @@ def _stage_program(
         out_specs=REPLICATED,
     )
     replicated = NamedSharding(mesh, REPLICATED)
-    inputs = [jax.ShapeDtypeStruct(_image_shape(config), jnp.float32, sharding=replicated)]
-    if stage.level > 0:
-        width = unet.level_widths(config.model)[stage.level - 1]
-        inputs = [
-            jax.ShapeDtypeStruct(
-                (1, *(stage.size,) * 3, width), jnp.dtype(config.model.dtype), sharding=replicated
-            )
-        ]
+    inputs = [jax.ShapeDtypeStruct(in_shape, in_dtype, sharding=replicated)]
     if stage.kind == UP:
-        below_shape, below_dtype = _level_shape(
-            config, BOTTOM if stage.level + 1 == config.model.depth - 1 else UP, stage.level + 1
-        )
+        below_shape, below_dtype = _below_level(config, stage)
         inputs.append(jax.ShapeDtypeStruct(below_shape, below_dtype, sharding=replicated))
     steps = -(-len(stage.windows()) // devices)
     table = jax.ShapeDtypeStruct(
@@ -193,21 +194,20 @@ class _Plan:
     spill: bool = False  # keep waiting levels on the host
 
 
-def _compile_whole(model: TrainedModel, devices: Sequence[Any]) -> _Plan:
-    config = dev.fit_layout(model.config, len(devices))
-    mesh = make_mesh(config.mesh.spatial, 1, devices)
-    image = jax.ShapeDtypeStruct(
-        _image_shape(config), jnp.float32, sharding=activation_sharding(mesh)
-    )
+def _compile_whole(model: TrainedModel, devices: Sequence[Any], shape: Shape) -> _Plan:
+    spatial = dev.fit_split(model.config, shape, len(devices))
+    config = model.config  # its partitioner; the mesh below is the split that counts
+    mesh = make_mesh(spatial, 1, devices)
+    image = jax.ShapeDtypeStruct((1, *shape, 1), jnp.float32, sharding=activation_sharding(mesh))
     weights = replicated_shapes((model.params, model.stats), mesh)
     compiled = jax.jit(make_predict(model.graphdef, config, mesh)).lower(*weights, image).compile()
-    needed = plan.memory_of(compiled).total + _post_bytes(config)
-    return _Plan([], [compiled], mesh, config.mesh.spatial, needed)
+    needed = plan.memory_of(compiled).total + _post_bytes(shape)
+    return _Plan([], [compiled], mesh, spatial, needed)
 
 
-def _post_bytes(config: Config) -> int:
+def _post_bytes(shape: Shape) -> int:
     """Device bytes after the network: the probabilities and a TTA sum of them (float32)."""
-    return 2 * config.data.resolution**3 * NUM_CLASSES * 4
+    return 2 * math.prod(shape) * NUM_CLASSES * 4
 
 
 def _compile_stages(
@@ -226,17 +226,15 @@ def _stage_needs(config: Config, stages: list[Stage], programs: list, spill: boo
     """Peak bytes per device during each stage: its program (its input and output levels
     included) plus the other levels alive then (none on the device when `spill`)."""
     waiting: list[int] = []  # bytes of the levels kept for the up stages, a_0 … a_l
-    image = _bytes(_image_shape(config), jnp.float32)
+    post = _post_bytes(stages[0].size)  # the first stage runs on the whole grid
     needs = []
     for stage, program in zip(stages, programs, strict=True):
         if stage.kind == UP:
             waiting.pop()  # the level this stage reads is its argument now
         others = 0 if spill else sum(waiting)
-        needs.append(plan.memory_of(program).total + others + _post_bytes(config))
-        if stage.kind == DOWN:
-            waiting.append(
-                image if stage.level == 0 else _bytes(*_level_shape(config, DOWN, stage.level - 1))
-            )
+        needs.append(plan.memory_of(program).total + others + post)
+        if stage.kind == DOWN:  # its input level waits for the up stage of its level
+            waiting.append(_bytes(*_input_level(config, stage)))
     return needs
 
 
@@ -252,7 +250,7 @@ def _plan_tiles(
         over = [
             i
             for i, (stage, need) in enumerate(zip(stages, needs, strict=True))
-            if need > budget and stage.core > 2
+            if need > budget and stage.largest_core > 2
         ]
         if not over:
             if not spill:  # the cores are as small as they go: the waiting levels leave
@@ -262,8 +260,9 @@ def _plan_tiles(
             break
         for i in over:
             stage = stages[i]
-            smaller = max(2, (min(stage.core, stage.size) // 2) & ~1)
-            stages[i] = tiling.make_stage(config, stage.kind, stage.level, smaller)
+            smaller = max(2, (stage.largest_core // 2) & ~1)
+            shape = stages[0].size  # the grid: the first stage runs at level 0
+            stages[i] = tiling.make_stage(config, shape, stage.kind, stage.level, smaller)
         recompiled = _compile_stages(model, [stages[i] for i in over], mesh)
         for i, program in zip(over, recompiled, strict=True):
             programs[i] = program
@@ -277,13 +276,16 @@ class JaxBackend:
     def __init__(
         self,
         model: TrainedModel,
+        shape: Shape,
         stages: list[Stage] | None,
         devices: Sequence[Any],
         memory: int,
     ):
-        """`stages`: the level-wise tiles to run ([] the whole volume), or None to plan
-        them from the compiled programs' memory against `memory` bytes per device."""
+        """The plan for grids of `shape`. `stages`: the level-wise tiles to run ([] the
+        whole volume), or None to plan them from the compiled programs' memory against
+        `memory` bytes per device."""
         self.model = model
+        self.shape = shape
         self.devices = list(devices)
         self.dtype = jnp.dtype(model.config.model.dtype)  # of the materialised levels
         self._plan = self._compile(stages, memory)
@@ -313,13 +315,14 @@ class JaxBackend:
         if fixed is not None:
             if fixed:
                 chosen = _plan_tiles(model, fixed, tiles_mesh, budget=None)
-                what, advice = f"tiles ≤ {max(s.core for s in fixed)}³", "use smaller tiles"
+                largest = max(stage.largest_core for stage in fixed)
+                what, advice = f"tiles ≤ {largest}³", "use smaller tiles"
             else:
-                chosen = _compile_whole(model, devices)
+                chosen = _compile_whole(model, devices, self.shape)
                 what, advice = "a whole-volume pass", "use tiles"
             if chosen.needed > memory:
                 raise CtsegError(
-                    f"{what} of the {config.data.resolution}³ grid needs "
+                    f"{what} of the {tiling.shape_text(self.shape)} grid needs "
                     f"{dev.human_bytes(chosen.needed)} per device, more than the "
                     f"{dev.human_bytes(memory)} free on {dev.describe(devices)}; "
                     f"{advice} (--tile -1 chooses them, or e.g. --tile 64)"
@@ -329,11 +332,11 @@ class JaxBackend:
         # in bfloat16, 48 GiB compiled), so the whole volume is compiled to be measured
         # whenever the formula is within that factor of fitting.
         itemsize = self.dtype.itemsize
-        if tiling.whole_volume_bytes(config, itemsize) <= 3 * budget:
-            whole = _compile_whole(model, devices)
+        if tiling.whole_volume_bytes(config, itemsize, self.shape) <= 3 * budget:
+            whole = _compile_whole(model, devices, self.shape)
             if whole.needed <= budget:
                 return whole
-        first_guess = tiling.choose_stages(config, memory, itemsize)
+        first_guess = tiling.choose_stages(config, memory, itemsize, self.shape)
         return _plan_tiles(model, first_guess, tiles_mesh, budget)
 
     @property
@@ -342,12 +345,12 @@ class JaxBackend:
         return self._plan.spill
 
     def place(self, image: np.ndarray | jax.Array) -> jax.Array:
-        """A unit-scaled image [R, R, R] as the plan takes it: [1, R, R, R, 1] float32, on
+        """A unit-scaled image [x, y, z] as the plan takes it: [1, x, y, z, 1] float32, on
         the devices (one transfer)."""
         return jax.device_put(_as_batch(image), self._input_sharding)
 
     def logits(self, image: jax.Array, progress: TileProgress | None) -> jax.Array:
-        """Logits [R, R, R, 3] float32 of a `place`d image, on the devices."""
+        """Logits [x, y, z, 3] float32 of a `place`d image, on the devices."""
         image = jax.device_put(image, self._input_sharding)  # a flipped copy may lie otherwise
         if not self.stages:
             out = self._plan.programs[0](self._params, self._stats, image)

@@ -17,7 +17,7 @@ import numpy as np
 from ctseg import tiling
 from ctseg.checkpoints import TrainedModel
 from ctseg.errors import CtsegError
-from ctseg.tiling import Stage, TileProgress
+from ctseg.tiling import Shape, Stage, TileProgress
 from ctseg.unet import BOTTOM, DOWN, UP
 
 
@@ -37,7 +37,7 @@ def _run_stage_on_host(
             batch.append(inputs[1][_halve(w.window)][None])
         result = forward(*batch)[0]
         if out is None:
-            out = np.empty((stage.out_size,) * 3 + result.shape[-1:], result.dtype)
+            out = np.empty((*stage.out_size, result.shape[-1]), result.dtype)
         if stage.kind == DOWN:
             out[_halve(w.core)] = result[_halve(w.core_in_window)]
         else:
@@ -94,27 +94,28 @@ def _onnx_forwards(model: TrainedModel, stages: list[Stage]) -> list[Callable[..
 class OnnxBackend:
     """A model's stages (or whole network) as ONNX Runtime sessions on the host."""
 
-    def __init__(self, model: TrainedModel, stages: list[Stage] | None, memory: int):
-        """`stages`: the level-wise tiles to run ([] the whole volume), or None to choose
-        them by the memory formula against `memory` bytes of host RAM."""
+    def __init__(self, model: TrainedModel, shape: Shape, stages: list[Stage] | None, memory: int):
+        """For grids of `shape`. `stages`: the level-wise tiles to run ([] the whole
+        volume), or None to choose them by the memory formula against `memory` bytes of
+        host RAM."""
         config = model.config
         self.dtype = np.dtype(np.float32)  # a bfloat16 model runs in float32 here
         if stages is None:
             itemsize = self.dtype.itemsize
             stages = (
                 []
-                if tiling.fits_whole(config, memory, itemsize)
-                else tiling.choose_stages(config, memory, itemsize)
+                if tiling.fits_whole(config, memory, itemsize, shape)
+                else tiling.choose_stages(config, memory, itemsize, shape)
             )
         self.stages = stages
         self._forwards = _onnx_forwards(model, stages)
 
     def place(self, image: np.ndarray) -> np.ndarray:
-        """A unit-scaled image [R, R, R] as the sessions take it: [1, R, R, R, 1] float32."""
+        """A unit-scaled image [x, y, z] as the sessions take it: [1, x, y, z, 1] float32."""
         return np.asarray(image, np.float32)[None, ..., None]
 
     def logits(self, image: np.ndarray, progress: TileProgress | None) -> np.ndarray:
-        """Logits [R, R, R, 3] float32 of a `place`d image."""
+        """Logits [x, y, z, 3] float32 of a `place`d image."""
         if not self.stages:
             out = self._forwards[0](image)[0]
             if progress is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,12 +24,14 @@ import jax
 import numpy as np
 
 from ctseg import devices as dev
-from ctseg import infer, postprocess, preprocess, rundir, volume
+from ctseg import infer, postprocess, preprocess, rundir, tiling, volume
 from ctseg.checkpoints import TrainedModel, load_model
 from ctseg.config import Config, InferenceOptions
 from ctseg.errors import CtsegError
 from ctseg.infer import Engine
 from ctseg.jax_backend import COMPILED_SHARE, is_out_of_memory
+from ctseg.preprocess import GridSpec
+from ctseg.tiling import Shape
 
 # (stage, done, total): stages "read", "infer" (windows done of total), "postprocess", "write".
 StageProgress = Callable[[str, int, int], None]
@@ -49,6 +52,11 @@ _EXTENT_MM = (20.0, 2000.0)
 _MIN_VOXELS = 8
 # Adult livers measure 1–3 L; the largest ever (polycystic) about 10 L.
 _MAX_LIVER_ML = 12_000.0
+# Spacing-grid boxes are rounded up to this many voxels (or the alignment, if larger):
+# scans of similar extent share one compiled program, at ≤ 15 voxels of air per side.
+_BOX_MULTIPLE = 16
+# Engines (compiled programs, weights on the devices) kept for boxes of other shapes.
+_ENGINES_KEPT = 4
 
 
 @dataclass
@@ -65,6 +73,14 @@ class Prediction:
     def grid_labels(self) -> np.ndarray:
         """The raw argmax on the R³ grid, uint8 (for grid-level Dice); fetched when asked."""
         return infer.grid_labels(self.grid_probabilities)
+
+
+@dataclass
+class OnGrid:
+    """A scan brought to the run's grid, ready for the network."""
+
+    unit: np.ndarray  # the HU-windowed box [x, y, z], float32: the grid, padded on the spacing grid
+    grid: Shape  # the scan's grid, the box's first voxels
 
 
 @contextlib.contextmanager
@@ -146,7 +162,18 @@ class Predictor:
                 "flips (train.flip = false) and has never seen mirrored anatomy; leave out --tta"
             )
         self.clock = dev.compile_clock()
-        self.engine = Engine(model, tile, options.backend or "jax", devices)
+        self.grid = GridSpec.of(self.config.data)
+        self._tile, self.backend = tile, options.backend or "jax"
+        # ONNX Runtime runs on the host's cores (no JAX device); JAX on `devices`.
+        jax_devices = list(devices or jax.local_devices()[:1])
+        self.devices: list[Any] = jax_devices if self.backend == "jax" else []
+        # One engine per box shape (scans of one grid share one). The cube's one box is
+        # planned and compiled here, before the first scan; a spacing grid's boxes follow
+        # the scans' extents, and each new one is planned when a scan first needs it.
+        self._engines: OrderedDict[Shape, Engine] = OrderedDict()
+        self.engine: Engine | None = None  # the one that ran (or will run) the latest scan
+        if self.grid.kind == "cube":
+            self._engine(tiling.grid_shape(self.config))
         # One-off costs of the whole call (loading, compiling ahead), filled in by `from_run`.
         self.seconds: Seconds = {}
 
@@ -180,20 +207,51 @@ class Predictor:
         predictor.seconds = seconds
         return predictor
 
+    def _engine(self, box: Shape) -> Engine:
+        """The engine for boxes of `box` voxels, planned (and compiled) when first asked for."""
+        if box in self._engines:
+            self._engines.move_to_end(box)
+        else:
+            self._engines[box] = Engine(
+                self.model, self._tile, self.backend, self.devices, shape=box
+            )
+            # Each engine holds its programs and a copy of the weights on the devices: a
+            # batch of scans of many extents keeps only the latest few.
+            while len(self._engines) > _ENGINES_KEPT:
+                self._engines.popitem(last=False)
+        self.engine = self._engines[box]
+        return self.engine
+
     @property
     def summary(self) -> str:
-        """What runs where, e.g. `1 × NVIDIA H100 80GB HBM3, XLA, bfloat16, whole volume 512³`."""
-        engine = self.engine
-        runtime = "ONNX Runtime" if engine.backend == "onnx" else "XLA"
-        where = dev.describe(engine.devices)  # none under ONNX Runtime: the host's CPU
+        """What runs where, e.g. `1 × NVIDIA H100 80GB HBM3, XLA, bfloat16, whole volume 512³`
+        (on the spacing grid: `…, the scan at 1.5 × 1.5 × 1.5 mm, boxes of its extent`)."""
+        runtime = "ONNX Runtime" if self.backend == "onnx" else "XLA"
+        where = dev.describe(self.devices)  # none under ONNX Runtime: the host's CPU
+        # Materialised activations: the compute dtype under JAX, float32 in ONNX Runtime.
+        dtype = self.config.model.dtype if self.backend == "jax" else "float32"
         mirrored = ", mirrored 8× (TTA)" if self.tta else ""
-        return f"{where}, {runtime}, {engine.dtype}, {engine.description}{mirrored}"
+        if self.grid.kind == "spacing":
+            mm = " × ".join(f"{v:g}" for v in self.grid.spacing)
+            plan = f"the scan at {mm} mm, boxes of its extent"
+        else:
+            plan = self.engine.description
+        return f"{where}, {runtime}, {dtype}, {plan}{mirrored}"
+
+    @property
+    def plan(self) -> str:
+        """The plan in words: the cube's one, or the latest box's on the spacing grid."""
+        if self.engine is None:
+            return "boxes of each scan's extent"
+        return self.engine.description
 
     @property
     def plan_line(self) -> str:
         """The engine's plan and what it needs, e.g. `whole volume 512³: 51.2 GiB per device
         of 78.1 GiB free (compiled; plans take 85 %)`."""
         engine = self.engine
+        if engine is None:
+            return "a plan for each box shape, made when a scan first needs it"
         if engine.backend == "onnx":
             free = dev.human_bytes(engine.memory)
             return f"{engine.description} in ONNX Runtime, {free} of RAM free"
@@ -204,12 +262,18 @@ class Predictor:
             f"{dev.human_bytes(engine.memory)} free (compiled; {share}){spill}"
         )
 
-    def to_grid(self, scan: volume.Scan, seconds: Seconds) -> np.ndarray:
-        """The scan on the run's grid, HU-windowed: exactly the training preprocessing."""
+    def to_grid(self, scan: volume.Scan, seconds: Seconds) -> OnGrid:
+        """The scan on the run's grid, HU-windowed: exactly the training preprocessing. On
+        the spacing grid the box holds the scan's whole grid, padded with air to the
+        model's alignment."""
         data = self.config.data
         with timed(seconds, "resample"):
-            grid = preprocess.image_to_grid(scan.array, data.resolution)  # int16 HU, as the store
-            return preprocess.hu_to_unit(grid, data.hu_window)
+            grid = self.grid.grid_of(scan.array.shape, scan.spacing)
+            box = grid
+            if self.grid.kind == "spacing":
+                box = preprocess.inference_box(grid, max(self.config.alignment, _BOX_MULTIPLE))
+            hu = preprocess.to_box(scan.array, grid, (0, 0, 0), box, order=1)  # int16, as stored
+            return OnGrid(preprocess.hu_to_unit(hu, data.hu_window), grid)
 
     def infer(
         self,
@@ -218,8 +282,8 @@ class Predictor:
         progress: StageProgress | None = None,
         warnings: list[str] | None = None,
     ) -> Any:
-        """Class probabilities [R, R, R, 3] on the grid, on the engine's devices; compiling is
-        timed apart.
+        """Class probabilities [x, y, z, 3] of a box (`OnGrid.unit`), on the engine's devices;
+        compiling (a first plan for this box's shape, or a retry's) is timed apart.
 
         An accelerator that runs out of memory is tried once more with smaller tiles
         (the engine is replaced for the scans after too), which `warnings` records;
@@ -232,13 +296,15 @@ class Predictor:
 
         compiled_before = self.clock.seconds
         with timed(seconds, "infer"):
+            box = tuple(unit.shape)
             try:
+                self._engine(box)
                 probabilities = self._probabilities(unit, tiles)
             except Exception as exc:
                 if not is_out_of_memory(exc):
                     raise
                 before = self.engine.description
-                self.engine = self.engine.smaller()
+                self.engine = self._engines[box] = self.engine.smaller()
                 if warnings is not None:
                     warnings.append(
                         f"out of memory with {before}; retried with {self.engine.description}"
@@ -266,13 +332,16 @@ class Predictor:
         self,
         scan: volume.Scan,
         probabilities: Any,
+        grid: Shape,
         seconds: Seconds,
         with_probabilities: bool = False,
     ) -> Prediction:
-        """Grid probabilities → post-processed labels on the scan's own canonical voxels."""
+        """A box's probabilities → post-processed labels on the scan's own canonical voxels
+        (`grid`: the scan's grid, the box's first voxels)."""
         options = self.config.predict
         with timed(seconds, "resample"):
             # On the engine's devices: only the labels (and asked-for probabilities) come back.
+            probabilities = infer.crop(probabilities, grid)
             labels, on_scan = infer.scan_labels(probabilities, scan.array.shape, with_probabilities)
         with timed(seconds, "postprocess"):
             labels = postprocess.clean_labels(
@@ -295,7 +364,8 @@ class Predictor:
         """Labels (and optionally probabilities) of a scan on its own canonical voxels."""
         seconds: Seconds = {}
         warnings: list[str] = []
-        probabilities = self.infer(self.to_grid(scan, seconds), seconds, progress, warnings)
-        prediction = self.to_scan(scan, probabilities, seconds, with_probabilities)
+        on_grid = self.to_grid(scan, seconds)
+        probabilities = self.infer(on_grid.unit, seconds, progress, warnings)
+        prediction = self.to_scan(scan, probabilities, on_grid.grid, seconds, with_probabilities)
         prediction.warnings[:0] = warnings
         return prediction

@@ -27,6 +27,7 @@ from ctseg import atomic, postprocess, report, rundir, store, volume
 from ctseg.errors import CtsegError
 from ctseg.jax_backend import is_out_of_memory
 from ctseg.predict import PHASES, Predictor, Seconds, StageProgress, timed, volume_warnings
+from ctseg.tiling import Shape
 
 FileProgress = Callable[[str, str, int, int], None]  # (scan name, stage, done, total)
 
@@ -36,7 +37,8 @@ class Prepared:
     """A scan read and brought to the run's grid, ready for the network."""
 
     scan: volume.Scan
-    unit: np.ndarray | None  # the HU-windowed R³ grid, float32; None once inferred
+    unit: np.ndarray | None  # the HU-windowed box (`OnGrid.unit`), float32; None once inferred
+    grid: Shape  # the scan's grid, the box's first voxels
 
 
 @dataclass
@@ -254,7 +256,8 @@ def _read(
                 return None
         with timed(outcome.seconds, "read"):
             scan = volume.read_scan(source)
-        return Prepared(scan, predictor.to_grid(scan, outcome.seconds))
+        on_grid = predictor.to_grid(scan, outcome.seconds)
+        return Prepared(scan, on_grid.unit, on_grid.grid)
 
     return outcome, _guarded(outcome, read)
 
@@ -284,7 +287,7 @@ def _write_outputs(
 ) -> None:
     scan, seconds = prepared.scan, outcome.seconds
     with_probabilities = predictor.config.predict.save_probabilities
-    prediction = predictor.to_scan(scan, probabilities, seconds, with_probabilities)
+    prediction = predictor.to_scan(scan, probabilities, prepared.grid, seconds, with_probabilities)
     del probabilities
     with timed(seconds, "postprocess"):
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
@@ -316,6 +319,7 @@ def _write_outputs(
             "scan": str(outcome.source),
             **model,
             "device": predictor.summary,
+            "plan": predictor.engine.description,
             "shape": list(scan.original_shape),
             "spacing_mm": list(scan.spacing),
             **stats,

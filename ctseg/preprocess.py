@@ -1,29 +1,49 @@
-"""Pure array functions: resampling to the R³ grid and back, the HU window, label checks.
+"""Pure array functions: resampling to the grid and back, the box the network sees, the
+HU window, label checks.
 
-The grid covers the scan's whole field of view: every canonical axis of n voxels
-is stretched onto R grid voxels (an anisotropic stretch, as the Mesh-TensorFlow
-LiTS U-Net did), with the voxel-centre convention
+A scan's *grid* covers its whole field of view: every canonical axis of n voxels is
+resampled onto g grid voxels, with the voxel-centre convention
 
-    grid voxel i  <->  source voxel coordinate (i + 0.5) * n / R - 0.5
+    grid voxel i  <->  source voxel coordinate (i + 0.5) * n / g - 0.5
 
-so the first and last voxel faces of the scan and the grid coincide and
-`from_grid` is the exact inverse coordinate map of `to_grid`.
+so the first and last voxel faces of the scan and the grid coincide and `from_grid`
+is the exact inverse coordinate map of `to_grid`. Two grids (`data.grid`):
+
+- ``cube``: g = R on every axis, the field of view stretched onto R³ (an anisotropic
+  stretch, as the Mesh-TensorFlow LiTS U-Net did);
+- ``spacing``: g = round(n · spacing / data.spacing), nnU-Net's resampling to a fixed
+  voxel size: anatomy keeps its physical size whatever the scan covers.
+
+The network sees a *box* of the grid: box voxel b is grid voxel b + offset, and box
+voxels outside the grid are air (images) or background (labels). On the cube the
+box is the grid. On the spacing grid, training takes an R³ box around the liver
+(`training_offset`: cropped where the grid is longer, padded where it is shorter),
+and prediction the whole grid padded to the model's alignment (`inference_box`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from scipy import ndimage
 
+from ctseg.config import DataConfig
 from ctseg.errors import CtsegError
 
 LABEL_VALUES = (0, 1, 2)  # background, liver, tumour
+AIR_HU = -1024  # what a box holds beyond the scan: the air around the patient
 _INT16 = np.iinfo(np.int16)
+Shape = tuple[int, int, int]
 # Slices of the first axis handled at a time by `image_to_grid` and `check_labels`: at
 # 512 voxels a side, a slab's temporaries take tens of MiB instead of 512 MiB each.
 _SLAB = 32
+
+
+def as_shape(grid: int | Sequence[int]) -> Shape:
+    """A grid's shape: R means R³."""
+    return (grid,) * 3 if isinstance(grid, int) else tuple(int(n) for n in grid)
 
 
 def _resample(
@@ -31,49 +51,79 @@ def _resample(
     shape: Sequence[int],
     order: int,
     dtype: np.dtype,
-    rows: slice = slice(None),
+    start: Sequence[int] = (0, 0, 0),
+    size: Sequence[int] | None = None,
 ) -> np.ndarray:
     """Resample a 3-D array covering a field of view onto `shape` voxels covering the same one.
 
-    `rows` restricts the output to that range of the first axis (a slab of the full result).
+    `start` and `size` restrict the output to that region of the full result (inside it).
     """
     scale = np.array(array.shape, dtype=float) / np.array(shape, dtype=float)
-    start, stop, _ = rows.indices(shape[0])
-    offset = 0.5 * scale - 0.5
-    offset[0] += scale[0] * start  # output row 0 of the slab is row `start` of the full grid
+    # Output voxel 0 of the region is voxel `start` of the full grid.
+    offset = 0.5 * scale - 0.5 + scale * np.asarray(start, dtype=float)
     return ndimage.affine_transform(
         array,
         scale,  # a 1-D matrix means a diagonal one
         offset=offset,
-        output_shape=(stop - start, *shape[1:]),
+        output_shape=tuple(shape if size is None else size),
         output=dtype,
         order=order,
         mode="nearest",
     )
 
 
-def to_grid(array: np.ndarray, resolution: int, order: int) -> np.ndarray:
-    """Resample a canonical 3-D array onto an R×R×R grid.
+def to_grid(array: np.ndarray, grid: int | Sequence[int], order: int) -> np.ndarray:
+    """Resample a canonical 3-D array onto a grid of `grid` voxels (R: R³).
 
     order=1 (images) returns float32; the caller rounds to int16 HU (`hu_to_int16`).
     order=0 (labels) keeps the input dtype and takes only values present in the input.
     """
     dtype = np.float32 if order > 0 else array.dtype
-    return _resample(array, (resolution,) * 3, order, dtype)
+    return _resample(array, as_shape(grid), order, dtype)
 
 
-def image_to_grid(hu: np.ndarray, resolution: int) -> np.ndarray:
-    """Resample a canonical HU image onto the R×R×R grid as int16 HU (`hu_to_int16`).
+def image_to_grid(hu: np.ndarray, grid: int | Sequence[int]) -> np.ndarray:
+    """Resample a canonical HU image onto a grid (R: R³) as int16 HU (`hu_to_int16`).
 
-    Equal to `hu_to_int16(to_grid(hu, resolution, order=1))`, but made one slab of
-    the first axis at a time, so no whole float32 grid (or its rounding
-    temporaries) is ever held.
+    Equal to `hu_to_int16(to_grid(hu, grid, order=1))`, but made one slab of the first
+    axis at a time, so no whole float32 grid (or its rounding temporaries) is ever held.
     """
-    grid = np.empty((resolution,) * 3, dtype=np.int16)
-    for start in range(0, resolution, _SLAB):
-        rows = slice(start, min(start + _SLAB, resolution))
-        grid[rows] = hu_to_int16(_resample(hu, grid.shape, 1, np.float32, rows))
-    return grid
+    shape = as_shape(grid)
+    return to_box(hu, shape, (0, 0, 0), shape, order=1)
+
+
+def to_box(
+    array: np.ndarray,
+    grid: Sequence[int],
+    offset: Sequence[int],
+    box: Sequence[int],
+    order: int,
+) -> np.ndarray:
+    """The box of `box` voxels whose voxel b is voxel b + `offset` of the scan's grid of
+    `grid` voxels; outside the grid, air (order 1: an HU image, returned as int16 HU) or
+    background (order 0: labels, their dtype). Only the box's part of the grid is
+    resampled, one slab of the first axis at a time."""
+    image = order > 0
+    out = np.full(tuple(box), AIR_HU if image else 0, np.int16 if image else array.dtype)
+    lo = [max(o, 0) for o in offset]
+    hi = [min(o + b, g) for o, b, g in zip(offset, box, grid, strict=True)]
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return out  # the box lies outside the scan
+    inside = [slice(low - o, h - o) for low, h, o in zip(lo, hi, offset, strict=True)]
+    size = [h - low for low, h in zip(lo, hi, strict=True)]
+    for first in range(0, size[0], _SLAB):
+        rows = min(_SLAB, size[0] - first)
+        region = _resample(
+            array,
+            grid,
+            order,
+            np.float32 if image else array.dtype,
+            (lo[0] + first, lo[1], lo[2]),
+            (rows, size[1], size[2]),
+        )
+        target = inside[0].start + first
+        out[target : target + rows, inside[1], inside[2]] = hu_to_int16(region) if image else region
+    return out
 
 
 def from_grid(grid_array: np.ndarray, shape: Sequence[int], order: int = 1) -> np.ndarray:
@@ -91,16 +141,91 @@ def from_grid(grid_array: np.ndarray, shape: Sequence[int], order: int = 1) -> n
     return out
 
 
-def grid_affine(affine: np.ndarray, shape: Sequence[int], resolution: int) -> np.ndarray:
-    """The voxel -> RAS affine of the R³ grid made from a canonical array of `shape`.
+def take_box(on_grid: np.ndarray, offset: Sequence[int], box: Sequence[int]) -> np.ndarray:
+    """The box of `box` voxels of an array already on a grid (box voxel b = grid voxel
+    b + `offset`), zeros outside the grid: a prediction where its training box lies."""
+    out = np.zeros(tuple(box), on_grid.dtype)
+    grid = on_grid.shape
+    lo = [max(o, 0) for o in offset]
+    hi = [min(o + b, g) for o, b, g in zip(offset, box, grid, strict=True)]
+    if all(h > low for low, h in zip(lo, hi, strict=True)):
+        target = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offset, strict=True))
+        out[target] = on_grid[tuple(slice(low, h) for low, h in zip(lo, hi, strict=True))]
+    return out
 
-    Grid voxels are n·spacing/R wide along an axis of n voxels.
+
+def grid_affine(
+    affine: np.ndarray,
+    shape: Sequence[int],
+    grid: int | Sequence[int],
+    offset: Sequence[int] = (0, 0, 0),
+) -> np.ndarray:
+    """The voxel -> RAS affine of the grid (R: R³) made from a canonical array of `shape`,
+    or of its box whose voxel 0 is grid voxel `offset`.
+
+    Grid voxels are n·spacing/g wide along an axis of n voxels.
     """
-    scale = np.array(shape, dtype=float) / resolution
+    scale = np.array(shape, dtype=float) / np.array(as_shape(grid), dtype=float)
     grid_to_source = np.eye(4)
     grid_to_source[:3, :3] = np.diag(scale)
-    grid_to_source[:3, 3] = 0.5 * scale - 0.5
+    grid_to_source[:3, 3] = 0.5 * scale - 0.5 + scale * np.asarray(offset, dtype=float)
     return affine @ grid_to_source
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """How scans go onto the network's grid: `data.grid`, `data.resolution`, `data.spacing`."""
+
+    kind: str  # "cube" or "spacing"
+    resolution: int  # R: the cube's side, or the side of the spacing grid's training box
+    spacing: tuple[float, float, float]  # mm, on the spacing grid; zeros on the cube
+
+    @classmethod
+    def of(cls, data: DataConfig) -> GridSpec:
+        spacing = tuple(data.spacing) if data.grid == "spacing" else (0.0, 0.0, 0.0)
+        return cls(data.grid, data.resolution, spacing)
+
+    def grid_of(self, shape: Sequence[int], spacing: Sequence[float]) -> Shape:
+        """The grid of a canonical scan of `shape` voxels of `spacing` mm."""
+        if self.kind == "cube":
+            return (self.resolution,) * 3
+        return spacing_grid(shape, spacing, self.spacing)
+
+    def describe(self) -> str:
+        """`48³ cube` or `48³ boxes at 4 × 4 × 4 mm`."""
+        if self.kind == "cube":
+            return f"{self.resolution}³ cube"
+        return f"{self.resolution}³ boxes at {' × '.join(f'{v:g}' for v in self.spacing)} mm"
+
+
+def spacing_grid(shape: Sequence[int], spacing: Sequence[float], target: Sequence[float]) -> Shape:
+    """The grid of a scan of `shape` voxels of `spacing` mm at `target` mm: round(n · spacing /
+    target) voxels per axis (at least 1), covering the same field of view."""
+    return tuple(max(1, round(n * s / t)) for n, s, t in zip(shape, spacing, target, strict=True))
+
+
+def training_offset(
+    grid: Sequence[int], box: int, liver: tuple[Sequence[int], Sequence[int]] | None
+) -> Shape:
+    """Where an R³ training box (`box` = R) goes on a scan's grid: per axis, centred on the
+    liver's bounding box (`liver`: its first and last-plus-one grid voxels; None: the
+    grid's centre) and kept inside the grid where the grid is longer than the box;
+    centred (padded on both sides) where it is shorter."""
+    offset = []
+    for axis, size in enumerate(grid):
+        if size <= box:
+            offset.append(-((box - size) // 2))
+            continue
+        centre = size / 2 if liver is None else (liver[0][axis] + liver[1][axis]) / 2
+        offset.append(int(min(max(round(centre - box / 2), 0), size - box)))
+    return tuple(offset)
+
+
+def inference_box(grid: Sequence[int], multiple: int) -> Shape:
+    """The box prediction runs the network on: the whole grid, each side rounded up to a
+    `multiple` (every U-Net level pools evenly, and scans of similar size share one
+    compiled program); box voxel b is grid voxel b."""
+    return tuple(-(-n // multiple) * multiple for n in grid)
 
 
 def hu_to_int16(hu: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The prepared store: every case resampled to the R³ grid, memory-mappable, with a manifest.
+"""The prepared store: every case as an R³ box of its grid, memory-mappable, with a manifest.
 
 Layout (the contract between `ctseg preprocess` and the commands after it)::
 
@@ -11,9 +11,11 @@ Layout (the contract between `ctseg preprocess` and the commands after it)::
 manifest.json::
 
     {"format": "ctseg-store", "version": 1, "resolution": R,
+     "grid": "cube" | "spacing", "spacing": [x, y, z] mm (spacing grid) | absent,
      "cases": [{"id", "split": "train" | "val" | "test", "image_source", "label_source",
                 "original_shape", "original_affine", "canonical_shape",
-                "canonical_affine", "spacing", "label_counts": [n0, n1, n2]}]}
+                "canonical_affine", "spacing", "label_counts": [n0, n1, n2],
+                "grid_shape", "box_offset"}]}
 
 Sources are absolute, normalised paths (of a scan file, or of a DICOM series folder);
 case ids hold only letters, digits and ``-`` (`is_case_id`), so that no
@@ -22,8 +24,11 @@ affines are 4×4 voxel -> RAS mm lists; `spacing` is the canonical voxel size in
 mm; `label_counts` counts the voxels of each class in label.npy. A case prepared
 from a scan without a label (a predict-only store) has split "test" and
 `label_source` and `label_counts` null. The manifest lists
-only the cases that were prepared successfully. The grid's own affine is
-`preprocess.grid_affine(canonical_affine, canonical_shape, R)`.
+only the cases that were prepared successfully. `grid_shape` is the scan's whole
+grid (R³ on the cube; the scan at the store's spacing on the spacing grid) and
+`box_offset` where the stored box lies on it (`ctseg.preprocess`); the box's affine
+is `CaseEntry.box_affine()`. A manifest without "grid" is a cube store, and cases
+without `grid_shape`/`box_offset` are their whole R³ grid.
 
 `ctseg.store_writer` builds a store from the `RawCase`s that a raw data set's
 layout names (`data_prep.layouts` finds them); this module reads it.
@@ -42,11 +47,13 @@ from typing import Any
 
 import numpy as np
 
+from ctseg import preprocess
 from ctseg.errors import CtsegError
 
 FORMAT = "ctseg-store"
 VERSION = 1
 SPLITS = ("train", "val", "test")
+GRIDS = ("cube", "spacing")
 MANIFEST = "manifest.json"
 _CASE_ID = re.compile(r"[A-Za-z0-9-]+")
 
@@ -87,6 +94,11 @@ class CaseEntry:
     canonical_affine: tuple[tuple[float, ...], ...]
     spacing: tuple[float, ...]
     label_counts: tuple[int, ...] | None
+    # The scan's grid (`preprocess`: R³ on the cube, the scan at data.spacing on the
+    # spacing grid) and where the stored R³ box lies on it (box voxel b = grid voxel
+    # b + box_offset). Absent from stores written before the spacing grid: R³ and 0.
+    grid_shape: tuple[int, ...] | None = None
+    box_offset: tuple[int, ...] | None = None
 
     @property
     def labelled(self) -> bool:
@@ -97,8 +109,22 @@ class CaseEntry:
         def nested(value: Any) -> Any:
             return tuple(nested(v) for v in value) if isinstance(value, list) else value
 
-        names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{name: nested(raw[name]) for name in names})
+        fields = dataclasses.fields(cls)
+        return cls(
+            **{
+                f.name: nested(raw[f.name] if f.default is dataclasses.MISSING else raw.get(f.name))
+                for f in fields
+            }
+        )
+
+    def box_affine(self) -> np.ndarray:
+        """The voxel -> RAS affine of the stored box."""
+        return preprocess.grid_affine(
+            np.asarray(self.canonical_affine),
+            self.canonical_shape,
+            self.grid_shape,
+            self.box_offset,
+        )
 
     def to_json(self) -> dict[str, Any]:
         return json.loads(json.dumps(dataclasses.asdict(self)))  # tuples -> lists
@@ -111,6 +137,8 @@ class Store:
     path: Path
     resolution: int
     cases: list[CaseEntry]
+    grid: str = "cube"  # data.grid of the preprocess that wrote it
+    spacing: tuple[float, ...] | None = None  # data.spacing on the spacing grid
 
     @classmethod
     def open(cls, path: str | Path) -> Store:
@@ -124,17 +152,36 @@ class Store:
         try:
             cases = [CaseEntry.from_json(c) for c in manifest["cases"]]
             resolution = int(manifest["resolution"])
+            grid = manifest.get("grid", "cube")
+            spacing = manifest.get("spacing")
+            spacing = None if spacing is None else tuple(float(v) for v in spacing)
         except (KeyError, TypeError, ValueError) as exc:
             raise CtsegError(
                 f"{path / MANIFEST} is not a valid ctseg store manifest: {exc}"
             ) from None
         if not cases:
             raise CtsegError(f"the store at {path} holds no cases")
+        if grid not in GRIDS or (grid == "spacing") != (spacing is not None):
+            raise CtsegError(f"{path / MANIFEST} names no valid grid ({grid!r}, spacing {spacing})")
+        cases = [
+            dataclasses.replace(
+                case,
+                grid_shape=case.grid_shape or (resolution,) * 3,
+                box_offset=case.box_offset or (0, 0, 0),
+            )
+            for case in cases
+        ]
         _check_entries(path / MANIFEST, cases)
         for case in cases:
             for kind in ("image", "label") if case.labelled else ("image",):
                 _check_array(path, case.id, kind, resolution)
-        return cls(path=path, resolution=resolution, cases=cases)
+        return cls(path=path, resolution=resolution, cases=cases, grid=grid, spacing=spacing)
+
+    @property
+    def grid_spec(self) -> preprocess.GridSpec:
+        """How this store's scans went onto its grid."""
+        spacing = tuple(self.spacing) if self.spacing else (0.0, 0.0, 0.0)
+        return preprocess.GridSpec(self.grid, self.resolution, spacing)
 
     def split(self, name: str) -> list[CaseEntry]:
         if name not in SPLITS:
@@ -200,6 +247,8 @@ _NUMBERS = {
     "canonical_affine": ((4, 4), False, -math.inf, "a 4×4 matrix of finite numbers"),
     "spacing": ((3,), False, math.ulp(0.0), "3 positive numbers (mm)"),
     "label_counts": ((3,), True, 0, "3 voxel counts"),
+    "grid_shape": ((3,), True, 1, "3 voxel counts"),
+    "box_offset": ((3,), True, -math.inf, "3 whole numbers"),
 }
 
 

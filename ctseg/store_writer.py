@@ -19,12 +19,12 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from ctseg import lock, preprocess, store
 from ctseg.atomic import claim_folder, write_json, write_npy
 from ctseg.config import Config
 from ctseg.errors import CtsegError
+from ctseg.preprocess import GridSpec
 from ctseg.store import CaseEntry, Layout, RawCase, Store
 from ctseg.volume import Scan, geometry_difference, read_scan
 
@@ -82,11 +83,11 @@ def write_store(
 ) -> PrepareResult:
     """Resample every case of `layout` into a store at `out_dir`; resumable.
 
-    Cases already prepared at this resolution from the same sources are skipped
+    Cases already prepared on this grid from the same sources are skipped
     unless `force`. A case that fails (bad file, missing label, ...) is recorded
     with its one-line reason and left out of the manifest; the others go on.
     `workers` > 1 prepares cases in that many processes at once. Problems that
-    stop everything (a store of another resolution, another command writing the
+    stop everything (a store of another grid, another command writing the
     store) raise CtsegError; `warn` hears of a lock taken over from a command that died.
     """
     workers = usable_workers(workers)
@@ -104,8 +105,8 @@ def _write(
     force: bool,
     workers: int,
 ) -> PrepareResult:
-    resolution = config.data.resolution
-    _check_existing_store(out_dir, resolution, force)
+    grid = GridSpec.of(config.data)
+    _check_existing_store(out_dir, grid, force)
     # A manifest must never describe arrays that are being rewritten.
     (out_dir / store.MANIFEST).unlink(missing_ok=True)
 
@@ -127,19 +128,19 @@ def _write(
 
     todo = []
     for case in layout.cases:
-        finished = None if force else _finished_entry(out_dir, case, resolution)
+        finished = None if force else _finished_entry(out_dir, case, grid)
         if finished is not None:
             record(case, finished, resumed=True)
         elif case.label is None and not layout.predict_only:
             record(case, f"training case without its label: no label file for {case.image}")
         else:
             todo.append(case)
-    for case, result in _prepare_all(todo, out_dir, resolution, workers):
+    for case, result in _prepare_all(todo, out_dir, grid, workers):
         record(case, result)
 
     ordered = [c.case_id for c in layout.cases]
     good = [entries[i] for i in ordered if i in entries]
-    written = _write_manifest(out_dir, resolution, good) if good else None
+    written = _write_manifest(out_dir, grid, good) if good else None
     return PrepareResult(store=written, outcomes=[outcomes[i] for i in ordered])
 
 
@@ -170,31 +171,48 @@ def _splits(layout: Layout, config: Config) -> dict[str, str]:
     return assign_splits(case_ids, config.data.val_fraction, config.data.split_seed)
 
 
-def _write_manifest(out_dir: Path, resolution: int, entries: list[CaseEntry]) -> Store:
+def _grid_keys(grid: GridSpec) -> dict[str, Any]:
+    """The manifest's description of the grid: resolution, grid and (spacing grid) spacing."""
+    keys: dict[str, Any] = {"resolution": grid.resolution, "grid": grid.kind}
+    if grid.kind == "spacing":
+        keys["spacing"] = list(grid.spacing)
+    return keys
+
+
+def _write_manifest(out_dir: Path, grid: GridSpec, entries: list[CaseEntry]) -> Store:
     write_json(
         out_dir / store.MANIFEST,
         {
             "format": store.FORMAT,
             "version": store.VERSION,
-            "resolution": resolution,
+            **_grid_keys(grid),
             "cases": [e.to_json() for e in entries],
         },
     )
     return Store.open(out_dir)
 
 
-def _check_existing_store(out_dir: Path, resolution: int, force: bool) -> None:
+def _check_existing_store(out_dir: Path, grid: GridSpec, force: bool) -> None:
     """Refuse a folder that is not a store (unless `force`), or a store of another grid."""
     # A killed first run leaves cases/ without a manifest: the folder is still the store's.
     claim_folder(out_dir, (store.MANIFEST, "cases"), force)
     _check_writable(out_dir)
     store.manifest_file(out_dir)
     manifest = None if force else store.read_manifest(out_dir)
-    if manifest is not None and manifest.get("resolution") != resolution:
+    if manifest is None:
+        return
+    written = {key: manifest[key] for key in ("resolution", "grid", "spacing") if key in manifest}
+    written.setdefault("grid", "cube")  # a store written before the spacing grid
+    if written != _grid_keys(grid):
         raise CtsegError(
-            f"{out_dir} holds a store at resolution {manifest.get('resolution')}, "
-            f"not {resolution}; use another folder or --force to rebuild it"
+            f"{out_dir} holds a store of {_described(written)}, not {grid.describe()}; use "
+            "another folder or --force to rebuild it"
         )
+
+
+def _described(keys: dict[str, Any]) -> str:
+    spacing = tuple(keys.get("spacing") or (0.0, 0.0, 0.0))
+    return GridSpec(keys["grid"], keys["resolution"], spacing).describe()
 
 
 def _check_writable(folder: Path) -> None:
@@ -231,8 +249,8 @@ def _write_array(path: Path, array: np.ndarray) -> None:
         ) from cause
 
 
-def _finished_entry(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry | None:
-    """The entry of a case already prepared from the same sources at this resolution, else None.
+def _finished_entry(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry | None:
+    """The entry of a case already prepared from the same sources on this grid, else None.
 
     Sources are compared by path only (a DICOM series is a folder: nothing is hashed or
     stat-ed), so a scan changed in place needs --force.
@@ -250,7 +268,7 @@ def _finished_entry(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry 
     except (OSError, ValueError, KeyError, TypeError):
         return None  # damaged or from an older layout: prepare the case again
     same_sources = (entry.image_source, entry.label_source) == _sources(case)
-    if same_sources and shapes == [(resolution,) * 3] * len(kinds):
+    if same_sources and shapes == [(grid.resolution,) * 3] * len(kinds):
         return entry
     return None
 
@@ -261,12 +279,12 @@ def _sources(case: RawCase) -> tuple[str, str | None]:
 
 
 def _prepare_all(
-    cases: list[RawCase], out_dir: Path, resolution: int, workers: int
+    cases: list[RawCase], out_dir: Path, grid: GridSpec, workers: int
 ) -> Iterator[tuple[RawCase, CaseEntry | str]]:
     """Prepare `cases`, in this process or in a pool; yield each with its entry or error."""
     if workers == 1 or len(cases) <= 1:
         for case in cases:
-            yield case, _prepare_or_reason(out_dir, case, resolution)
+            yield case, _prepare_or_reason(out_dir, case, grid)
         return
     # 'spawn': forking a parent that may have started JAX's threads can deadlock the child.
     pool = ProcessPoolExecutor(
@@ -276,9 +294,7 @@ def _prepare_all(
         initargs=(os.getpid(),),
     )
     try:
-        futures = {
-            pool.submit(_prepare_or_reason, out_dir, case, resolution): case for case in cases
-        }
+        futures = {pool.submit(_prepare_or_reason, out_dir, case, grid): case for case in cases}
         for future in as_completed(futures):
             yield futures[future], _worker_result(future)
     finally:
@@ -313,29 +329,36 @@ def _worker_result(future: Future) -> CaseEntry | str:
         return "the worker process died (out of memory?); re-run with fewer --workers"
 
 
-def _prepare_or_reason(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry | str:
+def _prepare_or_reason(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry | str:
     """The case's entry, or the one-line reason it could not be prepared (runs in workers)."""
     try:
-        return _prepare_case(out_dir, case, resolution)
+        return _prepare_case(out_dir, case, grid)
     except CtsegError as exc:
         return str(exc)
     except MemoryError:
         return "out of memory; re-run with fewer --workers or more memory"
 
 
-def _prepare_case(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry:
+def _prepare_case(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry:
     image = read_scan(case.image)
+    grid_shape = grid.grid_of(image.array.shape, image.spacing)
+    box = (grid.resolution,) * 3
     label_counts = None
-    if case.label is not None:
-        label_grid = _label_grid(image, case.label, resolution)
-        _write_array(store.array_path(out_dir, case.case_id, "label"), label_grid)
+    labels = None if case.label is None else _labels(image, case.label)
+    # On the cube the box is the grid; on the spacing grid, an R³ box around the liver.
+    offset = preprocess.training_offset(
+        grid_shape, grid.resolution, None if labels is None else _liver_on_grid(labels, grid_shape)
+    )
+    if grid.kind == "cube":
+        offset = (0, 0, 0)
+    if labels is not None:
+        label_box = preprocess.to_box(labels, grid_shape, offset, box, order=0)
+        _write_array(store.array_path(out_dir, case.case_id, "label"), label_box)
         # Not np.bincount: it would first copy a 512³ grid into 1 GiB of int64.
-        label_counts = tuple(
-            int(np.count_nonzero(label_grid == v)) for v in preprocess.LABEL_VALUES
-        )
+        label_counts = tuple(int(np.count_nonzero(label_box == v)) for v in preprocess.LABEL_VALUES)
     _write_array(
         store.array_path(out_dir, case.case_id, "image"),
-        preprocess.image_to_grid(image.array, resolution),
+        preprocess.to_box(image.array, grid_shape, offset, box, order=1),
     )
     image_source, label_source = _sources(case)
     entry = CaseEntry(
@@ -349,17 +372,34 @@ def _prepare_case(out_dir: Path, case: RawCase, resolution: int) -> CaseEntry:
         canonical_affine=_rows(image.affine),
         spacing=image.spacing,
         label_counts=label_counts,
+        grid_shape=tuple(int(n) for n in grid_shape),
+        box_offset=tuple(int(n) for n in offset),
     )
     write_json(store.case_json_path(out_dir, case.case_id), entry.to_json())
     return entry
 
 
-def _label_grid(image: Scan, label_path: Path, resolution: int) -> np.ndarray:
-    """The case's label map on the grid, after checking it against the image."""
+def _labels(image: Scan, label_path: Path) -> np.ndarray:
+    """The case's label map (canonical voxels), after checking it against the image."""
     label = read_scan(label_path)
     _check_same_geometry(image, label)
-    labels = preprocess.check_labels(label.array, label_path.name)
-    return preprocess.to_grid(labels, resolution, order=0)
+    return preprocess.check_labels(label.array, label_path.name)
+
+
+def _liver_on_grid(
+    labels: np.ndarray, grid_shape: Sequence[int]
+) -> tuple[list[int], list[int]] | None:
+    """The liver's bounding box on the grid (first, last + 1 grid voxels), None without one."""
+    low, high = [], []
+    for axis, (n, g) in enumerate(zip(labels.shape, grid_shape, strict=True)):
+        others = tuple(a for a in range(3) if a != axis)
+        present = np.flatnonzero(np.any(labels > 0, axis=others))
+        if not len(present):
+            return None
+        # Source voxel i's centre is grid coordinate (i + 0.5)·g/n − 0.5.
+        low.append(int(np.floor((present[0] + 0.5) * g / n - 0.5)))
+        high.append(int(np.ceil((present[-1] + 0.5) * g / n - 0.5)) + 1)
+    return low, high
 
 
 def _rows(affine: np.ndarray) -> tuple[tuple[float, ...], ...]:

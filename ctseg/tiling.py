@@ -1,12 +1,13 @@
 """Geometry of exact level-wise tiled inference, and the first-guess memory model.
 
-Pure functions of a config: no device is touched here. `ctseg.infer` runs what
-this module plans.
+Pure functions of a config and a grid's shape (x, y, z voxels): no device is
+touched here. `ctseg.infer` runs what this module plans.
 
 Tiling the whole network would give every window a margin of the receptive-field
 radius (56 voxels for depth 4), so at 512³ the windows would hold 6–15× the grid's
 voxels. Instead the inference-mode U-Net of depth D is cut into 2D−1 stages whose
-outputs are materialised whole, at their level's resolution R/2^l:
+outputs are materialised whole, at their level's resolution (the grid's shape / 2^l;
+a grid may be any box whose sides the alignment 2^(D−1) divides, not only a cube):
 
     down l (l = 0 … D−2):  a_{l+1} = max_pool(encoder_l(a_l)),  a_0 = the image
     bottom:                d_{D−1} = encoder_{D−1}(a_{D−1})
@@ -47,6 +48,7 @@ from ctseg.config import Config
 from ctseg.unet import BOTTOM, DOWN, NUM_CLASSES, UP, level_widths
 
 TileProgress = Callable[[int, int], None]  # (windows done, windows in total)
+Shape = tuple[int, int, int]  # voxels along x, y, z
 
 # Live activation bytes per voxel of a level, per channel of its width and per byte of
 # the compute dtype: the level's input, its halo-padded copy, the convolution output and,
@@ -85,18 +87,35 @@ def _axis_windows(size: int, core: int, extent: int, context: int) -> list[tuple
     return ranges
 
 
-def plan_windows(size: int, core: int, context: int) -> list[Window]:
-    """Windows covering a `size`³ grid with cores of `core` voxels; all of one shape.
+def grid_shape(config: Config) -> Shape:
+    """The config's training grid, R³ (`data.resolution`)."""
+    return (config.data.resolution,) * 3
+
+
+def level_shape(shape: Shape, level: int) -> Shape:
+    """A grid's shape at U-Net level `level` (each level halves every side)."""
+    return tuple(n >> level for n in shape)
+
+
+def shape_text(shape: Shape) -> str:
+    """`48³` for a cube, `320×320×160` for a box."""
+    return f"{shape[0]}³" if len(set(shape)) == 1 else "×".join(str(n) for n in shape)
+
+
+def plan_windows(size: Shape, core: Shape, context: int) -> list[Window]:
+    """Windows covering a grid of `size` with cores of `core` voxels; all of one shape.
 
     With `size`, `core` and `context` even, every window and core starts and ends on
     an even voxel.
     """
-    extent = min(core + 2 * context, size)
-    axis = _axis_windows(size, core, extent, context)
+    extent = [min(c + 2 * context, n) for c, n in zip(core, size, strict=True)]
+    ax, ay, az = (
+        _axis_windows(n, c, e, context) for n, c, e in zip(size, core, extent, strict=True)
+    )
     windows = []
-    for wx, cx in axis:
-        for wy, cy in axis:
-            for wz, cz in axis:
+    for wx, cx in ax:
+        for wy, cy in ay:
+            for wz, cz in az:
                 window, cores = (wx, wy, wz), (cx, cy, cz)
                 inner = tuple(
                     slice(c.start - w.start, c.stop - w.start)
@@ -112,19 +131,30 @@ class Stage:
 
     kind: str  # DOWN, BOTTOM or UP
     level: int  # the U-Net level its convolutions run at
-    size: int  # that level's grid, R / 2^level voxels a side
-    core: int  # core side in the level's voxels; `size`: the stage runs as one window
+    size: Shape  # that level's grid, the grid's shape / 2^level
+    core: Shape  # core sides in the level's voxels; an axis's `size`: one window along it
     context: int  # margin in the level's voxels
 
     @property
-    def extent(self) -> int:
-        """Side of every window."""
-        return min(self.core + 2 * self.context, self.size)
+    def extent(self) -> Shape:
+        """Sides of every window."""
+        return tuple(
+            min(c + 2 * self.context, n) for c, n in zip(self.core, self.size, strict=True)
+        )
 
     @property
-    def out_size(self) -> int:
-        """Side of the stage's output grid (a down stage pools)."""
-        return self.size // 2 if self.kind == DOWN else self.size
+    def out_size(self) -> Shape:
+        """The stage's output grid (a down stage pools)."""
+        return tuple(n // self.scale for n in self.size)
+
+    @property
+    def block(self) -> Shape:
+        """Sides of a core in output voxels: every window writes a block of this shape."""
+        return tuple(c // self.scale for c in self.core)
+
+    @property
+    def largest_core(self) -> int:
+        return max(self.core)
 
     @property
     def scale(self) -> int:
@@ -139,7 +169,7 @@ def stitch_table(stage: Stage) -> np.ndarray:
     """Where each window is cut and what of its output is kept: int32 [windows, 4, 3].
 
     Per window and axis: the window's start in the stage's input; the start of a
-    block of `stage.core // stage.scale` output voxels, inside the window's output
+    block of `stage.block` output voxels, inside the window's output
     and inside the grid, that holds the window's core (the last core along an
     axis may be shorter than the others: its block is shifted back to end at the
     grid's face, where the window ends too, so every voxel of it still has its
@@ -147,12 +177,14 @@ def stitch_table(stage: Stage) -> np.ndarray:
     owns, in output voxels. Every block has one static shape, so one program cuts
     and stitches every window.
     """
-    block = stage.core // stage.scale
     rows = []
     for w in stage.windows():
         starts = [s.start for s in w.window]
         core = [(c.start // stage.scale, c.stop // stage.scale) for c in w.core]
-        blocks = [min(lo, stage.out_size - block) for lo, _ in core]
+        blocks = [
+            min(lo, out - block)
+            for (lo, _), out, block in zip(core, stage.out_size, stage.block, strict=True)
+        ]
         rows.append([starts, blocks, [lo for lo, _ in core], [hi for _, hi in core]])
     return np.asarray(rows, np.int32)
 
@@ -173,35 +205,44 @@ def stage_context(config: Config, kind: str) -> int:
     return 4 * halo if kind == UP else 2 * halo
 
 
-def make_stage(config: Config, kind: str, level: int, tile: int) -> Stage:
-    """Stage (`kind`, `level`) with cores of at most `tile` voxels of its level (even).
+def _axis_core(size: int, tile: int, context: int) -> int:
+    """Balanced cores along an axis of `size` voxels: as many as `tile` needs, all of one
+    even size but the last; `size` when the windows would span the axis anyway."""
+    per_axis = math.ceil(size / tile)
+    core = 2 * math.ceil(size / per_axis / 2)
+    return size if core + 2 * context >= size else core
+
+
+def make_stage(config: Config, shape: Shape, kind: str, level: int, tile: int) -> Stage:
+    """Stage (`kind`, `level`) of a grid of `shape`, with cores of at most `tile` voxels
+    of its level (even) along every axis.
 
     Cores are balanced: as many per axis as `tile` needs, all of one even size but the
     last (cores ≤ 192 on a 512 grid are 172, 172 and 168 rather than 192, 192 and 128:
-    as many windows, smaller ones). A stage whose windows would span its whole grid
-    anyway runs as one window.
+    as many windows, smaller ones). Along an axis whose windows would span it whole
+    anyway, the stage runs as one window.
     """
-    size = config.data.resolution >> level
+    size = level_shape(shape, level)
     context = stage_context(config, kind)
-    per_axis = math.ceil(size / tile)
-    core = 2 * math.ceil(size / per_axis / 2)
-    if core + 2 * context >= size:
-        core = size
+    core = tuple(_axis_core(n, tile, context) for n in size)
     return Stage(kind, level, size, core, context)
 
 
-def plan_stages(config: Config, tile: int) -> list[Stage]:
-    """Every stage, with cores of `tile` voxels a side at every level."""
+def plan_stages(config: Config, tile: int, shape: Shape | None = None) -> list[Stage]:
+    """Every stage of a grid of `shape` (default the config's R³), with cores of `tile`
+    voxels a side at every level."""
+    shape = grid_shape(config) if shape is None else shape
     return [
-        make_stage(config, kind, level, tile) for kind, level in stage_order(config.model.depth)
+        make_stage(config, shape, kind, level, tile)
+        for kind, level in stage_order(config.model.depth)
     ]
 
 
 # --------------------------------------------------------------------------- memory
 
 
-def window_bytes(config: Config, level: int, extent: int, itemsize: int) -> float:
-    """Estimated peak activation bytes of one stage window of `extent`³ voxels at `level`.
+def window_bytes(config: Config, level: int, extent: Shape, itemsize: int) -> float:
+    """Estimated peak activation bytes of one stage window of `extent` voxels at `level`.
 
     The stage's level dominates (an up stage's input from below has 1/8 of the voxels):
     a fixed share per voxel plus the live buffers of the level's width in the compute
@@ -211,39 +252,42 @@ def window_bytes(config: Config, level: int, extent: int, itemsize: int) -> floa
     """
     width = level_widths(config.model)[level]
     per_voxel = _FIXED_BYTES_PER_VOXEL + _LIVE_BUFFERS_PER_CHANNEL * itemsize * width
-    return extent**3 * per_voxel
+    return math.prod(extent) * per_voxel
 
 
-def whole_volume_bytes(config: Config, itemsize: int) -> float:
-    """Estimated peak bytes of a whole-volume pass: every level's buffers at once, plus
-    the float32 image and logits."""
-    resolution = config.data.resolution
+def _voxels(shape: Shape, level: int = 0) -> int:
+    return math.prod(level_shape(shape, level))
+
+
+def whole_volume_bytes(config: Config, itemsize: int, shape: Shape | None = None) -> float:
+    """Estimated peak bytes of a whole-volume pass over a grid of `shape` (default the
+    config's R³): every level's buffers at once, plus the float32 image and logits."""
+    shape = grid_shape(config) if shape is None else shape
     widths = level_widths(config.model)
-    activations = resolution**3 * _FIXED_BYTES_PER_VOXEL + sum(
-        _LIVE_BUFFERS_PER_CHANNEL * itemsize * width * (resolution >> level) ** 3
+    activations = _voxels(shape) * _FIXED_BYTES_PER_VOXEL + sum(
+        _LIVE_BUFFERS_PER_CHANNEL * itemsize * width * _voxels(shape, level)
         for level, width in enumerate(widths)
     )
-    return activations + resolution**3 * (1 + NUM_CLASSES) * 4
+    return activations + _voxels(shape) * (1 + NUM_CLASSES) * 4
 
 
-def resident_bytes(config: Config, kind: str, level: int, itemsize: int) -> int:
+def resident_bytes(config: Config, shape: Shape, kind: str, level: int, itemsize: int) -> int:
     """Bytes of the materialised levels alive while stage (`kind`, `level`) runs.
 
     The image (float32), the pooled inputs a_1 … a_m still needed, the stage's input
     from below and its output (float32 logits for the last stage); `itemsize`: bytes
     per value of the intermediates.
     """
-    resolution = config.data.resolution
     widths = level_widths(config.model)
 
     def pooled(m: int) -> int:  # a_m = max_pool of level m−1's encoder output
-        return (resolution >> m) ** 3 * widths[m - 1] * itemsize
+        return _voxels(shape, m) * widths[m - 1] * itemsize
 
     def decoded(m: int) -> int:  # d_m
-        return (resolution >> m) ** 3 * widths[m] * itemsize
+        return _voxels(shape, m) * widths[m] * itemsize
 
-    logits = resolution**3 * NUM_CLASSES * 4
-    total = resolution**3 * 4
+    logits = _voxels(shape) * NUM_CLASSES * 4
+    total = _voxels(shape) * 4
     if kind == DOWN:
         return total + sum(pooled(m) for m in range(1, level + 2))
     total += sum(pooled(m) for m in range(1, level + 1))
@@ -252,12 +296,14 @@ def resident_bytes(config: Config, kind: str, level: int, itemsize: int) -> int:
     return total + (logits if level == 0 else decoded(level))
 
 
-def fits_whole(config: Config, memory: float, itemsize: int) -> bool:
+def fits_whole(config: Config, memory: float, itemsize: int, shape: Shape | None = None) -> bool:
     """Whether the first guess expects a whole-volume pass to fit in `memory` bytes."""
-    return whole_volume_bytes(config, itemsize) <= MEMORY_SHARE * memory
+    return whole_volume_bytes(config, itemsize, shape) <= MEMORY_SHARE * memory
 
 
-def choose_stages(config: Config, memory: float, itemsize: int) -> list[Stage]:
+def choose_stages(
+    config: Config, memory: float, itemsize: int, shape: Shape | None = None
+) -> list[Stage]:
     """The first-guess tiles for `memory` bytes per device: each stage's largest core that fits.
 
     Each stage gets the largest core whose window fits in a share of what the
@@ -265,14 +311,14 @@ def choose_stages(config: Config, memory: float, itemsize: int) -> list[Stage]:
     runs its windows one after another, so one window counts, however many devices
     share a stage's windows.
     """
-    resolution = config.data.resolution
+    shape = grid_shape(config) if shape is None else shape
     stages = []
     for kind, level in stage_order(config.model.depth):
-        room = MEMORY_SHARE * memory - resident_bytes(config, kind, level, itemsize)
-        size = resolution >> level
-        chosen = make_stage(config, kind, level, min(MIN_AUTO_CORE, size))
+        room = MEMORY_SHARE * memory - resident_bytes(config, shape, kind, level, itemsize)
+        size = max(level_shape(shape, level))
+        chosen = make_stage(config, shape, kind, level, min(MIN_AUTO_CORE, size))
         for core in [size, *range(2 * ((size - 1) // 2), 0, -2)]:  # the grid, then even cores
-            stage = make_stage(config, kind, level, core)
+            stage = make_stage(config, shape, kind, level, core)
             if window_bytes(config, level, stage.extent, itemsize) <= room:
                 chosen = stage
                 break

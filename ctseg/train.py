@@ -32,6 +32,7 @@ from ctseg.checkpoints import Checkpoints
 from ctseg.errors import CtsegError
 from ctseg.partition import REPLICATED, make_mesh, replicated_shapes
 from ctseg.pipeline import Prefetcher, statistics_batches, validation_batches
+from ctseg.preprocess import GridSpec
 from ctseg.step import (
     TrainState,
     init_state,
@@ -63,6 +64,12 @@ def open_store(data_dir: Path, config: cfg.Config) -> Store:
             f"{data_dir} holds a {store.resolution}³ grid but the config asks for "
             f"data.resolution = {config.data.resolution}; preprocess again or --set "
             f"data.resolution={store.resolution}"
+        )
+    wanted = GridSpec.of(config.data)
+    if store.grid_spec != wanted:
+        raise CtsegError(
+            f"{data_dir} holds a store of {store.grid_spec.describe()} but the config asks for "
+            f"{wanted.describe()} (data.grid, data.spacing); preprocess again with this config"
         )
     if not store.split("train"):
         raise CtsegError(f"{data_dir} has no training cases")

@@ -48,7 +48,7 @@ def test_synth_then_preprocess(tmp_path):
     result = runner.invoke(app, [*args, "--workers", "2"])
     assert result.exit_code == 0, result.output
     assert "lits-0" in result.output and "prepared" in result.output
-    assert "prepared store: 3 case(s) (2 train / 1 val) at 16³" in result.output
+    assert "prepared store: 3 case(s) (2 train / 1 val), 16³ cube" in result.output
     manifest = json.loads((prep / "manifest.json").read_text())
     assert manifest["resolution"] == 16 and len(manifest["cases"]) == 3
 

@@ -94,6 +94,35 @@ def test_a_model_trained_16_way_predicts_on_the_devices_there(image):
             )
 
 
+def test_a_box_longer_than_the_training_grid_tiles_exactly_on_one_and_four_devices():
+    """The spacing grid predicts over a scan's whole extent: a box of any aligned shape.
+    Tiled (with and without TTA) equals whole, and both equal one plain pass, on 1 and 4
+    devices; the whole pass is partitioned along the box's long axis where it can be."""
+    model = random_model(3)  # trained on 32³; alignment 4
+    box = (24, 32, 72)
+    image = np.random.default_rng(2).uniform(-1, 1, box).astype(np.float32)
+    plain = jax.jit(
+        lambda x: unet.apply(model.graphdef, model.params, model.stats, x, LOCAL, train=False)[0]
+    )
+    reference = np.asarray(plain(image[None, ..., None])[0])
+    for count in (1, 4):
+        devices = jax.devices()[:count]
+        whole = infer.Engine(model, tile=0, devices=devices, shape=box)
+        assert "whole volume 24×32×72" in whole.description
+        if count == 4:
+            assert whole.spatial != (1, 1, 1)  # partitioned, halo exchange and all
+        tiled = infer.Engine(model, tile=8, devices=devices, shape=box)
+        assert len(tiled.stages[0].windows()) > 4
+        for engine in (whole, tiled):
+            np.testing.assert_allclose(
+                engine.logits(image), reference, rtol=0, atol=1e-5, err_msg=engine.description
+            )
+        mirrored = [np.asarray(infer.probabilities(e, image, True)) for e in (whole, tiled)]
+        np.testing.assert_allclose(mirrored[1], mirrored[0], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="not the engine's grid"):
+        whole.logits(image[:, :, :64])
+
+
 def test_mirrored_tta_is_the_mean_of_eight_flipped_passes_and_mirror_equivariant(image):
     engine = infer.Engine(random_model(2), tile=0)
     calls: list[tuple[int, int]] = []
