@@ -10,7 +10,7 @@ from cli.app import app
 from cli.options import warn
 from cli.progress import counting
 from ctseg import lock
-from data_prep.synth import write_dataset
+from data_prep.synth import MAX_SLICES_PER_SIZE, write_dataset
 
 
 @app.command()
@@ -22,7 +22,12 @@ def synth(
     size: Annotated[
         int,
         typer.Option(
-            min=16, help="In-plane voxels per side (the field of view is 32–42 cm at any size)."
+            min=16,
+            help=(
+                "In-plane pixels per side, over a 29–50 cm field of view at any size. A scan "
+                f"has at most {MAX_SLICES_PER_SIZE:g}×SIZE slices: thin slices over a long "
+                "scan are made thicker to stay within it (the anatomy is never cut)."
+            ),
         ),
     ] = 96,
     seed: Annotated[int, typer.Option(help="Seed; the same seed writes identical files.")] = 0,
@@ -33,9 +38,13 @@ def synth(
         ),
     ] = False,
 ) -> None:
-    """Write synthetic abdomen CT scans with liver and tumour labels, named as LiTS names them.
+    """Write synthetic CT scans with liver and tumour labels, named as LiTS names them.
 
-    OUT_DIR must be new, empty or an earlier synth output, unless --force.
+    Phantoms at physical scale (a liver of about 1.3–2.1 L whatever the scan covers), each
+    a liver-only (160–260 mm), abdominal (300–450 mm) or chest-abdomen-pelvis
+    (600–900 mm) scan with 0.7–5 mm slices; OUT_DIR/synth.json lists what was
+    drawn for each case. OUT_DIR must be new, empty or an earlier synth output,
+    unless --force.
     """
     # One writer per folder: two at once would write the same files over each other.
     with lock.hold(out_dir, warn), counting("synth") as report:
