@@ -73,6 +73,8 @@ def _stats_table(outcomes: list) -> Table:
             continue
         s = o.stats
         status = "[yellow]warning[/]" if o.warnings else "[green]ok[/]"
+        if o.checks:  # far outside the run's training data (ctseg.fingerprint)
+            status = f"[yellow]{'warning' if o.warnings else 'ok'}, check: outside training data[/]"
         status = "[green]done earlier[/]" if o.done_earlier else status
         table.add_row(
             escape(o.name),
@@ -171,7 +173,7 @@ def predict(
             for outcome in predict_files(predictor, scans, out, force, report, run_dir):
                 outcomes.append(outcome)
                 name = escape(outcome.name)
-                for warning in outcome.warnings:
+                for warning in outcome.warnings + outcome.checks:
                     console.print(f"[yellow]warning:[/] {name}: {escape(warning)}")
                 if outcome.error is not None:
                     console.print(f"[bold red]failed:[/] {name}: {escape(outcome.error)}")

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from ctseg import devices as dev
-from ctseg import infer, postprocess, preprocess, rundir, tiling, volume
+from ctseg import fingerprint, infer, postprocess, preprocess, rundir, tiling, volume
 from ctseg.checkpoints import TrainedModel, load_model
 from ctseg.config import Config, InferenceOptions
 from ctseg.errors import CtsegError
@@ -68,6 +68,8 @@ class Prediction:
     probabilities: np.ndarray | None  # [..., 3] float32 on the scan's voxels, when asked for
     warnings: list[str] = field(default_factory=list)
     seconds: Seconds = field(default_factory=dict)  # this scan's own phases
+    # Where the scan or its liver lie far outside the run's training data (`ctseg.fingerprint`).
+    checks: list[str] = field(default_factory=list)
 
     @property
     def grid_labels(self) -> np.ndarray:
@@ -176,6 +178,8 @@ class Predictor:
             self._engine(tiling.grid_shape(self.config))
         # One-off costs of the whole call (loading, compiling ahead), filled in by `from_run`.
         self.seconds: Seconds = {}
+        # The run's training data, for `to_scan`'s checks (`from_run`; None: nothing checked).
+        self.fingerprint: fingerprint.Fingerprint | None = None
 
     @classmethod
     def from_run(
@@ -205,6 +209,7 @@ class Predictor:
         with timed(seconds, "compile"):  # AOT compiles, ONNX export and sessions, placement
             predictor = cls(model, dataclasses.replace(options, backend=backend), found)
         predictor.seconds = seconds
+        predictor.fingerprint = fingerprint.load(run_dir)  # None for runs trained before it
         return predictor
 
     def _engine(self, box: Shape) -> Engine:
@@ -347,12 +352,14 @@ class Predictor:
             labels = postprocess.clean_labels(
                 labels, options.keep_largest_liver, options.tumour_inside_liver
             )
+            checks = fingerprint.checks(self.fingerprint, scan, labels)
         return Prediction(
             labels=labels,
             grid_probabilities=probabilities,
             probabilities=on_scan,
             warnings=hu_warnings(scan.array) + geometry_warnings(scan),
             seconds=seconds,
+            checks=checks,
         )
 
     def predict(

@@ -55,6 +55,7 @@ class ScanOutcome:
     # compiling ahead) are the predictor's, added to them in the stats file.
     seconds: Seconds = field(default_factory=dict)
     done_earlier: bool = False  # its outputs, by this model, were all there: left as they were
+    checks: list[str] = field(default_factory=list)  # far outside the training data
 
 
 def check_output_folder(out_dir: Path) -> None:
@@ -292,6 +293,7 @@ def _write_outputs(
     with timed(seconds, "postprocess"):
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
     outcome.warnings += prediction.warnings + volume_warnings(stats)
+    outcome.checks += prediction.checks
     paths = output_paths(out_dir, outcome.name, with_probabilities)
     # Every output under a temporary name, then renamed with the stats file last: a kill
     # half-way leaves no stats file, so the next run predicts the scan again.
@@ -324,6 +326,7 @@ def _write_outputs(
             "spacing_mm": list(scan.spacing),
             **stats,
             "warnings": outcome.warnings,
+            "checks": outcome.checks,  # where it lies far outside the training data
             "seconds": with_one_off_costs,
             # Programs this call compiled so far, and how many came from the persistent cache.
             "compiled": {

@@ -7,6 +7,10 @@ Layout (the contract between `ctseg train` and the commands after it)::
     RUN_DIR/metrics.jsonl    one JSON object per logged step; validation entries carry Dice
     RUN_DIR/curves.png       loss and validation Dice over steps, redrawn at each validation
     RUN_DIR/layouts.jsonl    one line per start: {"from_step", "mesh", "devices"}
+    RUN_DIR/fingerprint.json the training data's fingerprint (spacings, extents, livers' volumes,
+                             extents and HU; `ctseg.fingerprint`), written when a run starts
+                             (or resumes without one) and kept after; absent in runs trained
+                             before fingerprints, whose scans `predict` checks as before
     RUN_DIR/eval/            `ctseg evaluate RUN_DIR`'s default output folder: evaluated.json
                              (what it evaluated), summary.json, metrics.csv, predictions/
 
@@ -29,6 +33,7 @@ CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 CURVES = "curves.png"
 LAYOUTS = "layouts.jsonl"
+FINGERPRINT = "fingerprint.json"
 EVALUATION = "eval"
 # In an evaluation's folder (RUN_DIR/eval, or --out): the run, checkpoint, store and split.
 EVALUATED = "evaluated.json"
@@ -166,3 +171,28 @@ def last_layout(run_dir: Path) -> dict[str, Any] | None:
         except json.JSONDecodeError:
             break
     return last if isinstance(last, dict) else None
+
+
+def write_fingerprint(run_dir: Path, fingerprint: dict[str, Any]) -> None:
+    """Write RUN_DIR/fingerprint.json (`ctseg.fingerprint.compute`'s JSON)."""
+    atomic.write_json(Path(run_dir) / FINGERPRINT, fingerprint)
+
+
+def read_fingerprint(run_dir: Path) -> dict[str, Any] | None:
+    """RUN_DIR/fingerprint.json; None for a run trained before fingerprints were recorded.
+
+    CtsegError if the file is there but is no JSON object (`ctseg.fingerprint.load`
+    checks its fields)."""
+    path = Path(run_dir) / FINGERPRINT
+    if not path.exists():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CtsegError(
+            f"cannot read {path} ({exc}); delete it to predict without comparing scans "
+            "with the training data"
+        ) from None
+    if not isinstance(raw, dict):
+        raise CtsegError(f"{path} is not the fingerprint `ctseg train` writes (no JSON object)")
+    return raw

@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from ctseg import atomic, lock, metrics, plan, report, rundir
+from ctseg import atomic, fingerprint, lock, metrics, plan, report, rundir
 from ctseg import config as cfg
 from ctseg import devices as dev
 from ctseg.checkpoints import Checkpoints
@@ -268,6 +268,7 @@ def _train(
     log = rundir.MetricsLog(run_dir, start, write=main_process)
     if main_process:
         rundir.record_layout(run_dir, start, config, where)
+        fingerprint.record(run_dir, store)  # what `predict` holds scans against; kept on resume
 
     # Compiled ahead, before the first batch, so that its memory need is checked on
     # accelerators; the loop runs this very program (compiling the step a second time
