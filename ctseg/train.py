@@ -57,6 +57,9 @@ ProgressFn = Callable[[Progress], None]
 
 
 def open_store(data_dir: Path, config: cfg.Config) -> Store:
+    """The store as the run sees it: its own train/val split, or with `train.fold` ≥ 0
+    the view of that cross-validation fold (`Store.for_fold`: the fold validates, the
+    other folds train), so that the loop and the input pipeline read splits alike."""
     store = Store.open(data_dir)
     if store.resolution != config.data.resolution:
         raise CtsegError(
@@ -64,6 +67,11 @@ def open_store(data_dir: Path, config: cfg.Config) -> Store:
             f"data.resolution = {config.data.resolution}; preprocess again or --set "
             f"data.resolution={store.resolution}"
         )
+    if config.train.fold >= 0:
+        try:
+            store = store.for_fold(config.train.fold)
+        except CtsegError as exc:
+            raise CtsegError(f"--fold {config.train.fold}: {exc}") from None
     if not store.split("train"):
         raise CtsegError(f"{data_dir} has no training cases")
     return store
@@ -244,6 +252,8 @@ def _train(
     else:
         atomic.output_folder(run_dir)
     rundir.write_or_check_config(run_dir, config, write=main_process)
+    if config.train.fold >= 0:
+        rundir.write_or_check_fold(run_dir, store, config.train.fold, write=main_process)
     mesh = make_mesh(config.mesh.spatial, config.mesh.data, devices)
     devices = list(mesh.devices.flat)
     tc = config.train
@@ -346,4 +356,6 @@ def _train(
         "data_wait_fraction": _wait_fraction(prefetch, compute_seconds),
         "run_dir": str(run_dir),
         "val_cases": len(store.split("val")),
+        "train_cases": len(store.split("train")),
+        "fold": config.train.fold if config.train.fold >= 0 else None,
     }
