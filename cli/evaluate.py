@@ -17,7 +17,13 @@ from cli.progress import counting
 from ctseg import rundir
 from ctseg.config import InferenceOptions
 from ctseg.errors import CtsegError
-from ctseg.evaluate import claim_reports, evaluate_folders, evaluate_run, write_reports
+from ctseg.evaluate import (
+    claim_reports,
+    evaluate_cross_validation,
+    evaluate_folders,
+    evaluate_run,
+    write_reports,
+)
 
 console = Console(highlight=False)
 
@@ -103,30 +109,92 @@ def _evaluate_run(
     return result
 
 
+def _evaluate_cross_validation(
+    run_dirs: list[Path],
+    data: Path,
+    out: Path,
+    options: InferenceOptions,
+    compile_cache: str | None,
+    force: bool,
+) -> dict:
+    """The --cross-validation form: each fold run predicts its fold, scored as one table."""
+    configs = [rundir.load_config(run_dir) for run_dir in run_dirs]
+    start_jax(configs[0], devices=1, device=options.device, compile_cache=compile_cache)
+    run = partial(
+        evaluate_cross_validation,
+        run_dirs,
+        data,
+        out,
+        options,
+        configs,
+        force=force,
+        warn=warn,
+    )
+    result = _run_with_progress(run)
+    for entry in result["runs"]:
+        liver, tumour = entry["summary"]["liver"], entry["summary"]["tumour"]
+        console.print(
+            f"fold {entry['fold']}: {escape(entry['run_dir'])}, checkpoint step "
+            f"{entry['checkpoint_step']}, {len(entry['cases'])} case(s): Dice per case liver "
+            f"{_fmt(liver['dice_per_case'])}, tumour {_fmt(tumour['dice_per_case'])}"
+        )
+    grid = result["summary"]["grid_dice"]
+    console.print(
+        f"{escape(result['cross_validation']['device'])}; cross-validation over "
+        f"{len(result['runs'])} folds; grid Dice liver {_fmt(grid['liver'])}, tumour "
+        f"{_fmt(grid['tumour'])}; reports in {escape(str(out))} (summary.json, metrics.csv)"
+    )
+    return result
+
+
 def _check_form(
-    run_dir: Path | None, pred: Path | None, ref: Path | None, run_options: dict
+    run_dirs: list[Path], pred: Path | None, ref: Path | None, run_options: dict
 ) -> None:
-    """Exactly one of the two forms: RUN_DIR, or --pred with --ref."""
-    if run_dir is not None and (pred is not None or ref is not None):
+    """Exactly one of the two forms: RUN_DIR…, or --pred with --ref."""
+    if run_dirs and (pred is not None or ref is not None):
         raise CtsegError("give either RUN_DIR or --pred/--ref, not both")
-    if run_dir is None:
-        given = [f"--{name}" for name, value in run_options.items() if value is not None]
+    if not run_dirs:
+        given = [f"--{name}" for name, value in run_options.items() if value not in (None, False)]
         if given:
             raise CtsegError(f"{', '.join(given)} only apply with RUN_DIR")
         if pred is None or ref is None:
             raise CtsegError("give --pred PRED_DIR and --ref REF_DIR (or a RUN_DIR with --data)")
+    cross_validation = run_options["cross-validation"]
+    if len(run_dirs) > 1 and not cross_validation:
+        raise CtsegError(
+            f"{len(run_dirs)} RUN_DIRs given: several runs need --cross-validation (one fold "
+            "run per fold of the store)"
+        )
+    if cross_validation and run_options["split"] is not None:
+        raise CtsegError(
+            "--split does not apply to --cross-validation: each fold run predicts its own fold"
+        )
+    if cross_validation and run_options["out"] is None:
+        raise CtsegError(
+            "--cross-validation writes its predictions and reports into --out DIR: give one"
+        )
 
 
 @app.command()
 def evaluate(
-    run_dir: Annotated[
-        Path | None,
+    run_dirs: Annotated[
+        list[Path] | None,
         typer.Argument(
-            help="Run directory whose model predicts the split to evaluate.",
-            metavar="RUN_DIR",
+            help="Run directory whose model predicts the split to evaluate; with "
+            "--cross-validation, one fold run per fold of the store.",
+            metavar="RUN_DIR...",
             show_default=False,
         ),
     ] = None,
+    cross_validation: Annotated[
+        bool,
+        typer.Option(
+            "--cross-validation",
+            help="Evaluate the RUN_DIRs (one `ctseg train --fold` run per fold of --data) as "
+            "one cross-validation: every labelled case predicted by the run that did not "
+            "train on it. Needs --out.",
+        ),
+    ] = False,
     data: Annotated[
         Path | None, typer.Option(help="Prepared store holding the split (RUN_DIR form).")
     ] = None,
@@ -140,8 +208,9 @@ def evaluate(
     out: Annotated[
         Path | None,
         typer.Option(
-            help="Folder for the predictions and reports (default: RUN_DIR/eval). It holds one "
-            "evaluation: another run's or checkpoint's is replaced only with --force."
+            help="Folder for the predictions and reports (default: RUN_DIR/eval; required with "
+            "--cross-validation). It holds one evaluation: another run's or checkpoint's is "
+            "replaced only with --force."
         ),
     ] = None,
     device: Annotated[
@@ -181,11 +250,14 @@ def evaluate(
     """Compare label maps with references: Dice, VOE, RVD, ASSD, HD95, MSSD, lesion detection.
 
     Either --pred/--ref folders of NIfTI label maps (0 background, 1 liver, 2
-    tumour; paired by file name), or a RUN_DIR whose model predicts a split.
+    tumour; paired by file name), or a RUN_DIR whose model predicts a split, or
+    (--cross-validation) one fold run per fold of the store, each predicting its fold.
     Exits 1 when any case could not be evaluated. An existing --json/--csv file is
     replaced only when it is an earlier report of `ctseg evaluate` (or with --force).
     """
+    run_dirs = run_dirs or []
     run_options = {
+        "cross-validation": cross_validation,
         "data": data,
         "split": split,
         "checkpoint": checkpoint,
@@ -195,8 +267,8 @@ def evaluate(
         "tta": tta,
         "compile-cache": compile_cache,
     }
-    _check_form(run_dir, pred, ref, run_options)
-    if run_dir is not None:
+    _check_form(run_dirs, pred, ref, run_options)
+    if run_dirs:
         if json_path is not None or csv_path is not None:
             raise CtsegError("--json/--csv apply to --pred/--ref; with RUN_DIR reports go to --out")
         if data is None:
@@ -207,7 +279,12 @@ def evaluate(
             device=(device or DeviceChoice.auto).value,
             tta=tta,
         )
-        result = _evaluate_run(run_dir, data, split or "val", out, options, compile_cache, force)
+        if cross_validation:
+            result = _evaluate_cross_validation(run_dirs, data, out, options, compile_cache, force)
+        else:
+            result = _evaluate_run(
+                run_dirs[0], data, split or "val", out, options, compile_cache, force
+            )
     else:
         claim_reports(json_path, csv_path, [pred, ref], force)
         result = _run_with_progress(partial(evaluate_folders, pred, ref))

@@ -6,7 +6,16 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-from cli import bench, evaluate, plan, predict, preprocess, synth, train  # noqa: F401  (registers)
+from cli import (  # noqa: F401  (registers the commands)
+    bench,
+    evaluate,
+    folds,
+    plan,
+    predict,
+    preprocess,
+    synth,
+    train,
+)
 from cli.app import app
 from ctseg.errors import CtsegError
 

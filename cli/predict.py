@@ -15,8 +15,6 @@ from cli.options import CompileCacheOption, DeviceChoice, DeviceOption, start_ja
 from ctseg import lock, rundir
 from ctseg.config import InferenceOptions
 
-console = Console(highlight=False)
-
 RunDirArgument = Annotated[
     Path, typer.Argument(help="Run directory of `ctseg train`.", metavar="RUN_DIR")
 ]
@@ -132,6 +130,7 @@ def predict(
     failed; the others are written. Run again after an interruption: scans
     already done are skipped, the rest are predicted.
     """
+    console = Console(highlight=False)  # here, not at import: the terminal's width of now
     config = rundir.load_config(run_dir)
     start_jax(config, devices=1, device=device, compile_cache=compile_cache)
     # After start_jax: importing the pipeline starts JAX.

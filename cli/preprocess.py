@@ -43,7 +43,9 @@ def preprocess(
     force: Annotated[
         bool,
         typer.Option(
-            "--force", help="Redo every case and overwrite a store of another resolution."
+            "--force",
+            help="Redo every case, overwrite a store of another resolution, and let "
+            "data.folds replace the store's own folds.",
         ),
     ] = False,
 ) -> None:
@@ -73,11 +75,19 @@ def _case_table(result: PrepareResult) -> Table:
     table = Table(title="preprocess")
     table.add_column("case")
     table.add_column("split")
+    folds = {}
+    if result.store is not None and result.store.folds:
+        table.add_column("fold", justify="right")
+        folds = {case.id: case.fold for case in result.store.cases}
     table.add_column("status", overflow="fold")  # a failure's reason in full, however narrow
     for outcome in result.outcomes:
         style = _STATUS_STYLE[outcome.status]
         status = f"failed: {outcome.reason}" if outcome.reason else outcome.status
-        table.add_row(outcome.case_id, outcome.split, Text(status, style=style))
+        row = [outcome.case_id, outcome.split]
+        if folds:
+            fold = folds.get(outcome.case_id)  # none: a failed or label-free case
+            row.append("" if fold is None else str(fold))
+        table.add_row(*row, Text(status, style=style))
     return table
 
 
@@ -89,6 +99,8 @@ def _summary_line(result: PrepareResult, out_dir: Path) -> str:
         )
     store = result.store
     counts = " / ".join(f"{len(store.split(s))} {s}" for s in SPLITS if store.split(s))
+    if store.folds:
+        counts += f"; {store.folds} folds, seed {store.fold_seed}"
     line = (
         f"prepared store: {len(store.cases)} case(s) ({counts}), {store.grid_spec.describe()}; "
         f"manifest {escape(str(store.path / MANIFEST))}"

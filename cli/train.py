@@ -43,6 +43,16 @@ def train(
     ],
     config_path: ConfigOption = None,
     overrides: SetOption = None,
+    fold: Annotated[
+        int | None,
+        typer.Option(
+            "--fold",
+            help="Train cross-validation fold I of the store (`ctseg folds`): validate on "
+            "fold I, train on the other folds (the same as --set train.fold=I).",
+            metavar="I",
+            show_default=False,
+        ),
+    ] = None,
     device: DeviceOption = DeviceChoice.auto,
     exact_mesh: Annotated[
         bool,
@@ -65,8 +75,10 @@ def train(
     without accelerators the mesh's devices are simulated on the CPU. Ctrl-C
     (or SIGTERM) saves a checkpoint and stops; running the same command again
     resumes, on this layout or another. One `ctseg train` at a time per WORKDIR.
+    With --fold I it trains one cross-validation fold of the store.
     """
-    config = load_config(config_path, overrides)
+    extra = [] if fold is None else [f"train.fold={fold}"]
+    config = load_config(config_path, [*(overrides or []), *extra])
     start_jax(
         config, coordinator, num_processes, process_id, device=device, compile_cache=compile_cache
     )
@@ -117,6 +129,11 @@ def train(
         f"of step time; run directory {summary['run_dir']} "
         "(metrics.jsonl, curves.png, checkpoints/)"
     )
+    if summary.get("fold") is not None:
+        console.print(
+            f"fold {summary['fold']}: trained on {summary['train_cases']} case(s), validated on "
+            f"the fold's {summary['val_cases']} (fold.json)"
+        )
     best, last = summary["best_validation"], summary["last_validation"]
     if last:
         console.print(

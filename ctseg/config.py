@@ -48,7 +48,14 @@ class DataConfig:
         "Hounsfield window [low, high] clipped and scaled to [-1, 1] when a batch is made.",
     )
     val_fraction: float = _f(0.2, "Share of cases put in the validation split by `preprocess`.")
-    split_seed: int = _f(0, "Seed of the train/validation split made by `preprocess`.")
+    split_seed: int = _f(
+        0, "Seed of the train/validation split (and of the folds) made by `preprocess`."
+    )
+    folds: int = _f(
+        0,
+        "Cross-validation folds of the labelled cases, assigned by `preprocess` (seed "
+        "data.split_seed); 0 = none, or keep the store's own (`ctseg folds` changes them).",
+    )
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,11 @@ class TrainConfig:
     keep_checkpoints: int = _f(3, "Keep this many latest checkpoints, plus the best.")
     log_every: int = _f(10, "Write a metrics.jsonl entry every this many steps.")
     seed: int = _f(0, "Seed of initialisation, batch order and augmentation.")
+    fold: int = _f(
+        -1,
+        "Cross-validation fold to train (`ctseg train --fold`): validate on that fold of the "
+        "store, train on its other labelled cases; -1 = the store's train/val split.",
+    )
 
 
 @dataclass(frozen=True)
@@ -335,6 +347,10 @@ def _validate_data(d: DataConfig) -> None:
     )
     # numpy's generators, which draw the split and the augmentation, take no negative seeds.
     _require(d.split_seed >= 0, f"data.split_seed must not be negative, got {d.split_seed}")
+    _require(
+        d.folds == 0 or d.folds >= 2,
+        f"data.folds must be 0 (none) or at least 2, got {d.folds}",
+    )
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -413,6 +429,10 @@ def _validate_train(t: TrainConfig, mesh: MeshConfig) -> None:
     ):
         value = getattr(t, key)
         _require(value >= 0, f"train.{key} must not be negative, got {value}")
+    _require(
+        t.fold >= -1,
+        f"train.fold must be a fold number (0, 1, …) or -1 (the store's split), got {t.fold}",
+    )
     _require(
         0 <= t.intensity_scale < 1,
         f"train.intensity_scale must be in [0, 1), got {t.intensity_scale}",

@@ -11,6 +11,9 @@ Layout (the contract between `ctseg train` and the commands after it)::
                              extents and HU; `ctseg.fingerprint`), written when a run starts
                              (or resumes without one) and kept after; absent in runs trained
                              before fingerprints, whose scans `predict` checks as before
+    RUN_DIR/fold.json        a cross-validation fold run's fold (train.fold ≥ 0 only):
+                             {"fold", "folds", "fold_seed", "store", "val_cases",
+                             "train_cases"}, the store's fold as the run first trained on it
     RUN_DIR/eval/            `ctseg evaluate RUN_DIR`'s default output folder: evaluated.json
                              (what it evaluated), summary.json, metrics.csv, predictions/
 
@@ -27,6 +30,7 @@ from typing import Any
 from ctseg import atomic
 from ctseg import config as cfg
 from ctseg.errors import CtsegError
+from ctseg.store import Store
 
 CONFIG = "config.toml"
 CHECKPOINTS = "checkpoints"
@@ -34,6 +38,7 @@ METRICS = "metrics.jsonl"
 CURVES = "curves.png"
 LAYOUTS = "layouts.jsonl"
 FINGERPRINT = "fingerprint.json"
+FOLD = "fold.json"
 EVALUATION = "eval"
 # In an evaluation's folder (RUN_DIR/eval, or --out): the run, checkpoint, store and split.
 EVALUATED = "evaluated.json"
@@ -74,6 +79,85 @@ def write_or_check_config(run_dir: Path, config: cfg.Config, write: bool = True)
         return
     if write:
         atomic.write_text(path, cfg.to_toml(config))
+
+
+def fold_record(store: Store, fold: int) -> dict[str, Any]:
+    """What RUN_DIR/fold.json says of a run of fold `fold` of `store` (or of a fold view
+    of it: the view keeps every case's fold)."""
+    view = store.for_fold(fold)
+    return {
+        "fold": fold,
+        "folds": store.folds,
+        "fold_seed": store.fold_seed,
+        "store": str(Path(store.path).resolve()),
+        "val_cases": [case.id for case in view.split("val")],
+        "train_cases": [case.id for case in view.split("train")],
+    }
+
+
+def read_fold(run_dir: Path) -> dict[str, Any] | None:
+    """RUN_DIR/fold.json, None for a run of a store's own split; CtsegError if damaged."""
+    path = Path(run_dir) / FOLD
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        fold, folds = record["fold"], record["folds"]
+        if not (
+            isinstance(fold, int)
+            and isinstance(folds, int)
+            and all(isinstance(record[k], list) for k in ("val_cases", "train_cases"))
+        ):
+            raise ValueError("fold, folds or the case lists are not what they must be")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CtsegError(f"cannot read {path}: {exc}") from None
+    return record
+
+
+def fold_difference(record: dict[str, Any], store: Store) -> str | None:
+    """How the fold a run recorded differs from that fold of `store` now; None if it does not.
+
+    Compared by case ids (the store may have moved): fold runs of folds re-assigned
+    since they trained neither resume nor make a cross-validation together.
+    """
+    fold = record["fold"]
+    if store.folds != record["folds"] or not 0 <= fold < store.folds:
+        now = f"{store.folds} folds" if store.folds else "no folds"
+        return (
+            f"trained on fold {fold} of {record['folds']} folds, but the store at {store.path} "
+            f"has {now} now"
+        )
+    now = fold_record(store, fold)
+    if sorted(now["val_cases"]) != sorted(record["val_cases"]) or sorted(
+        now["train_cases"]
+    ) != sorted(record["train_cases"]):
+        return (
+            f"trained on fold {fold} as it was then ({_cases(record['val_cases'])}), but fold "
+            f"{fold} of the store at {store.path} is now {_cases(now['val_cases'])}: its folds "
+            "were re-assigned since"
+        )
+    return None
+
+
+def _cases(ids: list[str]) -> str:
+    shown = ", ".join(ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")
+    return f"{len(ids)} case(s): {shown}"
+
+
+def write_or_check_fold(run_dir: Path, store: Store, fold: int, write: bool = True) -> None:
+    """Write RUN_DIR/fold.json, or check that a resumed run's fold is still the store's."""
+    earlier = read_fold(run_dir)
+    if earlier is None:
+        if write:
+            atomic.write_json(Path(run_dir) / FOLD, fold_record(store, fold))
+        return
+    difference = fold_difference(earlier, store)
+    if earlier["fold"] != fold:
+        difference = f"trained on fold {earlier['fold']}, not {fold}"
+    if difference is not None:
+        raise CtsegError(
+            f"{run_dir} {difference}; use a new --workdir, or assign the folds it trained on again"
+        )
 
 
 def is_run_dir(folder: Path) -> bool:

@@ -5,14 +5,17 @@ Layout (the contract between `ctseg preprocess` and the commands after it)::
     PREP_DIR/manifest.json                 written last, atomically
     PREP_DIR/cases/<case_id>/image.npy     int16 HU, [R, R, R], canonical RAS order
     PREP_DIR/cases/<case_id>/label.npy     uint8 0/1/2, [R, R, R]; absent for label-free cases
-    PREP_DIR/cases/<case_id>/case.json     the case's manifest entry (split left empty);
-                                           written after the arrays, it marks the case done
+    PREP_DIR/cases/<case_id>/case.json     the case's manifest entry (split and fold left
+                                           empty); written after the arrays, it marks the
+                                           case done
 
 manifest.json::
 
     {"format": "ctseg-store", "version": 1, "resolution": R,
      "grid": "cube" | "spacing", "spacing": [x, y, z] mm (spacing grid) | absent,
-     "cases": [{"id", "split": "train" | "val" | "test", "image_source", "label_source",
+     "folds": k, "fold_seed": s | null,
+     "cases": [{"id", "split": "train" | "val" | "test", "fold": 0 … k-1 | null,
+                "image_source", "label_source",
                 "original_shape", "original_affine", "canonical_shape",
                 "canonical_affine", "spacing", "label_counts": [n0, n1, n2],
                 "grid_shape", "box_offset"}]}
@@ -29,6 +32,15 @@ grid (R³ on the cube; the scan at the store's spacing on the spacing grid) and
 `box_offset` where the stored box lies on it (`ctseg.preprocess`); the box's affine
 is `CaseEntry.box_affine()`. A manifest without "grid" is a cube store, and cases
 without `grid_shape`/`box_offset` are their whole R³ grid.
+
+Cross-validation folds (`folds` = k ≥ 2; 0 = none) split the labelled cases (splits
+train and val, never test) into k folds whose sizes differ by at most one, drawn
+from the seed `fold_seed` (`store_writer.assign_folds`); each labelled case names
+its `fold`, every other case null. They are independent of the train/val split:
+`Store.for_fold(i)` is the store seen by a run of fold i (fold i validates, the
+other folds train). A manifest without these keys (written before folds existed)
+reads as a store without folds, so the format's version is still 1; a reader that
+predates them ignores them.
 
 `ctseg.store_writer` builds a store from the `RawCase`s that a raw data set's
 layout names (`data_prep.layouts` finds them); this module reads it.
@@ -99,6 +111,7 @@ class CaseEntry:
     # b + box_offset). Absent from stores written before the spacing grid: R³ and 0.
     grid_shape: tuple[int, ...] | None = None
     box_offset: tuple[int, ...] | None = None
+    fold: int | None = None  # the cross-validation fold of a labelled case, if the store has folds
 
     @property
     def labelled(self) -> bool:
@@ -110,10 +123,13 @@ class CaseEntry:
             return tuple(nested(v) for v in value) if isinstance(value, list) else value
 
         fields = dataclasses.fields(cls)
+        # Keys with a default (`fold`, `grid_shape`, `box_offset`) are absent from
+        # manifests written before them.
         return cls(
             **{
-                f.name: nested(raw[f.name] if f.default is dataclasses.MISSING else raw.get(f.name))
+                f.name: nested(raw[f.name])
                 for f in fields
+                if f.name in raw or f.default is dataclasses.MISSING
             }
         )
 
@@ -139,6 +155,8 @@ class Store:
     cases: list[CaseEntry]
     grid: str = "cube"  # data.grid of the preprocess that wrote it
     spacing: tuple[float, ...] | None = None  # data.spacing on the spacing grid
+    folds: int = 0  # cross-validation folds of the labelled cases; 0: none
+    fold_seed: int | None = None  # the seed they were drawn from
 
     @classmethod
     def open(cls, path: str | Path) -> Store:
@@ -172,10 +190,20 @@ class Store:
             for case in cases
         ]
         _check_entries(path / MANIFEST, cases)
+        folds, fold_seed = manifest.get("folds", 0), manifest.get("fold_seed")
+        _check_folds(path, folds, fold_seed, cases)
         for case in cases:
             for kind in ("image", "label") if case.labelled else ("image",):
                 _check_array(path, case.id, kind, resolution)
-        return cls(path=path, resolution=resolution, cases=cases, grid=grid, spacing=spacing)
+        return cls(
+            path=path,
+            resolution=resolution,
+            cases=cases,
+            grid=grid,
+            spacing=spacing,
+            folds=folds,
+            fold_seed=fold_seed,
+        )
 
     @property
     def grid_spec(self) -> preprocess.GridSpec:
@@ -187,6 +215,40 @@ class Store:
         if name not in SPLITS:
             raise ValueError(f"unknown split {name!r}; expected one of {SPLITS}")
         return [case for case in self.cases if case.split == name]
+
+    def fold_cases(self, fold: int) -> list[CaseEntry]:
+        """The labelled cases of cross-validation fold `fold`; CtsegError if there is none."""
+        self._check_fold(fold)
+        return [case for case in self.cases if case.fold == fold]
+
+    def for_fold(self, fold: int) -> Store:
+        """This store as a run of fold `fold` sees it: the fold's cases are its "val"
+        split, every other labelled case its "train" split, "test" cases stay as they are.
+
+        Nothing is written: the training loop and the input pipeline read the view's
+        splits as they read a store's own. CtsegError for a store without folds, or a
+        fold it does not have.
+        """
+        self._check_fold(fold)
+        cases = [
+            dataclasses.replace(case, split="val" if case.fold == fold else "train")
+            if case.labelled
+            else case
+            for case in self.cases
+        ]
+        return dataclasses.replace(self, cases=cases)
+
+    def _check_fold(self, fold: int) -> None:
+        if not self.folds:
+            raise CtsegError(
+                f"the store at {self.path} has no cross-validation folds; assign them with "
+                f"`ctseg folds {self.path} --k 5` (or preprocess with data.folds = 5)"
+            )
+        if isinstance(fold, bool) or not isinstance(fold, int) or not 0 <= fold < self.folds:
+            raise CtsegError(
+                f"fold {fold} is not a fold of the store at {self.path}: it has "
+                f"{self.folds} folds, 0–{self.folds - 1}"
+            )
 
     def case(self, case_id: str) -> CaseEntry:
         for case in self.cases:
@@ -237,6 +299,37 @@ def _check_entries(manifest: Path, cases: list[CaseEntry]) -> None:
                     f"{where}.{key} = {source!r} is not an absolute, normalised path of a scan"
                 )
         _check_numbers(where, case)
+
+
+def _check_folds(path: Path, folds: Any, seed: Any, cases: list[CaseEntry]) -> None:
+    """CtsegError naming the first fold key of the manifest that is not what it must be.
+
+    With k folds every labelled case is in one of 0 … k-1 and no fold is empty; a
+    label-free case, or any case of a store without folds, is in none.
+    """
+    where = path / MANIFEST
+    redo = f"re-assign them with `ctseg folds {path} --k K --force`"
+
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not whole(folds) or folds < 0 or folds == 1:
+        raise CtsegError(f"{where}: folds = {folds!r} is not 0 (none) or a count ≥ 2; {redo}")
+    if not (seed is None or (whole(seed) and seed >= 0)):
+        raise CtsegError(f"{where}: fold_seed = {seed!r} is not a seed; {redo}")
+    for index, case in enumerate(cases):
+        allowed = folds > 0 and case.labelled
+        if (case.fold is not None or allowed) and not (
+            allowed and whole(case.fold) and 0 <= case.fold < folds
+        ):
+            should = f"one of 0–{folds - 1}" if allowed else "null"
+            raise CtsegError(
+                f"{where}: cases[{index}].fold = {json.dumps(case.fold)} should be {should}; "
+                + redo
+            )
+    empty = sorted(set(range(folds)) - {case.fold for case in cases})
+    if empty:
+        raise CtsegError(f"{where}: fold {empty[0]} holds no case; {redo}")
 
 
 # Numeric fields of an entry: (shape, whole numbers, lowest allowed value, in words).

@@ -4,6 +4,13 @@ to the R³ grid, in worker processes, resumable. The store's layout is `ctseg.st
 Every write is atomic and a case counts as done only once its ``case.json`` is
 written (after its arrays), so a killed run is simply run again: finished cases are
 skipped. The manifest is written last and lists only the cases that were prepared.
+
+Cross-validation folds (`assign_folds`) are drawn over the store's labelled cases,
+at preprocess time (`data.folds`) or later over an existing store (`write_folds`,
+``ctseg folds``, which rewrites the manifest alone). Once a store has folds, they
+are kept: a re-run of preprocess draws them again with their recorded count and
+seed (the same folds for the same cases), and assigning others needs ``force``,
+since fold runs may have trained on them.
 """
 
 from __future__ import annotations
@@ -72,6 +79,22 @@ def assign_splits(case_ids: list[str], val_fraction: float, seed: int) -> dict[s
     return {cid: "val" if cid in val else "train" for cid in case_ids}
 
 
+def assign_folds(case_ids: list[str], folds: int, seed: int) -> dict[str, int]:
+    """Deterministic cross-validation folds: case id -> fold 0 … `folds` − 1.
+
+    The ids, sorted (so that the order they are listed in does not matter), are
+    permuted by `seed` and cut into `folds` runs whose sizes differ by at most one.
+    The same ids, count and seed always give the same folds.
+    """
+    ids = sorted(case_ids)
+    # A stream of its own: the folds do not follow the train/val split drawn from the seed.
+    order = np.random.default_rng([seed, _FOLD_STREAM]).permutation(len(ids))
+    return {ids[i]: fold for fold, chunk in enumerate(np.array_split(order, folds)) for i in chunk}
+
+
+_FOLD_STREAM = 1
+
+
 def write_store(
     layout: Layout,
     out_dir: str | Path,
@@ -88,13 +111,15 @@ def write_store(
     with its one-line reason and left out of the manifest; the others go on.
     `workers` > 1 prepares cases in that many processes at once. Problems that
     stop everything (a store of another grid, another command writing the
-    store) raise CtsegError; `warn` hears of a lock taken over from a command that died.
+    store, folds other than the store's without `force`) raise CtsegError; `warn`
+    hears of a lock taken over from a command that died, and of folds drawn again
+    or left out (`_with_folds`).
     """
     workers = usable_workers(workers)
     out_dir = Path(out_dir)
     # One writer per store: two preprocesses at once would write one case's arrays twice.
     with lock.hold(out_dir, warn):
-        return _write(layout, out_dir, config, progress, force, workers)
+        return _write(layout, out_dir, config, progress, force, workers, warn)
 
 
 def _write(
@@ -104,9 +129,12 @@ def _write(
     progress: Progress | None,
     force: bool,
     workers: int,
+    warn: Callable[[str], None] | None,
 ) -> PrepareResult:
     grid = GridSpec.of(config.data)
     _check_existing_store(out_dir, grid, force)
+    earlier = _earlier_folds(out_dir)
+    folds, fold_seed = _fold_plan(layout, out_dir, config, earlier, force)
     # A manifest must never describe arrays that are being rewritten.
     (out_dir / store.MANIFEST).unlink(missing_ok=True)
 
@@ -140,8 +168,170 @@ def _write(
 
     ordered = [c.case_id for c in layout.cases]
     good = [entries[i] for i in ordered if i in entries]
-    written = _write_manifest(out_dir, grid, good) if good else None
+    if not good:
+        return PrepareResult(store=None, outcomes=[outcomes[i] for i in ordered])
+    good, folds = _with_folds(out_dir, good, folds, fold_seed, earlier, warn)
+    written = _write_manifest(out_dir, grid, good, folds, fold_seed if folds else None)
     return PrepareResult(store=written, outcomes=[outcomes[i] for i in ordered])
+
+
+@dataclass(frozen=True)
+class _Folds:
+    """The folds a store's manifest recorded before this run of preprocess."""
+
+    count: int
+    seed: int | None
+    of_case: dict[str, int | None]  # labelled case id -> fold
+
+
+def _earlier_folds(out_dir: Path) -> _Folds | None:
+    """The folds of the store at `out_dir`, None if it has none (or no readable manifest)."""
+    try:
+        manifest = store.read_manifest(out_dir)
+        if manifest is None or not manifest.get("folds"):
+            return None
+        of_case = {
+            c["id"]: c.get("fold") for c in manifest["cases"] if c.get("label_source") is not None
+        }
+        return _Folds(int(manifest["folds"]), manifest.get("fold_seed"), of_case)
+    except (CtsegError, KeyError, TypeError, ValueError, AttributeError):
+        return None  # a damaged manifest (rebuilt with --force) keeps nothing
+
+
+def _fold_plan(
+    layout: Layout, out_dir: Path, config: Config, earlier: _Folds | None, force: bool
+) -> tuple[int, int]:
+    """(folds, seed) this run assigns, checked before any case is prepared.
+
+    data.folds = 0 keeps the store's own folds; another count or seed than the store's
+    is refused unless `force` (fold runs may have trained on them).
+    """
+    asked, seed = config.data.folds, config.data.split_seed
+    if asked == 0:
+        keep = earlier is not None and not layout.predict_only
+        return (earlier.count, earlier.seed or 0) if keep else (0, 0)
+    if layout.predict_only:
+        raise CtsegError(
+            f"data.folds = {asked}, but the raw folder holds no labels: a predict-only store "
+            "has no cases to cross-validate"
+        )
+    if asked > len(layout.cases):
+        raise CtsegError(
+            f"data.folds = {asked} needs at least {asked} labelled cases; the raw folder holds "
+            f"{len(layout.cases)}"
+        )
+    if earlier is not None and (earlier.count, earlier.seed) != (asked, seed) and not force:
+        raise CtsegError(
+            f"{out_dir} has {earlier.count} folds (seed {earlier.seed}), which fold runs may "
+            f"have trained on; data.folds = {asked} with data.split_seed = {seed} would assign "
+            f"others: `ctseg folds {out_dir} --k {asked} --seed {seed} --force` re-assigns "
+            "them (or leave data.folds = 0 to keep them)"
+        )
+    return asked, seed
+
+
+def _with_folds(
+    out_dir: Path,
+    entries: list[CaseEntry],
+    folds: int,
+    seed: int,
+    earlier: _Folds | None,
+    warn: Callable[[str], None] | None,
+) -> tuple[list[CaseEntry], int]:
+    """`entries` with their folds (over the labelled ones), and the count of folds.
+
+    Fewer labelled cases than folds (some failed) leaves the store without folds until
+    they are fixed; labelled cases that changed since the folds were drawn draw them
+    again. Either is said through `warn`.
+    """
+    labelled = [e.id for e in entries if e.labelled]
+    if folds and len(labelled) < folds:
+        if warn is not None:
+            warn(
+                f"only {len(labelled)} labelled case(s) were prepared, fewer than {folds} "
+                "folds: the store has no folds until the failed cases are fixed"
+            )
+        folds = 0
+    of_case = assign_folds(labelled, folds, seed) if folds else {}
+    if earlier is not None and folds and of_case != earlier.of_case and warn is not None:
+        if (earlier.count, earlier.seed) == (folds, seed):
+            what = (
+                f"the labelled cases of {out_dir} changed since its {folds} folds were drawn, "
+                "so they were drawn again"
+            )
+        else:  # --force
+            what = (
+                f"the {earlier.count} folds (seed {earlier.seed}) of {out_dir} were replaced by "
+                f"{folds} folds (seed {seed})"
+            )
+        warn(
+            f"{what}: fold runs trained on the earlier folds can no longer be resumed or "
+            "evaluated together"
+        )
+    return [dataclasses.replace(e, fold=of_case.get(e.id)) for e in entries], folds
+
+
+@dataclass(frozen=True)
+class FoldsResult:
+    """What `write_folds` did: the store as it is now, and whether its manifest changed."""
+
+    store: Store
+    changed: bool
+    earlier: int  # the folds the store had before
+
+
+def write_folds(
+    store_dir: str | Path,
+    folds: int,
+    seed: int = 0,
+    force: bool = False,
+    warn: Callable[[str], None] | None = None,
+) -> FoldsResult:
+    """Assign `folds` cross-validation folds (0: none) to an existing store (`ctseg folds`).
+
+    Rewrites manifest.json alone, atomically, under the store's lock; the arrays and
+    case.json files are not touched. Folds equal to the store's are left as they are;
+    other folds over a store that has some need `force`, because runs trained on the
+    old ones could no longer be resumed or evaluated together (their fold.json
+    records the cases they validated on, and both refuse the mismatch).
+    """
+    store_dir = Path(store_dir)
+    if folds < 0 or folds == 1:
+        raise CtsegError(f"--k must be 0 (no folds) or at least 2, got {folds}")
+    if seed < 0:
+        raise CtsegError(f"--seed must not be negative, got {seed}")
+    if store.manifest_file(store_dir) is None:
+        raise CtsegError(
+            f"no prepared store at {store_dir} ({store.MANIFEST} missing); run "
+            "`ctseg preprocess` first"
+        )
+    with lock.hold(store_dir, warn):
+        current = Store.open(store_dir)
+        labelled = [case.id for case in current.cases if case.labelled]
+        if folds > len(labelled):
+            raise CtsegError(
+                f"--k {folds} needs at least {folds} labelled cases; the store at {store_dir} "
+                f"has {len(labelled)}"
+            )
+        of_case = assign_folds(labelled, folds, seed) if folds else {}
+        now = {case.id: case.fold for case in current.cases if case.labelled}
+        same_assignment = now == {i: of_case.get(i) for i in labelled}
+        if same_assignment and (current.folds, current.fold_seed) == (
+            folds,
+            seed if folds else None,
+        ):
+            return FoldsResult(current, changed=False, earlier=current.folds)
+        if current.folds and not force:
+            raise CtsegError(
+                f"{store_dir} already has {current.folds} folds (seed {current.fold_seed}); "
+                "runs trained on them could no longer be resumed or evaluated together: "
+                "give --force to re-assign them"
+            )
+        entries = [dataclasses.replace(case, fold=of_case.get(case.id)) for case in current.cases]
+        written = _write_manifest(
+            store_dir, current.grid_spec, entries, folds, seed if folds else None
+        )
+        return FoldsResult(written, changed=True, earlier=current.folds)
 
 
 def usable_workers(requested: int) -> int:
@@ -179,13 +369,17 @@ def _grid_keys(grid: GridSpec) -> dict[str, Any]:
     return keys
 
 
-def _write_manifest(out_dir: Path, grid: GridSpec, entries: list[CaseEntry]) -> Store:
+def _write_manifest(
+    out_dir: Path, grid: GridSpec, entries: list[CaseEntry], folds: int, fold_seed: int | None
+) -> Store:
     write_json(
         out_dir / store.MANIFEST,
         {
             "format": store.FORMAT,
             "version": store.VERSION,
             **_grid_keys(grid),
+            "folds": folds,
+            "fold_seed": fold_seed,
             "cases": [e.to_json() for e in entries],
         },
     )
@@ -363,7 +557,7 @@ def _prepare_case(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry:
     image_source, label_source = _sources(case)
     entry = CaseEntry(
         id=case.case_id,
-        split="",  # assigned over all cases in `prepare`
+        split="",  # assigned over all cases in `prepare`; the fold too (`_with_folds`)
         image_source=image_source,
         label_source=label_source,
         original_shape=image.original_shape,

@@ -58,6 +58,9 @@ ProgressFn = Callable[[Progress], None]
 
 
 def open_store(data_dir: Path, config: cfg.Config) -> Store:
+    """The store as the run sees it: its own train/val split, or with `train.fold` ≥ 0
+    the view of that cross-validation fold (`Store.for_fold`: the fold validates, the
+    other folds train), so that the loop and the input pipeline read splits alike."""
     store = Store.open(data_dir)
     if store.resolution != config.data.resolution:
         raise CtsegError(
@@ -71,6 +74,11 @@ def open_store(data_dir: Path, config: cfg.Config) -> Store:
             f"{data_dir} holds a store of {store.grid_spec.describe()} but the config asks for "
             f"{wanted.describe()} (data.grid, data.spacing); preprocess again with this config"
         )
+    if config.train.fold >= 0:
+        try:
+            store = store.for_fold(config.train.fold)
+        except CtsegError as exc:
+            raise CtsegError(f"--fold {config.train.fold}: {exc}") from None
     if not store.split("train"):
         raise CtsegError(f"{data_dir} has no training cases")
     return store
@@ -251,6 +259,8 @@ def _train(
     else:
         atomic.output_folder(run_dir)
     rundir.write_or_check_config(run_dir, config, write=main_process)
+    if config.train.fold >= 0:
+        rundir.write_or_check_fold(run_dir, store, config.train.fold, write=main_process)
     mesh = make_mesh(config.mesh.spatial, config.mesh.data, devices)
     devices = list(mesh.devices.flat)
     tc = config.train
@@ -354,4 +364,6 @@ def _train(
         "data_wait_fraction": _wait_fraction(prefetch, compute_seconds),
         "run_dir": str(run_dir),
         "val_cases": len(store.split("val")),
+        "train_cases": len(store.split("train")),
+        "fold": config.train.fold if config.train.fold >= 0 else None,
     }

@@ -373,8 +373,8 @@ def _organ_mask(
 ) -> tuple[tuple[slice, ...], np.ndarray] | None:
     """Where an organ (an ellipsoid in the cavity, below the diaphragm) lies on `slab`."""
     found = plan.grid.box(
-        [c - r for c, r in zip(organ.centre, organ.radii)],
-        [c + r for c, r in zip(organ.centre, organ.radii)],
+        [c - r for c, r in zip(organ.centre, organ.radii, strict=True)],
+        [c + r for c, r in zip(organ.centre, organ.radii, strict=True)],
         slab,
     )
     if found is None:
@@ -489,7 +489,8 @@ def _paint_chest(hu: np.ndarray, rng: np.random.Generator, plan: _Plan) -> None:
     for value, grow in ((HU_FAT, 7.0), (heart_hu, 0.0)):
         size = tuple(r + grow for r in radii)
         found = grid.box(
-            [c - r for c, r in zip(centre, size)], [c + r for c, r in zip(centre, size)]
+            [c - r for c, r in zip(centre, size, strict=True)],
+            [c + r for c, r in zip(centre, size, strict=True)],
         )
         if found is not None:
             box, coords = found
@@ -688,9 +689,9 @@ def _tumours(
         reach = np.ceil(radii).astype(int)
         lo = np.maximum(centre - reach, 0)
         hi = np.minimum(centre + reach + 1, liver.mask.shape)
-        box = tuple(slice(s, e) for s, e in zip(lo, hi))
+        box = tuple(slice(s, e) for s, e in zip(lo, hi, strict=True))
         grid = np.ogrid[box]
-        ball = sum(((g - c) / r) ** 2 for g, c, r in zip(grid, centre, radii)) < 1
+        ball = sum(((g - c) / r) ** 2 for g, c, r in zip(grid, centre, radii, strict=True)) < 1
         tumours.append((box, ball & liver.mask[box]))
     return tumours
 
