@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 CTSEG  := $(VENV)/bin/ctseg
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test demo bench bench-predict512 lint clean experiment-resolution
+.PHONY: install test demo bench bench-predict512 lint clean experiment-resolution experiment-geometry
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,10 @@ bench-predict512: $(STAMP)
 
 experiment-resolution: $(STAMP)
 	bash scripts/experiment_resolution.sh
+
+# The cube against the spacing grid on phantoms of LiTS-like extents (about 30 minutes).
+experiment-geometry: $(STAMP)
+	bash scripts/experiment_geometry.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ctseg cli data_prep tests scripts

@@ -17,13 +17,8 @@ from cli.progress import counting
 from ctseg import rundir
 from ctseg.config import InferenceOptions
 from ctseg.errors import CtsegError
-from ctseg.evaluate import (
-    claim_reports,
-    evaluate_cross_validation,
-    evaluate_folders,
-    evaluate_run,
-    write_reports,
-)
+from ctseg.evaluate import claim_reports, evaluate_folders, write_reports
+from ctseg.evaluate_runs import evaluate_cross_validation, evaluate_run
 
 console = Console(highlight=False)
 
@@ -86,7 +81,7 @@ def _run_with_progress(run: Callable[..., dict]) -> dict:
 
 
 def _evaluate_run(
-    run_dir: Path,
+    run_dirs: list[Path],
     data: Path,
     split: str,
     out: Path | None,
@@ -94,16 +89,26 @@ def _evaluate_run(
     compile_cache: str | None,
     force: bool,
 ) -> dict:
-    """The RUN_DIR form: predict the store's split with the run's model, then score it."""
-    config = rundir.load_config(run_dir)
-    start_jax(config, devices=1, device=options.device, compile_cache=compile_cache)
-    out = rundir.evaluation_dir(run_dir, out)
-    run = partial(evaluate_run, run_dir, data, split, out, options, config, force=force, warn=warn)
+    """The RUN_DIR form: predict the store's split with the run's model (or the mean of an
+    ensemble's), then score it."""
+    configs = [rundir.load_config(run_dir) for run_dir in run_dirs]
+    start_jax(configs[0], devices=1, device=options.device, compile_cache=compile_cache)
+    if len(run_dirs) == 1:
+        out = rundir.evaluation_dir(run_dirs[0], out)
+    run = partial(
+        evaluate_run, run_dirs, data, split, out, options, configs, force=force, warn=warn
+    )
     result = _run_with_progress(run)
-    grid = result["summary"]["grid_dice"]
+    if len(run_dirs) == 1:
+        grid = result["summary"]["grid_dice"]
+        model = (
+            f"checkpoint step {result['run']['checkpoint_step']}; grid Dice liver "
+            f"{_fmt(grid['liver'])}, tumour {_fmt(grid['tumour'])}"
+        )
+    else:
+        model = f"an ensemble of {len(run_dirs)} runs"
     console.print(
-        f"{escape(result['run']['device'])}; checkpoint step {result['run']['checkpoint_step']}; "
-        f"grid Dice liver {_fmt(grid['liver'])}, tumour {_fmt(grid['tumour'])}; "
+        f"{escape(result['run']['device'])}; {model}; "
         f"reports in {escape(str(out))} (summary.json, metrics.csv)"
     )
     return result
@@ -160,11 +165,6 @@ def _check_form(
         if pred is None or ref is None:
             raise CtsegError("give --pred PRED_DIR and --ref REF_DIR (or a RUN_DIR with --data)")
     cross_validation = run_options["cross-validation"]
-    if len(run_dirs) > 1 and not cross_validation:
-        raise CtsegError(
-            f"{len(run_dirs)} RUN_DIRs given: several runs need --cross-validation (one fold "
-            "run per fold of the store)"
-        )
     if cross_validation and run_options["split"] is not None:
         raise CtsegError(
             "--split does not apply to --cross-validation: each fold run predicts its own fold"
@@ -180,8 +180,9 @@ def evaluate(
     run_dirs: Annotated[
         list[Path] | None,
         typer.Argument(
-            help="Run directory whose model predicts the split to evaluate; with "
-            "--cross-validation, one fold run per fold of the store.",
+            help="Run directory whose model predicts the split to evaluate, or a folder of run "
+            "directories. Several runs: an ensemble (their probabilities averaged; needs "
+            "--out); with --cross-validation, one fold run per fold of the store.",
             metavar="RUN_DIR...",
             show_default=False,
         ),
@@ -250,8 +251,9 @@ def evaluate(
     """Compare label maps with references: Dice, VOE, RVD, ASSD, HD95, MSSD, lesion detection.
 
     Either --pred/--ref folders of NIfTI label maps (0 background, 1 liver, 2
-    tumour; paired by file name), or a RUN_DIR whose model predicts a split, or
-    (--cross-validation) one fold run per fold of the store, each predicting its fold.
+    tumour; paired by file name), or a RUN_DIR whose model predicts a split (several:
+    an ensemble, their probabilities averaged), or (--cross-validation) one fold run
+    per fold of the store, each predicting its fold.
     Exits 1 when any case could not be evaluated. An existing --json/--csv file is
     replaced only when it is an earlier report of `ctseg evaluate` (or with --force).
     """
@@ -268,6 +270,12 @@ def evaluate(
         "compile-cache": compile_cache,
     }
     _check_form(run_dirs, pred, ref, run_options)
+    run_dirs = [run for path in run_dirs for run in rundir.runs_in(path)]  # folders of runs
+    if len(run_dirs) > 1 and not cross_validation and out is None:
+        raise CtsegError(
+            "an ensemble of several runs writes its predictions and reports into --out DIR: "
+            "give one"
+        )
     if run_dirs:
         if json_path is not None or csv_path is not None:
             raise CtsegError("--json/--csv apply to --pred/--ref; with RUN_DIR reports go to --out")
@@ -283,7 +291,7 @@ def evaluate(
             result = _evaluate_cross_validation(run_dirs, data, out, options, compile_cache, force)
         else:
             result = _evaluate_run(
-                run_dirs[0], data, split or "val", out, options, compile_cache, force
+                run_dirs, data, split or "val", out, options, compile_cache, force
             )
     else:
         claim_reports(json_path, csv_path, [pred, ref], force)

@@ -12,11 +12,15 @@ from rich.table import Table
 
 from cli.app import app
 from cli.options import CompileCacheOption, DeviceChoice, DeviceOption, start_jax, warn
-from ctseg import lock, rundir
+from ctseg import dicom_seg, lock, rundir
 from ctseg.config import InferenceOptions
 
 RunDirArgument = Annotated[
-    Path, typer.Argument(help="Run directory of `ctseg train`.", metavar="RUN_DIR")
+    Path,
+    typer.Argument(
+        help="Run directory of `ctseg train`, or a folder of run directories (an ensemble).",
+        metavar="RUN_DIR",
+    ),
 ]
 CheckpointOption = Annotated[
     str, typer.Option(help="Checkpoint to load: best, latest or a step number.")
@@ -28,6 +32,13 @@ TileOption = Annotated[
         "0 = whole volume; -1 = from available memory. Default: the run's predict.tile."
     ),
 ]
+
+
+class OutputType(StrEnum):
+    """`ctseg.predict_files.OUTPUT_TYPES`, as a choice for the command line."""
+
+    nifti = "nifti"
+    dicom_seg = "dicom-seg"
 
 
 class Backend(StrEnum):
@@ -97,6 +108,26 @@ def predict(
         ),
     ],
     out: Annotated[Path, typer.Option("--out", help="Folder for the outputs.")],
+    runs: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--run",
+            help="Another run (or folder of runs) of an ensemble: each model predicts on its "
+            "own grid and their probabilities are averaged on the scan's voxels "
+            "(repeatable). RUN_DIR may also be a folder of runs, e.g. one per "
+            "cross-validation fold.",
+            metavar="RUN",
+        ),
+    ] = None,
+    output_type: Annotated[
+        OutputType,
+        typer.Option(
+            "--output-type",
+            help="The label map as NIfTI (<name>_seg.nii.gz), or as a DICOM Segmentation "
+            "object referencing the source series (<name>_seg.dcm; DICOM inputs only; "
+            "pip install 'ctseg\\[dicom]').",
+        ),
+    ] = OutputType.nifti,
     checkpoint: CheckpointOption = "best",
     tile: TileOption = None,
     device: DeviceOption = DeviceChoice.auto,
@@ -131,8 +162,9 @@ def predict(
     already done are skipped, the rest are predicted.
     """
     console = Console(highlight=False)  # here, not at import: the terminal's width of now
-    config = rundir.load_config(run_dir)
-    start_jax(config, devices=1, device=device, compile_cache=compile_cache)
+    run_dirs = [run for path in [run_dir, *(runs or [])] for run in rundir.runs_in(path)]
+    configs = [rundir.load_config(path) for path in run_dirs]
+    start_jax(configs[0], devices=1, device=device, compile_cache=compile_cache)
     # After start_jax: importing the pipeline starts JAX.
     from ctseg.predict import Predictor
     from ctseg.predict_files import check_output_folder, expand_inputs, predict_files
@@ -143,9 +175,13 @@ def predict(
     check_output_folder(out)
     with lock.hold(out, warn):
         scans, outcomes = expand_inputs(inputs, out)
-        predictor = Predictor.from_run(run_dir, options, config)
+        if output_type == OutputType.dicom_seg:
+            for scan in scans:  # before any prediction: every input must be a DICOM series
+                dicom_seg.check_dicom_source(scan)
+        predictor = Predictor.from_run(run_dirs, options, configs)
+        steps = ", ".join(str(m.model.step) for m in predictor.members)
         console.print(
-            f"{escape(predictor.summary)}; checkpoint step {predictor.model.step}; "
+            f"{escape(predictor.summary)}; checkpoint step{'s' * (len(run_dirs) > 1)} {steps}; "
             f"{len(scans)} scan(s)"
         )
         if verbose:
@@ -169,7 +205,8 @@ def predict(
                     description = f"{escape(name)}: tiles"
                     bar.update(tile_task, description=description, completed=done, total=total)
 
-            for outcome in predict_files(predictor, scans, out, force, report, run_dir):
+            written = predict_files(predictor, scans, out, force, report, output_type.value)
+            for outcome in written:
                 outcomes.append(outcome)
                 name = escape(outcome.name)
                 for warning in outcome.warnings + outcome.checks:

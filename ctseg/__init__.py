@@ -6,3 +6,13 @@ try:
     __version__ = version("ctseg")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
+
+
+def __getattr__(name: str):
+    # `from ctseg import Segmenter, segment` without importing JAX with `import ctseg`:
+    # the commands choose the devices before JAX starts.
+    if name in ("Segmenter", "Segmentation", "segment"):
+        from ctseg import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'ctseg' has no attribute {name!r}")

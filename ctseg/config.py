@@ -106,6 +106,12 @@ class TrainConfig:
     rotate90: bool = _f(False, "Random in-plane 90° rotations.")
     intensity_scale: float = _f(0.1, "Random intensity scale is drawn from 1 ± this.")
     intensity_shift: float = _f(0.1, "Random intensity shift is drawn from ± this (after scaling).")
+    # nnU-Net's foreground oversampling: a third of its patches hold foreground.
+    liver_boxes: float = _f(
+        0.33,
+        "On the spacing grid: the share of training boxes centred on the liver (shifted by up "
+        "to a quarter box); the others lie anywhere on the scan.",
+    )
     bn_population_volumes: int = _f(
         16,
         "Training volumes whose batch-norm statistics are pooled for inference at every "
@@ -419,6 +425,9 @@ def _validate_train(t: TrainConfig, mesh: MeshConfig) -> None:
     _require(t.learning_rate > 0, f"train.learning_rate must be positive, got {t.learning_rate}")
     # A clipping threshold ≤ 0 turns every gradient into zero or reverses it: training uphill.
     _require(t.grad_clip > 0, f"train.grad_clip must be positive, got {t.grad_clip}")
+    _require(
+        0.0 <= t.liver_boxes <= 1.0, f"train.liver_boxes must be in [0, 1], got {t.liver_boxes}"
+    )
     for key in (
         "warmup_steps",
         "weight_decay",

@@ -1,24 +1,17 @@
-"""Evaluation: folders of predicted label maps against references, or a run on a store's split.
+"""Evaluation: scoring predicted label maps against references, and the reports.
 
 `evaluate_folders` (``ctseg evaluate --pred P --ref R``) pairs NIfTI label maps by
 name and compares them in their own file geometry: a prediction must have its
-reference's shape and affine, so no resampling or reorientation happens here.
-`evaluate_run` (``ctseg evaluate RUN_DIR --data PREP``) predicts every case of a
-store's split with the run's model from its original scan and scores it against
-the original label file (LiTS style, in the original geometry), plus the
-grid-level Dice that training reports. A run of a cross-validation fold
-(``ctseg train --fold``) sees the store as it trained on it: its "val" split is
-its fold. `evaluate_cross_validation` (``ctseg evaluate RUN_DIR… --cross-validation``)
-predicts every labelled case with the fold run that did not train on it, case by
-case exactly as `evaluate_run`, into one report. All go through one per-case loop
-(`score_cases`): a case that fails (unreadable file, other geometry, labels
-outside 0–2) is listed under ``errors`` and the other cases still count.
-`evaluate_arrays` is the in-memory core of them all.
+reference's shape and affine, so no resampling or reorientation happens here. The
+evaluations that predict with trained runs (a run, an ensemble, a cross-validation)
+are `ctseg.evaluate_runs`'s, and go through the same per-case loop (`score_cases`):
+a case that fails (unreadable file, other geometry, labels outside 0–2) is listed
+under ``errors`` and the other cases still count. `evaluate_arrays` is the
+in-memory core of them all; `write_reports` writes summary.json and metrics.csv.
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
@@ -31,12 +24,9 @@ from typing import Any, NamedTuple, TypeVar
 import nibabel as nib
 import numpy as np
 
-from ctseg import atomic, lock, metrics, preprocess, rundir, volume
+from ctseg import metrics, volume
 from ctseg.atomic import claim_report, is_json_with, write_text
-from ctseg.config import Config, InferenceOptions
-from ctseg.config import to_dict as cfg_to_dict
 from ctseg.errors import CtsegError
-from ctseg.store import CaseEntry, Store
 
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
 CSV_SECTIONS = ("liver", "tumour", "detection", "burden")
@@ -87,16 +77,17 @@ def reference_candidates(pred_stem: str) -> list[str]:
 
     `x` ↔ `x`; LiTS `test-segmentation-N` ↔ `segmentation-N`; and what
     `ctseg predict` writes, `<scan>_seg` ↔ `<scan>`, where a LiTS scan name
-    `volume-N` (or `test-volume-N`) stands for its `segmentation-N`.
+    `volume-N` (or `test-volume-N`) stands for its `segmentation-N`: first, because a
+    LiTS folder holds the scan `volume-N` itself beside it, which is no reference.
     """
     candidates = [pred_stem]
     if match := re.fullmatch(r"test-segmentation-(\d+)", pred_stem):
         candidates.append(f"segmentation-{match[1]}")
     if pred_stem.endswith("_seg"):
         scan = pred_stem[: -len("_seg")]
-        candidates.append(scan)
         if match := re.fullmatch(r"(test-)?volume-(\d+)", scan):
             candidates.append(f"{match[1] or ''}segmentation-{match[2]}")
+        candidates.append(scan)
     return candidates
 
 
@@ -236,7 +227,8 @@ def _models(pairs: Sequence[CasePair]) -> set[tuple]:
             continue
         try:
             stats = json.loads(stats_path.read_text())
-            models.add((stats.get("run_dir"), stats.get("run_step"), stats.get("tta")))
+            ensemble = json.dumps(stats.get("ensemble"))  # a list of members: made hashable
+            models.add((stats.get("run_dir"), stats.get("run_step"), stats.get("tta"), ensemble))
         except (OSError, ValueError, AttributeError):
             continue  # not a stats file of ours: nothing to compare
     return models
@@ -257,7 +249,8 @@ def evaluate_folders(pred_dir: Path, ref_dir: Path, progress: Progress | None = 
     if len(models := _models(pairs)) > 1:
         described = "; ".join(
             f"run {run or '?'} step {step}{' TTA' if tta else ''}"
-            for run, step, tta in sorted(models, key=str)
+            + (" (an ensemble)" if ensemble != "null" else "")
+            for run, step, tta, ensemble in sorted(models, key=str)
         )
         raise CtsegError(
             f"{pred_dir} holds predictions of {len(models)} models ({described}); "
@@ -266,415 +259,6 @@ def evaluate_folders(pred_dir: Path, ref_dir: Path, progress: Progress | None = 
     result = evaluate_pairs(pairs, progress)
     result["unpaired"] = {"pred": unpaired_pred, "ref": unpaired_ref}
     return result
-
-
-# ---------------------------------------------------------------- a run on a store's split
-
-
-def evaluate_run(
-    run_dir: Path,
-    data_dir: Path,
-    split: str = "val",
-    out_dir: Path | None = None,
-    options: InferenceOptions | None = None,
-    config: Config | None = None,
-    progress: Progress | None = None,
-    force: bool = False,
-    warn: Callable[[str], None] | None = None,
-) -> dict:
-    """Predict a store's split with a run and score it; writes summary.json and metrics.csv.
-
-    `options`: checkpoint, tiles, backend, devices and TTA (`ctseg.predict.Predictor`);
-    `config`: the run's config.toml if already read. `out_dir` (default RUN_DIR/eval)
-    holds one evaluation: `rundir.EVALUATED` records its run, checkpoint, store and split.
-    Another one is replaced only with `force`; every evaluation first clears what an
-    earlier one wrote, so that predictions are never mixed. The folder's lock is held
-    throughout (`ctseg.lock`; `warn` hears of a dead holder's).
-
-    Metrics compare the post-processed prediction, mapped back to the case's
-    original scan, with its original label file (the LiTS way); each case also
-    gets the Dice of the raw prediction on the grid against the store's label
-    (`grid_dice`, what training validates with). Returns the report (the JSON's content).
-    """
-    # Imported here: the prediction pipeline starts JAX, which `ctseg evaluate --pred/--ref`
-    # never needs (and which must not start before the CLI has chosen the devices).
-    from ctseg.predict import Predictor
-
-    run_dir, data_dir = Path(run_dir), Path(data_dir)
-    out_dir = rundir.evaluation_dir(run_dir, out_dir)
-    store, fold = _as_the_run_saw_it(Store.open(data_dir), run_dir, split)
-    try:
-        cases = store.split(split)
-    except ValueError as exc:
-        raise CtsegError(str(exc)) from None
-    cases = [case for case in cases if case.labelled]
-    if not cases:
-        raise CtsegError(f"the store at {data_dir} has no labelled cases in the {split!r} split")
-    with lock.hold(out_dir, warn):
-        atomic.claim_folder(out_dir, _OWN_FILES, force=None)
-        predictor = Predictor.from_run(run_dir, options, config)
-        _check_grid(store, data_dir, predictor.config)
-        _claim_evaluation(
-            out_dir, _evaluation_of(run_dir, predictor.model.step, data_dir, split), force
-        )
-        records, errors = _score_run(predictor, store, cases, out_dir, progress)
-        result = {
-            "run": {
-                "run_dir": str(run_dir),
-                "checkpoint_step": predictor.model.step,
-                "data": str(data_dir),
-                "split": split,
-                "fold": fold,
-                **_engine_record(predictor),
-            },
-            "cases": records,
-            "summary": _summary(records),
-            "errors": errors,
-            "unpaired": {"pred": [], "ref": []},  # the --pred/--ref report's shape
-        }
-        write_reports(result, out_dir / "summary.json", out_dir / "metrics.csv")
-        return result
-
-
-# What makes a folder an evaluation's (`atomic.claim_folder`).
-_OWN_FILES = ("summary.json", "predictions", rundir.EVALUATED)
-
-
-def _as_the_run_saw_it(store: Store, run_dir: Path, split: str) -> tuple[Store, int | None]:
-    """`store` as the run split it, and the run's fold (None: the store's own split).
-
-    A fold run (RUN_DIR/fold.json) evaluated on its train or val split of a store that
-    holds cases it trained on sees the store's fold view, so that "val" is the fold it
-    did not train on; that fold must still be the one it trained on. On another store
-    (an external data set sharing none of its cases) the store's own split applies.
-    """
-    record = rundir.read_fold(run_dir)
-    if record is None or split == "test":
-        return store, None
-    trained_on = set(record["train_cases"]) | set(record["val_cases"])
-    if not trained_on & {case.id for case in store.cases if case.labelled}:
-        return store, None
-    difference = rundir.fold_difference(record, store)
-    if difference is not None:
-        raise CtsegError(
-            f"{run_dir} {difference}; its {split!r} split cannot be told apart from the cases "
-            "it trained on"
-        )
-    return store.for_fold(record["fold"]), record["fold"]
-
-
-def _check_grid(store: Store, data_dir: Path, config: Config) -> None:
-    """CtsegError unless the store holds boxes of the run's grid."""
-    wanted = preprocess.GridSpec.of(config.data)
-    if store.grid_spec != wanted:
-        raise CtsegError(
-            f"{data_dir} holds a store of {store.grid_spec.describe()} but the run was "
-            f"trained on {wanted.describe()}"
-        )
-
-
-def _engine_record(predictor: Any) -> dict[str, Any]:
-    """How a run's model predicted: tiles, backend, TTA and devices."""
-    return {
-        "tiling": predictor.plan,
-        "backend": predictor.backend,
-        "tta": predictor.tta,
-        "device": predictor.summary,
-    }
-
-
-def _score_run(
-    predictor: Any,
-    store: Store,
-    cases: Sequence[CaseEntry],
-    out_dir: Path,
-    progress: Progress | None,
-) -> tuple[list[dict], list[dict]]:
-    """Predict and score `cases` with one run's model (`score_cases` over `_evaluate_case`)."""
-
-    def score(case: CaseEntry) -> dict:
-        return _evaluate_case(predictor, store, case, out_dir)
-
-    return score_cases(cases, lambda case: case.id, score, progress)
-
-
-def _summary(records: list[dict]) -> dict:
-    """`metrics.summarize`, plus the mean grid Dice of a run's evaluation."""
-    summary = metrics.summarize(records)
-    summary["grid_dice"] = {
-        key: metrics.mean_defined([r["grid_dice"][key] for r in records])
-        for key in ("liver", "tumour")
-    }
-    return summary
-
-
-# ---------------------------------------------------------------- cross-validation
-
-
-class FoldRun(NamedTuple):
-    fold: int
-    run_dir: Path
-    config: Config
-
-
-def fold_runs(
-    store: Store, run_dirs: Sequence[Path], configs: Sequence[Config] | None = None
-) -> list[FoldRun]:
-    """The runs as one cross-validation of `store`, by fold; CtsegError (one line) unless
-    every run is a fold run of the store's current folds, each fold has exactly one run,
-    and the runs share one config (their fold and mesh aside).
-
-    `configs`: the runs' config.toml if already read, in the order of `run_dirs`.
-    """
-    if not store.folds:
-        raise CtsegError(
-            f"the store at {store.path} has no cross-validation folds; assign them with "
-            f"`ctseg folds {store.path} --k 5` and train one run per fold (ctseg train --fold I)"
-        )
-    runs = []
-    for index, run_dir in enumerate(run_dirs):
-        run_dir = Path(run_dir)
-        config = rundir.load_config(run_dir) if configs is None else configs[index]
-        record = rundir.read_fold(run_dir)
-        if record is None:
-            raise CtsegError(
-                f"{run_dir} is not a cross-validation fold run (no {rundir.FOLD}); train one "
-                "run per fold with `ctseg train --fold I`"
-            )
-        difference = rundir.fold_difference(record, store)
-        if difference is not None:
-            raise CtsegError(f"{run_dir} {difference}")
-        _check_grid(store, store.path, config)
-        runs.append(FoldRun(record["fold"], run_dir, config))
-    by_fold: dict[int, list[Path]] = {}
-    for run in runs:
-        by_fold.setdefault(run.fold, []).append(run.run_dir)
-    problems = [
-        f"fold {fold} has {len(dirs)} runs ({', '.join(str(d) for d in dirs)})"
-        for fold, dirs in sorted(by_fold.items())
-        if len(dirs) > 1
-    ]
-    missing = [str(fold) for fold in range(store.folds) if fold not in by_fold]
-    if missing:
-        problems.append(f"no run for fold{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
-    if problems:
-        raise CtsegError(
-            f"a cross-validation needs one run per fold of the store at {store.path} "
-            f"({store.folds} folds): {'; '.join(problems)}"
-        )
-    first = _identity(runs[0].config)
-    for run in runs[1:]:
-        theirs = _identity(run.config)
-        changed = [
-            f"{section}.{key}"
-            for section, values in first.items()
-            for key, value in values.items()
-            if theirs[section][key] != value
-        ]
-        if changed:
-            raise CtsegError(
-                f"{run.run_dir} and {runs[0].run_dir} differ in {', '.join(changed)}: a "
-                "cross-validation estimates one config, trained on every fold"
-            )
-    return sorted(runs, key=lambda run: run.fold)
-
-
-def _identity(config: Config) -> dict[str, dict[str, Any]]:
-    """A run's config without what differs between the fold runs of one cross-validation."""
-    values = cfg_to_dict(config)
-    values.pop("mesh")
-    values["train"].pop("fold")
-    return values
-
-
-def evaluate_cross_validation(
-    run_dirs: Sequence[Path],
-    data_dir: Path,
-    out_dir: Path,
-    options: InferenceOptions | None = None,
-    configs: Sequence[Config] | None = None,
-    progress: Progress | None = None,
-    force: bool = False,
-    warn: Callable[[str], None] | None = None,
-) -> dict:
-    """Every labelled case of the store predicted by the fold run that did not train on
-    it, scored as `evaluate_run` scores a run's cases; one report in `out_dir`.
-
-    `run_dirs`: one fold run per fold of the store (`fold_runs` checks them). Each
-    run's model is loaded in turn and predicts its fold's cases (its "val" split),
-    through the per-case work of `evaluate_run`. `out_dir` holds one evaluation, under
-    its lock, by the rules of `evaluate_run` (`rundir.EVALUATED` records the runs,
-    their checkpoints and the store). Returns the report: the cases of every fold, their
-    summary and errors, and ``runs`` (per fold: run, checkpoint step, cases, summary).
-    """
-    from ctseg.checkpoints import Checkpoints
-    from ctseg.predict import Predictor
-
-    data_dir, out_dir = Path(data_dir), Path(out_dir)
-    options = options or InferenceOptions()
-    store = Store.open(data_dir)
-    runs = fold_runs(store, run_dirs, configs)
-    folds = {run.fold: [c for c in store.fold_cases(run.fold) if c.labelled] for run in runs}
-    total = sum(len(cases) for cases in folds.values())
-    with lock.hold(out_dir, warn):
-        atomic.claim_folder(out_dir, _OWN_FILES, force=None)
-        steps = []
-        for run in runs:
-            checkpoints = Checkpoints(run.run_dir, keep=1, read_only=True)
-            try:
-                steps.append(checkpoints.resolve(options.checkpoint))
-            except CtsegError as exc:
-                raise CtsegError(f"{run.run_dir}: {exc}") from None
-            finally:
-                checkpoints.close()
-        _claim_evaluation(out_dir, _cross_validation_of(runs, steps, data_dir), force)
-        records, errors, entries, engine = [], [], [], {}
-        for run in runs:
-            predictor = Predictor.from_run(run.run_dir, options, run.config)
-            cases, done = folds[run.fold], len(records) + len(errors)
-
-            def counted(i: int, _: int, name: str, done: int = done) -> None:
-                if progress is not None:
-                    progress(done + i, total, name)
-
-            view = store.for_fold(run.fold)
-            fold_records, fold_errors = _score_run(predictor, view, cases, out_dir, counted)
-            records += fold_records
-            errors += fold_errors
-            engine = engine or _engine_record(predictor)
-            entries.append(
-                {
-                    "run_dir": str(run.run_dir),
-                    "fold": run.fold,
-                    "checkpoint_step": predictor.model.step,
-                    "cases": [case.id for case in cases],
-                    "summary": _summary(fold_records),
-                }
-            )
-            del predictor  # one model at a time on the devices
-        actual = [entry["checkpoint_step"] for entry in entries]
-        if actual != steps:  # a checkpoint that could not be read was skipped: say which was used
-            atomic.write_json(
-                out_dir / rundir.EVALUATED, _cross_validation_of(runs, actual, data_dir)
-            )
-        result = {
-            "cross_validation": {
-                "data": str(data_dir),
-                "folds": store.folds,
-                "fold_seed": store.fold_seed,
-                **engine,
-            },
-            "runs": entries,
-            "cases": records,
-            "summary": _summary(records),
-            "errors": errors,
-            "unpaired": {"pred": [], "ref": []},  # the --pred/--ref report's shape
-        }
-        write_reports(result, out_dir / "summary.json", out_dir / "metrics.csv")
-        return result
-
-
-def _cross_validation_of(
-    runs: Sequence[FoldRun], steps: Sequence[int], data_dir: Path
-) -> dict[str, Any]:
-    return {
-        "cross_validation": [
-            {"fold": run.fold, "run_dir": str(run.run_dir.resolve()), "checkpoint_step": step}
-            for run, step in zip(runs, steps, strict=True)
-        ],
-        "data": str(Path(data_dir).resolve()),
-    }
-
-
-def _evaluation_of(run_dir: Path, step: int, data_dir: Path, split: str) -> dict[str, Any]:
-    return {
-        "run_dir": str(Path(run_dir).resolve()),
-        "checkpoint_step": step,
-        "data": str(Path(data_dir).resolve()),
-        "split": split,
-    }
-
-
-def _claim_evaluation(out_dir: Path, evaluation: dict[str, Any], force: bool) -> None:
-    """Make `out_dir` the folder of `evaluation`: refuse another's unless `force`, then clear."""
-    record, summary = out_dir / rundir.EVALUATED, out_dir / "summary.json"
-    earlier = None
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        if record.exists():
-            earlier = json.loads(record.read_text())
-            earlier = earlier if isinstance(earlier, dict) else None
-        elif summary.exists():  # written before the record existed: its "run" says the same
-            run = json.loads(summary.read_text())["run"]
-            earlier = _evaluation_of(
-                run["run_dir"], run["checkpoint_step"], run["data"], run["split"]
-            )
-    has_files = record.exists() or summary.exists() or (out_dir / "predictions").exists()
-    if earlier != evaluation and has_files and not force:
-        raise CtsegError(
-            f"{out_dir} holds {_described(earlier)}; give another --out, or --force to replace it"
-        )
-    # An evaluation is never resumed: what an earlier one wrote goes, so that the
-    # predictions and reports here are all of this one, even if it stops half-way.
-    predictions = out_dir / "predictions"
-    if predictions.is_dir():
-        for path in predictions.iterdir():
-            if path.name.endswith("_seg.nii.gz") or path.name.startswith(atomic.TEMP_PREFIX):
-                path.unlink()
-    for name in ("summary.json", "metrics.csv"):
-        (out_dir / name).unlink(missing_ok=True)
-    atomic.write_json(record, evaluation)
-
-
-def _described(evaluation: dict[str, Any] | None) -> str:
-    """An evaluation's record (`rundir.EVALUATED`) in words."""
-    try:
-        if evaluation is not None and "cross_validation" in evaluation:
-            runs = evaluation["cross_validation"]
-            return (
-                f"the cross-validation of {len(runs)} fold runs ({runs[0]['run_dir']}, …) on "
-                f"{evaluation['data']}"
-            )
-        if evaluation is not None:
-            return (
-                f"the evaluation of {evaluation['run_dir']} (checkpoint "
-                f"{evaluation['checkpoint_step']}, {evaluation['data']} split "
-                f"{evaluation['split']!r})"
-            )
-    except (KeyError, IndexError, TypeError):
-        pass
-    return "an evaluation that cannot be read"
-
-
-def _evaluate_case(predictor: Any, store: Store, case: CaseEntry, out_dir: Path) -> dict:
-    """Predict one case from its original scan and score it there and on the grid."""
-    scan = volume.read_scan(case.image_source)
-    # A source is outside the store: use it only while it is the scan the case was made from.
-    if volume.geometry_difference(
-        scan.original_shape, scan.original_affine, case.original_shape, case.original_affine
-    ):
-        raise CtsegError(
-            f"{case.image_source} is not the scan case {case.id} was prepared from (its geometry "
-            "differs from the store manifest's); re-run `ctseg preprocess --force`"
-        )
-    reference = volume.read_scan(case.label_source)
-    if volume.geometry_difference(
-        scan.original_shape,
-        scan.original_affine,
-        reference.original_shape,
-        reference.original_affine,
-    ):
-        raise CtsegError(f"{case.label_source} does not have its scan's geometry")
-    prediction = predictor.predict(scan)
-    volume.write_labels(scan, prediction.labels, out_dir / "predictions" / f"{case.id}_seg.nii.gz")
-    # Canonical order is a flip/permutation of the file's, and scan.spacing is canonical: the
-    # metrics equal those computed in the file's own voxel order.
-    record = evaluate_arrays(case.id, prediction.labels, reference.array, scan.spacing)
-    # On the grid: the prediction where the store's training box lies (the whole grid on
-    # the cube), against the box's labels.
-    box = (store.resolution,) * 3
-    predicted = preprocess.take_box(prediction.grid_labels, case.box_offset, box)
-    record["grid_dice"] = metrics.grid_dice(predicted, np.asarray(store.label(case.id)))
-    return record
 
 
 # ---------------------------------------------------------------- reports

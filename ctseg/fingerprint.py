@@ -83,7 +83,6 @@ def compute(store: Store) -> dict[str, Any]:
     if not cases:
         raise CtsegError(f"{store.path} has no training cases")
     resolution = store.resolution
-    step = sample_step((resolution,) * 3, _SAMPLED_GRID)
     spacing = np.array([case.spacing for case in cases], dtype=float)
     extent = spacing * np.array([case.canonical_shape for case in cases], dtype=float)
     volumes, extents, intensities = [], [], []
@@ -91,8 +90,9 @@ def compute(store: Store) -> dict[str, Any]:
         liver_voxels = 0 if case.label_counts is None else sum(case.label_counts[1:])
         if not liver_voxels:
             continue  # no liver (or no label): nothing to say about livers
-        affine = case.box_affine()  # the stored box's voxels: the cube's, or data.spacing's
+        affine = case.box_affine()  # the grid's voxels: the cube's, or data.spacing's
         volumes.append(liver_voxels * abs(float(np.linalg.det(affine[:3, :3]))) / 1000.0)
+        step = sample_step(case.grid_shape, _SAMPLED_GRID)
         liver = np.asarray(store.label(case.id)[::step, ::step, ::step]) >= 1
         box = _box_voxels(liver, step)
         if box is None:

@@ -26,7 +26,7 @@ from ctseg.config import Config
 from ctseg.partition import make_global_array
 from ctseg.preprocess import hu_to_unit
 from ctseg.step import LABEL_SPEC
-from ctseg.store import Store
+from ctseg.store import CaseEntry, Store
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,32 @@ def draw_augmentation(config: Config, step: int, sample: int) -> Augmentation:
     return Augmentation(source_axis, reverse, float(scale), float(shift))
 
 
+def draw_box_offset(
+    config: Config, case: CaseEntry, box: int, step: int, sample: int, stream: int = 2
+) -> tuple[int, ...]:
+    """Where the sample's R³ box lies on its case's grid (box voxel b = grid voxel b + offset).
+
+    On the cube the box is the grid. On the spacing grid, a share `train.liver_boxes` of
+    the boxes lie around the liver (the case's own box, shifted by up to a quarter box),
+    the others anywhere on the scan: where the grid is longer than the box, inside it;
+    where it is shorter, covering it with the padding on either side. A function of
+    (seed, step, sample) alone, as the augmentation is, so a batch is the same on every
+    layout and after a resume.
+    """
+    grid = case.grid_shape
+    if all(g == box for g in grid):
+        return tuple(case.box_offset)
+    rng = np.random.default_rng([config.train.seed, step, sample, stream])
+    low = [min(0, g - box) for g in grid]
+    high = [max(0, g - box) for g in grid]
+    if rng.random() < config.train.liver_boxes:
+        shift = rng.integers(-(box // 4), box // 4 + 1, size=3)
+        wanted = [o + int(d) for o, d in zip(case.box_offset, shift, strict=True)]
+    else:
+        wanted = [int(rng.integers(lo, hi + 1)) for lo, hi in zip(low, high, strict=True)]
+    return tuple(min(max(w, lo), hi) for w, lo, hi in zip(wanted, low, high, strict=True))
+
+
 def cases_for_step(case_ids: Sequence[str], seed: int, step: int, batch_size: int) -> list[str]:
     """The step's cases: epochs are seeded permutations, so any step can be recomputed."""
     n = len(case_ids)
@@ -96,22 +122,26 @@ def make_batch(
     augmentations: Sequence[Augmentation],
     mesh: Mesh,
     hu_window: tuple[float, float],
+    offsets: Sequence[Sequence[int] | None] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Sharded (image [B,R,R,R,1] float32 in [-1,1], label [B,R,R,R] int32) for these cases."""
+    """Sharded (image [B,R,R,R,1] float32 in [-1,1], label [B,R,R,R] int32) for these cases:
+    the R³ boxes at `offsets` on their grids (None: each case's own box)."""
     r = store.resolution
     batch = len(case_ids)
+    offsets = list(offsets or [None] * batch)
 
     def read_image(index: tuple[slice, ...]) -> np.ndarray:
         rows = []
         for b in range(*index[0].indices(batch)):
             aug = augmentations[b]
-            unit = hu_to_unit(aug.read(store.image(case_ids[b]), index[1:4]), hu_window)
+            box = store.box(case_ids[b], "image", offsets[b])
+            unit = hu_to_unit(aug.read(box, index[1:4]), hu_window)
             rows.append(unit * aug.scale + aug.shift)
         return np.stack(rows)[..., None]
 
     def read_label(index: tuple[slice, ...]) -> np.ndarray:
         rows = [
-            augmentations[b].read(store.label(case_ids[b]), index[1:4])
+            augmentations[b].read(store.box(case_ids[b], "label", offsets[b]), index[1:4])
             for b in range(*index[0].indices(batch))
         ]
         return np.stack(rows)
@@ -127,7 +157,11 @@ def training_batch(
     ids = [c.id for c in store.split("train")]
     picks = cases_for_step(ids, config.train.seed, step, config.train.batch_size)
     augs = [draw_augmentation(config, step, i) for i in range(len(picks))]
-    return make_batch(store, picks, augs, mesh, config.data.hu_window)
+    offsets = [
+        draw_box_offset(config, store.case(c), store.resolution, step, i)
+        for i, c in enumerate(picks)
+    ]
+    return make_batch(store, picks, augs, mesh, config.data.hu_window, offsets)
 
 
 class Prefetcher:
@@ -185,7 +219,7 @@ def validation_batches(
         ids = cases[start : start + size]
         padded = ids + [ids[-1]] * (size - len(ids))
         image, _ = make_batch(store, padded, [identity] * size, mesh, config.data.hu_window)
-        labels = np.stack([np.asarray(store.label(i)) for i in ids])
+        labels = np.stack([np.asarray(store.box(i, "label")) for i in ids])
         yield ids, image, labels
 
 
@@ -194,16 +228,22 @@ def statistics_batches(store: Store, config: Config, mesh: Mesh) -> Iterator[jax
 
     `train.bn_population_volumes` volumes (at least one batch) of a seeded
     permutation of the training split, in batches of `train.batch_size`: always
-    the same volumes, so the statistics depend on the parameters alone.
+    the same volumes (and, on the spacing grid, boxes drawn as training draws them,
+    from a stream of their own), so the statistics depend on the parameters alone.
     """
     ids = [c.id for c in store.split("train")]
     size = config.train.batch_size
     count = -(-min(config.train.bn_population_volumes, len(ids)) // size) * size
     order = np.random.default_rng([config.train.seed, 0, 1]).permutation(len(ids))
     picks = [ids[order[i % len(ids)]] for i in range(count)]
+    offsets = [
+        draw_box_offset(config, store.case(c), store.resolution, 0, i, stream=3)
+        for i, c in enumerate(picks)
+    ]
     identity = Augmentation()
     for start in range(0, count, size):
+        batch = slice(start, start + size)
         image, _ = make_batch(
-            store, picks[start : start + size], [identity] * size, mesh, config.data.hu_window
+            store, picks[batch], [identity] * size, mesh, config.data.hu_window, offsets[batch]
         )
         yield image

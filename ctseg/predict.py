@@ -64,7 +64,8 @@ class Prediction:
     """A scan's prediction in canonical (RAS) voxel order, plus what was noticed on the way."""
 
     labels: np.ndarray  # post-processed, uint8, the scan's canonical shape
-    grid_probabilities: Any  # [R, R, R, 3] on the engine's devices (a host array in ONNX)
+    grid_probabilities: Any  # [x, y, z, 3] on the run's grid, on the engine's devices (ONNX:
+    # a host array); None for an ensemble
     probabilities: np.ndarray | None  # [..., 3] float32 on the scan's voxels, when asked for
     warnings: list[str] = field(default_factory=list)
     seconds: Seconds = field(default_factory=dict)  # this scan's own phases
@@ -72,8 +73,11 @@ class Prediction:
     checks: list[str] = field(default_factory=list)
 
     @property
-    def grid_labels(self) -> np.ndarray:
-        """The raw argmax on the R³ grid, uint8 (for grid-level Dice); fetched when asked."""
+    def grid_labels(self) -> np.ndarray | None:
+        """The raw argmax on the run's grid, uint8 (for grid-level Dice), fetched when asked;
+        None for an ensemble (its members' grids differ)."""
+        if self.grid_probabilities is None:
+            return None
         return infer.grid_labels(self.grid_probabilities)
 
 
@@ -142,83 +146,37 @@ def volume_warnings(stats: dict[str, Any]) -> list[str]:
     return []
 
 
-class Predictor:
-    """A run's model with its inference engine, predicting one scan at a time."""
+class Member:
+    """One run's model on the devices: its grid, and one inference engine per box shape."""
 
     def __init__(
         self,
         model: TrainedModel,
-        options: InferenceOptions | None = None,
-        devices: Sequence[Any] | None = None,
+        tile: int,
+        backend: str,
+        devices: list[Any],
+        run_dir: Path | None = None,
     ):
-        """`options`: tile, backend and TTA (None: the run's config; backend None is JAX);
-        `devices`: where a JAX engine runs (`from_run` chooses them from `options.device`)."""
-        options = options or InferenceOptions()
         self.model = model
         self.config = model.config
-        tile = self.config.predict.tile if options.tile is None else options.tile
-        self.tta = self.config.predict.tta if options.tta is None else options.tta
-        if self.tta and not self.config.train.flip:
-            raise CtsegError(
-                "test-time augmentation mirrors the scan, but this model was trained without "
-                "flips (train.flip = false) and has never seen mirrored anatomy; leave out --tta"
-            )
-        self.clock = dev.compile_clock()
+        self.run_dir = run_dir
         self.grid = GridSpec.of(self.config.data)
-        self._tile, self.backend = tile, options.backend or "jax"
-        # ONNX Runtime runs on the host's cores (no JAX device); JAX on `devices`.
-        jax_devices = list(devices or jax.local_devices()[:1])
-        self.devices: list[Any] = jax_devices if self.backend == "jax" else []
+        self.tile, self.backend, self.devices = tile, backend, devices
         # One engine per box shape (scans of one grid share one). The cube's one box is
         # planned and compiled here, before the first scan; a spacing grid's boxes follow
         # the scans' extents, and each new one is planned when a scan first needs it.
         self._engines: OrderedDict[Shape, Engine] = OrderedDict()
         self.engine: Engine | None = None  # the one that ran (or will run) the latest scan
         if self.grid.kind == "cube":
-            self._engine(tiling.grid_shape(self.config))
-        # One-off costs of the whole call (loading, compiling ahead), filled in by `from_run`.
-        self.seconds: Seconds = {}
-        # The run's training data, for `to_scan`'s checks (`from_run`; None: nothing checked).
-        self.fingerprint: fingerprint.Fingerprint | None = None
+            self.engine_for(tiling.grid_shape(self.config))
 
-    @classmethod
-    def from_run(
-        cls,
-        run_dir: Path,
-        options: InferenceOptions | None = None,
-        config: Config | None = None,
-    ) -> Predictor:
-        """The run's model on the devices `options.device` asks for (`ctseg.devices`),
-        whatever layout trained it. `config`: the run's config.toml if already read."""
-        options = options or InferenceOptions()
-        found = dev.choose(options.device, dev.visible())
-        backend = dev.inference_backend(
-            options.backend, options.device, found, dev.onnx_available()
-        )
-        if backend == "jax" and not dev.is_accelerator(found):
-            # Simulated CPU devices share the host's cores: one window at a time, with all
-            # the memory (16 side by side ran 4 % faster but cut 512³ cores from 128 to 48).
-            found = found[:1]
-        seconds: Seconds = {}
-        with timed(seconds, "load"):
-            try:
-                config = rundir.load_config(run_dir) if config is None else config
-                model = load_model(Path(run_dir), options.checkpoint, config)
-            except CtsegError as exc:
-                raise CtsegError(f"{run_dir}: {exc}") from None
-        with timed(seconds, "compile"):  # AOT compiles, ONNX export and sessions, placement
-            predictor = cls(model, dataclasses.replace(options, backend=backend), found)
-        predictor.seconds = seconds
-        predictor.fingerprint = fingerprint.load(run_dir)  # None for runs trained before it
-        return predictor
-
-    def _engine(self, box: Shape) -> Engine:
+    def engine_for(self, box: Shape) -> Engine:
         """The engine for boxes of `box` voxels, planned (and compiled) when first asked for."""
         if box in self._engines:
             self._engines.move_to_end(box)
         else:
             self._engines[box] = Engine(
-                self.model, self._tile, self.backend, self.devices, shape=box
+                self.model, self.tile, self.backend, self.devices, shape=box
             )
             # Each engine holds its programs and a copy of the weights on the devices: a
             # batch of scans of many extents keeps only the latest few.
@@ -228,32 +186,200 @@ class Predictor:
         return self.engine
 
     @property
+    def name(self) -> str:
+        """`runs/fold0 (step 600)`, as the first line of an ensemble names its members."""
+        where = "a model" if self.run_dir is None else str(self.run_dir)
+        return f"{where} (step {self.model.step})"
+
+    @property
+    def plan(self) -> str:
+        """The plan in words: the cube's one, or the latest box's on the spacing grid."""
+        if self.engine is not None:
+            return self.engine.description
+        mm = " × ".join(f"{v:g}" for v in self.grid.spacing)
+        return f"the scan at {mm} mm, boxes of its extent"
+
+    def to_grid(self, scan: volume.Scan) -> OnGrid:
+        """The scan on the run's grid, HU-windowed: exactly the training preprocessing. On
+        the spacing grid the box holds the scan's whole grid, padded with air to the
+        model's alignment."""
+        grid = self.grid.grid_of(scan.array.shape, scan.spacing)
+        box = grid
+        if self.grid.kind == "spacing":
+            box = preprocess.inference_box(grid, max(self.config.alignment, _BOX_MULTIPLE))
+        hu = preprocess.to_box(scan.array, grid, (0, 0, 0), box, order=1)  # int16, as stored
+        return OnGrid(preprocess.hu_to_unit(hu, self.config.data.hu_window), grid)
+
+    def infer(
+        self,
+        unit: np.ndarray,
+        tta: bool,
+        progress: infer.TileProgress,
+        warnings: list[str] | None,
+    ) -> Any:
+        """Class probabilities [x, y, z, 3] of a box (`OnGrid.unit`), on the devices.
+
+        An accelerator that runs out of memory is tried once more with smaller tiles
+        (the engine is replaced for the scans after too), which `warnings` records;
+        a second failure is this scan's `CtsegError`.
+        """
+        box = tuple(unit.shape)
+        try:
+            return self._probabilities(self.engine_for(box), unit, tta, progress)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+        before = self.engine.description
+        self.engine = self._engines[box] = self.engine.smaller()
+        if warnings is not None:
+            warnings.append(f"out of memory with {before}; retried with {self.engine.description}")
+        try:
+            return self._probabilities(self.engine, unit, tta, progress)
+        except Exception as again:
+            if not is_out_of_memory(again):
+                raise
+            raise CtsegError(
+                f"out of memory on {dev.describe(self.engine.devices)}, also with "
+                f"{self.engine.description}; try a smaller --tile"
+            ) from None
+
+    @staticmethod
+    def _probabilities(
+        engine: Engine, unit: np.ndarray, tta: bool, progress: infer.TileProgress
+    ) -> Any:
+        """The engine's probabilities, waited for: a device's failure surfaces here."""
+        return jax.block_until_ready(infer.probabilities(engine, unit, tta, progress))
+
+
+class Predictor:
+    """A run's model, or an ensemble of several runs' models, predicting one scan at a time.
+
+    An ensemble's members each predict on their own grid, exactly as alone (runs of
+    other grid sizes or grids are welcome); their probabilities are averaged on the
+    scan's own voxels, and mirrored TTA applies to each. Post-processing follows the
+    first member's config.
+    """
+
+    def __init__(
+        self,
+        models: TrainedModel | Sequence[TrainedModel],
+        options: InferenceOptions | None = None,
+        devices: Sequence[Any] | None = None,
+        run_dirs: Sequence[Path | None] | None = None,
+    ):
+        """`options`: tile, backend and TTA (None: each run's config; backend None is JAX);
+        `devices`: where a JAX engine runs (`from_run` chooses them from `options.device`)."""
+        options = options or InferenceOptions()
+        models = [models] if isinstance(models, TrainedModel) else list(models)
+        if not models:
+            raise CtsegError("an ensemble needs at least one run")
+        run_dirs = list(run_dirs or [None] * len(models))
+        self.config = models[0].config  # post-processing, probabilities, the HU check
+        self.tta = self.config.predict.tta if options.tta is None else options.tta
+        for model, run_dir in zip(models, run_dirs, strict=True):
+            if self.tta and not model.config.train.flip:
+                which = "this model was" if len(models) == 1 else f"the model of {run_dir} was"
+                raise CtsegError(
+                    f"test-time augmentation mirrors the scan, but {which} trained without "
+                    "flips (train.flip = false) and has never seen mirrored anatomy; leave "
+                    "out --tta"
+                )
+        self.clock = dev.compile_clock()
+        self.backend = options.backend or "jax"
+        # ONNX Runtime runs on the host's cores (no JAX device); JAX on `devices`.
+        jax_devices = list(devices or jax.local_devices()[:1])
+        self.devices: list[Any] = jax_devices if self.backend == "jax" else []
+        self.members = [
+            Member(
+                model,
+                model.config.predict.tile if options.tile is None else options.tile,
+                self.backend,
+                self.devices,
+                run_dir,
+            )
+            for model, run_dir in zip(models, run_dirs, strict=True)
+        ]
+        # One-off costs of the whole call (loading, compiling ahead), filled in by `from_run`.
+        self.seconds: Seconds = {}
+        # The (first) run's training data, for `to_scan`'s checks (None: nothing checked).
+        self.fingerprint: fingerprint.Fingerprint | None = None
+
+    @classmethod
+    def from_run(
+        cls,
+        run_dirs: Path | Sequence[Path],
+        options: InferenceOptions | None = None,
+        configs: Config | Sequence[Config] | None = None,
+    ) -> Predictor:
+        """The runs' models on the devices `options.device` asks for (`ctseg.devices`),
+        whatever layout trained them: one run, or several (an ensemble). `configs`: the
+        runs' config.toml if already read."""
+        options = options or InferenceOptions()
+        run_dirs = [Path(run_dirs)] if isinstance(run_dirs, str | Path) else list(run_dirs)
+        if isinstance(configs, Config):
+            configs = [configs]
+        configs = list(configs or [None] * len(run_dirs))
+        found = dev.choose(options.device, dev.visible())
+        backend = dev.inference_backend(
+            options.backend, options.device, found, dev.onnx_available()
+        )
+        if backend == "jax" and not dev.is_accelerator(found):
+            # Simulated CPU devices share the host's cores: one window at a time, with all
+            # the memory (16 side by side ran 4 % faster but cut 512³ cores from 128 to 48).
+            found = found[:1]
+        seconds: Seconds = {}
+        models = []
+        with timed(seconds, "load"):
+            for run_dir, config in zip(run_dirs, configs, strict=True):
+                try:
+                    config = rundir.load_config(run_dir) if config is None else config
+                    models.append(load_model(Path(run_dir), options.checkpoint, config))
+                except CtsegError as exc:
+                    raise CtsegError(f"{run_dir}: {exc}") from None
+        with timed(seconds, "compile"):  # AOT compiles, ONNX export and sessions, placement
+            options = dataclasses.replace(options, backend=backend)
+            predictor = cls(models, options, found, run_dirs)
+        predictor.seconds = seconds
+        predictor.fingerprint = fingerprint.load(run_dirs[0])  # None for runs trained before
+        return predictor
+
+    @property
+    def model(self) -> TrainedModel:
+        """The (first) member's model."""
+        return self.members[0].model
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine that ran the latest scan (of the first member)."""
+        return self.members[0].engine
+
+    @property
     def summary(self) -> str:
         """What runs where, e.g. `1 × NVIDIA H100 80GB HBM3, XLA, bfloat16, whole volume 512³`
-        (on the spacing grid: `…, the scan at 1.5 × 1.5 × 1.5 mm, boxes of its extent`)."""
+        (on the spacing grid: `…, the scan at 1.5 × 1.5 × 1.5 mm, boxes of its extent`; an
+        ensemble names its members: `…, ensemble of 2: runs/a (step 600): whole volume
+        48³; runs/b (step 400): …`)."""
         runtime = "ONNX Runtime" if self.backend == "onnx" else "XLA"
         where = dev.describe(self.devices)  # none under ONNX Runtime: the host's CPU
         # Materialised activations: the compute dtype under JAX, float32 in ONNX Runtime.
         dtype = self.config.model.dtype if self.backend == "jax" else "float32"
         mirrored = ", mirrored 8× (TTA)" if self.tta else ""
-        if self.grid.kind == "spacing":
-            mm = " × ".join(f"{v:g}" for v in self.grid.spacing)
-            plan = f"the scan at {mm} mm, boxes of its extent"
+        if len(self.members) == 1:
+            plan = self.members[0].plan
         else:
-            plan = self.engine.description
+            members = "; ".join(f"{m.name}: {m.plan}" for m in self.members)
+            plan = f"ensemble of {len(self.members)}: {members}"
         return f"{where}, {runtime}, {dtype}, {plan}{mirrored}"
 
     @property
     def plan(self) -> str:
-        """The plan in words: the cube's one, or the latest box's on the spacing grid."""
-        if self.engine is None:
-            return "boxes of each scan's extent"
-        return self.engine.description
+        """The plans in words (an ensemble's joined by `; `)."""
+        return "; ".join(member.plan for member in self.members)
 
     @property
     def plan_line(self) -> str:
-        """The engine's plan and what it needs, e.g. `whole volume 512³: 51.2 GiB per device
-        of 78.1 GiB free (compiled; plans take 85 %)`."""
+        """The (first) engine's plan and what it needs, e.g. `whole volume 512³: 51.2 GiB per
+        device of 78.1 GiB free (compiled; plans take 85 %)`."""
         engine = self.engine
         if engine is None:
             return "a plan for each box shape, made when a scan first needs it"
@@ -267,87 +393,58 @@ class Predictor:
             f"{dev.human_bytes(engine.memory)} free (compiled; {share}){spill}"
         )
 
-    def to_grid(self, scan: volume.Scan, seconds: Seconds) -> OnGrid:
-        """The scan on the run's grid, HU-windowed: exactly the training preprocessing. On
-        the spacing grid the box holds the scan's whole grid, padded with air to the
-        model's alignment."""
-        data = self.config.data
+    def to_grid(self, scan: volume.Scan, seconds: Seconds) -> list[OnGrid]:
+        """The scan on each member's grid, HU-windowed: exactly its training preprocessing."""
         with timed(seconds, "resample"):
-            grid = self.grid.grid_of(scan.array.shape, scan.spacing)
-            box = grid
-            if self.grid.kind == "spacing":
-                box = preprocess.inference_box(grid, max(self.config.alignment, _BOX_MULTIPLE))
-            hu = preprocess.to_box(scan.array, grid, (0, 0, 0), box, order=1)  # int16, as stored
-            return OnGrid(preprocess.hu_to_unit(hu, data.hu_window), grid)
+            return [member.to_grid(scan) for member in self.members]
 
     def infer(
         self,
-        unit: np.ndarray,
+        on_grids: Sequence[OnGrid],
         seconds: Seconds,
         progress: StageProgress | None = None,
         warnings: list[str] | None = None,
-    ) -> Any:
-        """Class probabilities [x, y, z, 3] of a box (`OnGrid.unit`), on the engine's devices;
-        compiling (a first plan for this box's shape, or a retry's) is timed apart.
-
-        An accelerator that runs out of memory is tried once more with smaller tiles
-        (the engine is replaced for the scans after too), which `warnings` records;
-        a second failure is this scan's `CtsegError`.
-        """
+    ) -> list[Any]:
+        """Each member's class probabilities on its box (on the devices); compiling (a first
+        plan for a box's shape, or a retry's) is timed apart, and an ensemble's members
+        apart too (`infer.0`, `infer.1`, …)."""
 
         def tiles(done: int, total: int) -> None:
             if progress is not None:
                 progress("infer", done, total)
 
-        compiled_before = self.clock.seconds
-        with timed(seconds, "infer"):
-            box = tuple(unit.shape)
-            try:
-                self._engine(box)
-                probabilities = self._probabilities(unit, tiles)
-            except Exception as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                before = self.engine.description
-                self.engine = self._engines[box] = self.engine.smaller()
-                if warnings is not None:
-                    warnings.append(
-                        f"out of memory with {before}; retried with {self.engine.description}"
-                    )
-                try:
-                    probabilities = self._probabilities(unit, tiles)
-                except Exception as again:
-                    if not is_out_of_memory(again):
-                        raise
-                    raise CtsegError(
-                        f"out of memory on {dev.describe(self.engine.devices)}, also with "
-                        f"{self.engine.description}; try a smaller --tile"
-                    ) from None
-        compiling = self.clock.seconds - compiled_before
-        seconds["infer"] -= compiling
-        seconds["compile"] = seconds.get("compile", 0.0) + compiling
+        probabilities = []
+        for index, (member, on_grid) in enumerate(zip(self.members, on_grids, strict=True)):
+            compiled_before = self.clock.seconds
+            own: Seconds = {}
+            with timed(own, "infer"):
+                probabilities.append(member.infer(on_grid.unit, self.tta, tiles, warnings))
+            compiling = self.clock.seconds - compiled_before
+            seconds["infer"] = seconds.get("infer", 0.0) + own["infer"] - compiling
+            seconds["compile"] = seconds.get("compile", 0.0) + compiling
+            if len(self.members) > 1:
+                seconds[f"infer.{index}"] = own["infer"] - compiling
         return probabilities
-
-    def _probabilities(self, unit: np.ndarray, progress: infer.TileProgress) -> Any:
-        """The engine's probabilities, waited for: a device's failure surfaces here."""
-        probabilities = infer.probabilities(self.engine, unit, self.tta, progress)
-        return jax.block_until_ready(probabilities)
 
     def to_scan(
         self,
         scan: volume.Scan,
-        probabilities: Any,
-        grid: Shape,
+        probabilities: Sequence[Any],
+        on_grids: Sequence[OnGrid],
         seconds: Seconds,
         with_probabilities: bool = False,
     ) -> Prediction:
-        """A box's probabilities → post-processed labels on the scan's own canonical voxels
-        (`grid`: the scan's grid, the box's first voxels)."""
+        """The members' box probabilities → post-processed labels on the scan's own canonical
+        voxels (averaged there for an ensemble)."""
         options = self.config.predict
         with timed(seconds, "resample"):
             # On the engine's devices: only the labels (and asked-for probabilities) come back.
-            probabilities = infer.crop(probabilities, grid)
-            labels, on_scan = infer.scan_labels(probabilities, scan.array.shape, with_probabilities)
+            grids = [infer.crop(p, g.grid) for p, g in zip(probabilities, on_grids, strict=True)]
+            shape = scan.array.shape
+            if len(grids) == 1:
+                labels, on_scan = infer.scan_labels(grids[0], shape, with_probabilities)
+            else:
+                labels, on_scan = infer.mean_scan_labels(grids, shape, with_probabilities)
         with timed(seconds, "postprocess"):
             labels = postprocess.clean_labels(
                 labels, options.keep_largest_liver, options.tumour_inside_liver
@@ -355,7 +452,8 @@ class Predictor:
             checks = fingerprint.checks(self.fingerprint, scan, labels)
         return Prediction(
             labels=labels,
-            grid_probabilities=probabilities,
+            # On the grid: a lone run's (training validates there); an ensemble has none.
+            grid_probabilities=grids[0] if len(grids) == 1 else None,
             probabilities=on_scan,
             warnings=hu_warnings(scan.array) + geometry_warnings(scan),
             seconds=seconds,
@@ -371,8 +469,8 @@ class Predictor:
         """Labels (and optionally probabilities) of a scan on its own canonical voxels."""
         seconds: Seconds = {}
         warnings: list[str] = []
-        on_grid = self.to_grid(scan, seconds)
-        probabilities = self.infer(on_grid.unit, seconds, progress, warnings)
-        prediction = self.to_scan(scan, probabilities, on_grid.grid, seconds, with_probabilities)
+        on_grids = self.to_grid(scan, seconds)
+        probabilities = self.infer(on_grids, seconds, progress, warnings)
+        prediction = self.to_scan(scan, probabilities, on_grids, seconds, with_probabilities)
         prediction.warnings[:0] = warnings
         return prediction

@@ -23,22 +23,33 @@ from typing import Any
 
 import numpy as np
 
-from ctseg import atomic, postprocess, report, rundir, store, volume
+from ctseg import atomic, dicom_seg, postprocess, report, rundir, store, volume
 from ctseg.errors import CtsegError
 from ctseg.jax_backend import is_out_of_memory
-from ctseg.predict import PHASES, Predictor, Seconds, StageProgress, timed, volume_warnings
-from ctseg.tiling import Shape
+from ctseg.predict import (
+    PHASES,
+    OnGrid,
+    Predictor,
+    Seconds,
+    StageProgress,
+    timed,
+    volume_warnings,
+)
 
 FileProgress = Callable[[str, str, int, int], None]  # (scan name, stage, done, total)
+OUTPUT_TYPES = ("nifti", "dicom-seg")
 
 
 @dataclass
 class Prepared:
-    """A scan read and brought to the run's grid, ready for the network."""
+    """A scan read and brought to each member's grid, ready for the network."""
 
     scan: volume.Scan
-    unit: np.ndarray | None  # the HU-windowed box (`OnGrid.unit`), float32; None once inferred
-    grid: Shape  # the scan's grid, the box's first voxels
+    on_grids: list[OnGrid]
+
+    def free_units(self) -> None:
+        """Drop the boxes (inferred by now), keeping where each grid lies in its box."""
+        self.on_grids = [OnGrid(None, g.grid) for g in self.on_grids]
 
 
 @dataclass
@@ -122,9 +133,12 @@ def _inputs_overwritten(name: str, out_dir: Path | None, inputs: set[Path]) -> P
     return next((path for path in outputs if path.resolve() in inputs), None)
 
 
-def output_paths(out_dir: Path, name: str, with_probabilities: bool) -> dict[str, Path]:
+def output_paths(
+    out_dir: Path, name: str, with_probabilities: bool, output_type: str = "nifti"
+) -> dict[str, Path]:
+    seg = f"{name}_seg.dcm" if output_type == "dicom-seg" else f"{name}_seg.nii.gz"
     paths = {
-        "seg": out_dir / f"{name}_seg.nii.gz",
+        "seg": out_dir / seg,
         "stats": out_dir / f"{name}_stats.json",
         "preview": out_dir / f"{name}_preview.png",
     }
@@ -139,7 +153,7 @@ def predict_files(
     out_dir: Path,
     force: bool = False,
     progress: FileProgress | None = None,
-    run_dir: Path | None = None,
+    output_type: str = "nifti",
 ) -> Iterator[ScanOutcome]:
     """Predict scans one after another and write their outputs; yields each scan's outcome.
 
@@ -150,41 +164,50 @@ def predict_files(
 
     A scan's outputs appear together, its stats file last: a scan whose stats
     file is missing is unfinished and predicted again. Without `force`, a scan
-    whose outputs are all there, by the same model (`run_dir`, checkpoint step,
+    whose outputs are all there, by the same model (its runs, checkpoint steps,
     TTA), is `done_earlier` and left alone; outputs of another model fail the
     scan rather than be mixed with this one's. The caller holds `out_dir`'s lock.
+
+    `output_type`: the label map as NIfTI (`<name>_seg.nii.gz`), or as a DICOM
+    Segmentation object referencing its source series (`<name>_seg.dcm`, `dicom-seg`:
+    DICOM inputs only, `ctseg.dicom_seg`).
     """
+    if output_type not in OUTPUT_TYPES:
+        raise CtsegError(f"unknown output type {output_type!r}; choose {' or '.join(OUTPUT_TYPES)}")
     out_dir = Path(out_dir)
-    model = _model_of(predictor, run_dir)
+    model = _model_of(predictor)
     with (
         ThreadPoolExecutor(1, thread_name_prefix="ctseg-read") as reader,
         ThreadPoolExecutor(1, thread_name_prefix="ctseg-write") as writer,
     ):
         reads = [
-            reader.submit(_read, predictor, Path(s), out_dir, force, model) for s in sources[:1]
+            reader.submit(_read, predictor, Path(s), out_dir, force, model, output_type)
+            for s in sources[:1]
         ]
         written: Future | None = None
         for index in range(len(sources)):
             outcome, prepared = reads[index].result()
             if index + 1 < len(sources):
                 source = Path(sources[index + 1])
-                reads.append(reader.submit(_read, predictor, source, out_dir, force, model))
+                reads.append(
+                    reader.submit(_read, predictor, source, out_dir, force, model, output_type)
+                )
             reads[index] = None  # done with: `prepared` holds what is left of it
             probabilities = None
             if prepared is not None:
                 probabilities = _guarded(
                     outcome,
                     predictor.infer,
-                    prepared.unit,
+                    prepared.on_grids,
                     outcome.seconds,
                     _stage_progress(progress, outcome.name),
                     outcome.warnings,
                 )
-                prepared.unit = None  # the grid is freed once inferred
+                prepared.free_units()  # the boxes are freed once inferred
             if written is not None:
                 yield written.result()
             written = writer.submit(
-                _write, predictor, outcome, prepared, probabilities, out_dir, model
+                _write, predictor, outcome, prepared, probabilities, out_dir, model, output_type
             )
         if written is not None:
             yield written.result()
@@ -211,13 +234,17 @@ def _guarded(outcome: ScanOutcome, fn: Callable[..., Any], *args: Any) -> Any:
     return None
 
 
-def _model_of(predictor: Predictor, run_dir: Path | None) -> dict[str, Any]:
-    """What makes two predictions of a scan the same, as its stats file records it."""
-    return {
-        "run_dir": None if run_dir is None else str(Path(run_dir).resolve()),
-        "run_step": predictor.model.step,
-        "tta": predictor.tta,
-    }
+def _model_of(predictor: Predictor) -> dict[str, Any]:
+    """What makes two predictions of a scan the same, as its stats file records it: the
+    (first) run and checkpoint step, TTA, and an ensemble's members (None for one run)."""
+    members = [
+        {
+            "run_dir": None if m.run_dir is None else str(Path(m.run_dir).resolve()),
+            "run_step": m.model.step,
+        }
+        for m in predictor.members
+    ]
+    return {**members[0], "tta": predictor.tta, "ensemble": members if len(members) > 1 else None}
 
 
 def _earlier_prediction(stats_path: Path, model: dict[str, Any]) -> dict[str, Any]:
@@ -242,12 +269,18 @@ def _earlier_prediction(stats_path: Path, model: dict[str, Any]) -> dict[str, An
 
 
 def _read(
-    predictor: Predictor, source: Path, out_dir: Path, force: bool, model: dict[str, Any]
+    predictor: Predictor,
+    source: Path,
+    out_dir: Path,
+    force: bool,
+    model: dict[str, Any],
+    output_type: str,
 ) -> tuple[ScanOutcome, Prepared | None]:
     outcome = ScanOutcome(source, volume.scan_name(source))
 
     def read() -> Prepared | None:
-        paths = output_paths(out_dir, outcome.name, predictor.config.predict.save_probabilities)
+        with_probabilities = predictor.config.predict.save_probabilities
+        paths = output_paths(out_dir, outcome.name, with_probabilities, output_type)
         # Without its stats file a scan is unfinished (see `_write_outputs`): predicted again.
         if paths["stats"].exists() and not force:
             earlier = _earlier_prediction(paths["stats"], model)
@@ -257,8 +290,7 @@ def _read(
                 return None
         with timed(outcome.seconds, "read"):
             scan = volume.read_scan(source)
-        on_grid = predictor.to_grid(scan, outcome.seconds)
-        return Prepared(scan, on_grid.unit, on_grid.grid)
+        return Prepared(scan, predictor.to_grid(scan, outcome.seconds))
 
     return outcome, _guarded(outcome, read)
 
@@ -270,10 +302,19 @@ def _write(
     probabilities: np.ndarray | None,
     out_dir: Path,
     model: dict[str, Any],
+    output_type: str,
 ) -> ScanOutcome:
     if prepared is not None and probabilities is not None:
         _guarded(
-            outcome, _write_outputs, predictor, outcome, prepared, probabilities, out_dir, model
+            outcome,
+            _write_outputs,
+            predictor,
+            outcome,
+            prepared,
+            probabilities,
+            out_dir,
+            model,
+            output_type,
         )
     return outcome
 
@@ -285,23 +326,29 @@ def _write_outputs(
     probabilities: np.ndarray,
     out_dir: Path,
     model: dict[str, Any],
+    output_type: str,
 ) -> None:
     scan, seconds = prepared.scan, outcome.seconds
     with_probabilities = predictor.config.predict.save_probabilities
-    prediction = predictor.to_scan(scan, probabilities, prepared.grid, seconds, with_probabilities)
+    prediction = predictor.to_scan(
+        scan, probabilities, prepared.on_grids, seconds, with_probabilities
+    )
     del probabilities
     with timed(seconds, "postprocess"):
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
     outcome.warnings += prediction.warnings + volume_warnings(stats)
     outcome.checks += prediction.checks
-    paths = output_paths(out_dir, outcome.name, with_probabilities)
+    paths = output_paths(out_dir, outcome.name, with_probabilities, output_type)
     # Every output under a temporary name, then renamed with the stats file last: a kill
     # half-way leaves no stats file, so the next run predicts the scan again.
     order = [key for key in paths if key != "stats"] + ["stats"]
     with atomic.atomic_group([paths[key] for key in order]) as temporaries:
         tmp = dict(zip(order, temporaries, strict=True))
         with timed(seconds, "write"):
-            volume.write_labels(scan, prediction.labels, tmp["seg"])
+            if output_type == "dicom-seg":
+                dicom_seg.write_dicom_seg(scan, prediction.labels, tmp["seg"])
+            else:
+                volume.write_labels(scan, prediction.labels, tmp["seg"])
             if prediction.probabilities is not None:
                 volume.write_volume(scan, prediction.probabilities, tmp["probs"], np.float32)
             report.plot_preview(
@@ -321,13 +368,19 @@ def _write_outputs(
             "scan": str(outcome.source),
             **model,
             "device": predictor.summary,
-            "plan": predictor.engine.description,
+            "plan": predictor.plan,
             "shape": list(scan.original_shape),
             "spacing_mm": list(scan.spacing),
             **stats,
             "warnings": outcome.warnings,
             "checks": outcome.checks,  # where it lies far outside the training data
             "seconds": with_one_off_costs,
+            # An ensemble's members' network seconds, in the order of "ensemble".
+            "member_seconds": [
+                round(seconds.get(f"infer.{i}", 0.0), 3) for i in range(len(predictor.members))
+            ]
+            if len(predictor.members) > 1
+            else None,
             # Programs this call compiled so far, and how many came from the persistent cache.
             "compiled": {
                 "programs": predictor.clock.programs,

@@ -16,9 +16,10 @@ is the exact inverse coordinate map of `to_grid`. Two grids (`data.grid`):
 
 The network sees a *box* of the grid: box voxel b is grid voxel b + offset, and box
 voxels outside the grid are air (images) or background (labels). On the cube the
-box is the grid. On the spacing grid, training takes an R³ box around the liver
-(`training_offset`: cropped where the grid is longer, padded where it is shorter),
-and prediction the whole grid padded to the model's alignment (`inference_box`).
+box is the grid. On the spacing grid, training takes R³ boxes of the stored grid
+(validation the one around the liver, `training_offset`: inside the grid where the
+grid is longer, padded where it is shorter), and prediction the whole grid padded
+to the model's alignment (`inference_box`).
 """
 
 from __future__ import annotations
@@ -138,19 +139,6 @@ def from_grid(grid_array: np.ndarray, shape: Sequence[int], order: int = 1) -> n
     out = np.empty((*shape, grid_array.shape[3]), dtype=dtype)
     for channel in range(grid_array.shape[3]):
         out[..., channel] = _resample(grid_array[..., channel], shape, order, dtype)
-    return out
-
-
-def take_box(on_grid: np.ndarray, offset: Sequence[int], box: Sequence[int]) -> np.ndarray:
-    """The box of `box` voxels of an array already on a grid (box voxel b = grid voxel
-    b + `offset`), zeros outside the grid: a prediction where its training box lies."""
-    out = np.zeros(tuple(box), on_grid.dtype)
-    grid = on_grid.shape
-    lo = [max(o, 0) for o in offset]
-    hi = [min(o + b, g) for o, b, g in zip(offset, box, grid, strict=True)]
-    if all(h > low for low, h in zip(lo, hi, strict=True)):
-        target = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offset, strict=True))
-        out[target] = on_grid[tuple(slice(low, h) for low, h in zip(lo, hi, strict=True))]
     return out
 
 

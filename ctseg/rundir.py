@@ -165,6 +165,20 @@ def is_run_dir(folder: Path) -> bool:
     return all((Path(folder) / name).exists() for name in OWN_FILES)
 
 
+def runs_in(path: Path) -> list[Path]:
+    """The run directories `path` names: itself, or (a folder of runs, e.g. one per
+    cross-validation fold) every run directory directly inside it, sorted."""
+    path = Path(path)
+    if (path / CONFIG).is_file():  # a run (whose checkpoints the loading checks)
+        return [path]
+    runs = sorted(p for p in path.iterdir() if is_run_dir(p)) if path.is_dir() else []
+    if not runs:
+        raise CtsegError(
+            f"{path} is not a ctseg run directory (no {CONFIG}), nor a folder of run directories"
+        )
+    return runs
+
+
 def checkpoints_dir(run_dir: Path) -> Path:
     return Path(run_dir).absolute() / CHECKPOINTS
 

@@ -1,10 +1,10 @@
-"""The prepared store: every case as an R³ box of its grid, memory-mappable, with a manifest.
+"""The prepared store: every case on its grid, memory-mappable, with a manifest.
 
 Layout (the contract between `ctseg preprocess` and the commands after it)::
 
     PREP_DIR/manifest.json                 written last, atomically
-    PREP_DIR/cases/<case_id>/image.npy     int16 HU, [R, R, R], canonical RAS order
-    PREP_DIR/cases/<case_id>/label.npy     uint8 0/1/2, [R, R, R]; absent for label-free cases
+    PREP_DIR/cases/<case_id>/image.npy     int16 HU on the case's grid, canonical RAS order
+    PREP_DIR/cases/<case_id>/label.npy     uint8 0/1/2 on the grid; absent for label-free cases
     PREP_DIR/cases/<case_id>/case.json     the case's manifest entry (split and fold left
                                            empty); written after the arrays, it marks the
                                            case done
@@ -28,10 +28,13 @@ mm; `label_counts` counts the voxels of each class in label.npy. A case prepared
 from a scan without a label (a predict-only store) has split "test" and
 `label_source` and `label_counts` null. The manifest lists
 only the cases that were prepared successfully. `grid_shape` is the scan's whole
-grid (R³ on the cube; the scan at the store's spacing on the spacing grid) and
-`box_offset` where the stored box lies on it (`ctseg.preprocess`); the box's affine
-is `CaseEntry.box_affine()`. A manifest without "grid" is a cube store, and cases
-without `grid_shape`/`box_offset` are their whole R³ grid.
+grid, the arrays' shape (R³ on the cube; the scan at the store's spacing on the
+spacing grid), and `box_offset` where the case's own R³ box lies on it (the grid
+itself on the cube, around the liver on the spacing grid; `ctseg.preprocess`):
+validation looks there, and training draws boxes around it and elsewhere
+(`Store.box`, `pipeline.draw_box_offset`). `CaseEntry.box_affine()` is that box's
+affine. A manifest without "grid" is a cube store, and cases without
+`grid_shape`/`box_offset` are their whole R³ grid.
 
 Cross-validation folds (`folds` = k ≥ 2; 0 = none) split the labelled cases (splits
 train and val, never test) into k folds whose sizes differ by at most one, drawn
@@ -53,6 +56,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,7 +138,7 @@ class CaseEntry:
         )
 
     def box_affine(self) -> np.ndarray:
-        """The voxel -> RAS affine of the stored box."""
+        """The voxel -> RAS affine of the case's own box (at `box_offset`)."""
         return preprocess.grid_affine(
             np.asarray(self.canonical_affine),
             self.canonical_shape,
@@ -194,7 +198,7 @@ class Store:
         _check_folds(path, folds, fold_seed, cases)
         for case in cases:
             for kind in ("image", "label") if case.labelled else ("image",):
-                _check_array(path, case.id, kind, resolution)
+                _check_array(path, case.id, kind, case.grid_shape)
         return cls(
             path=path,
             resolution=resolution,
@@ -257,12 +261,12 @@ class Store:
         raise CtsegError(f"no case {case_id!r} in the store at {self.path}")
 
     def image(self, case_id: str) -> np.ndarray:
-        """Read-only int16 HU memory map [R, R, R]; slicing it reads only that slab."""
+        """Read-only int16 HU memory map of the case's grid; slicing it reads only that slab."""
         self.case(case_id)
         return self._load(case_id, "image")
 
     def label(self, case_id: str) -> np.ndarray:
-        """Read-only uint8 label memory map [R, R, R]."""
+        """Read-only uint8 label memory map of the case's grid."""
         if not self.case(case_id).labelled:
             raise CtsegError(
                 f"case {case_id!r} of the store at {self.path} has no label: it was prepared "
@@ -270,8 +274,44 @@ class Store:
             )
         return self._load(case_id, "label")
 
+    def box(self, case_id: str, kind: str, offset: Sequence[int] | None = None) -> Box:
+        """The R³ box of the case's `kind` ("image" or "label") whose voxel b is grid voxel
+        b + `offset` (default: the case's own `box_offset`, around the liver)."""
+        array = self.image(case_id) if kind == "image" else self.label(case_id)
+        offset = self.case(case_id).box_offset if offset is None else offset
+        fill = preprocess.AIR_HU if kind == "image" else 0
+        return Box(array, tuple(int(o) for o in offset), (self.resolution,) * 3, fill)
+
     def _load(self, case_id: str, kind: str) -> np.ndarray:
         return np.load(array_path(self.path, case_id, kind), mmap_mode="r", allow_pickle=False)
+
+
+@dataclass(frozen=True)
+class Box:
+    """A box of a grid array, read lazily: `box[slices]` reads only the grid's voxels that
+    the slices cover, and gives `fill` (air, background) where they lie beyond the grid."""
+
+    grid: np.ndarray  # a memory map
+    offset: tuple[int, ...]  # the grid voxel at box voxel 0 (negative: padding before)
+    shape: tuple[int, ...]
+    fill: int
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        ranges = [s.indices(n)[:2] for s, n in zip(index, self.shape, strict=True)]
+        out = np.full([b - a for a, b in ranges], self.fill, self.grid.dtype)
+        source, target = [], []
+        for (start, stop), o, g in zip(ranges, self.offset, self.grid.shape, strict=True):
+            lo, hi = max(start + o, 0), min(stop + o, g)
+            if hi <= lo:
+                return out  # the slab lies wholly beyond the grid
+            source.append(slice(lo, hi))
+            target.append(slice(lo - o - start, hi - o - start))
+        out[tuple(target)] = self.grid[tuple(source)]
+        return out
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = self[tuple(slice(None) for _ in self.shape)]
+        return whole if dtype is None else whole.astype(dtype)
 
 
 def _check_entries(manifest: Path, cases: list[CaseEntry]) -> None:
@@ -374,14 +414,14 @@ def _is_source(value: object) -> bool:
     return isinstance(value, str) and os.path.isabs(value) and os.path.normpath(value) == value
 
 
-def _check_array(root: Path, case_id: str, kind: str, resolution: int) -> None:
-    """CtsegError unless the case's array is a readable [R, R, R] array of its dtype."""
+def _check_array(root: Path, case_id: str, kind: str, grid: tuple[int, ...]) -> None:
+    """CtsegError unless the case's array is a readable array of its grid and dtype."""
     path = array_path(root, case_id, kind)
     if not path.is_file():
         raise CtsegError(
             f"the store at {root} lacks {kind}.npy of case {case_id}; re-run `ctseg preprocess`"
         )
-    expected = (np.dtype(np.int16) if kind == "image" else np.dtype(np.uint8), (resolution,) * 3)
+    expected = (np.dtype(np.int16) if kind == "image" else np.dtype(np.uint8), tuple(grid))
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
         found = (array.dtype, array.shape)

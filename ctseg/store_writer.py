@@ -462,7 +462,10 @@ def _finished_entry(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry |
     except (OSError, ValueError, KeyError, TypeError):
         return None  # damaged or from an older layout: prepare the case again
     same_sources = (entry.image_source, entry.label_source) == _sources(case)
-    if same_sources and shapes == [(grid.resolution,) * 3] * len(kinds):
+    expected = grid.grid_of(entry.canonical_shape, entry.spacing)
+    # A case written before grids were recorded is its R³ grid.
+    same_grid = tuple(entry.grid_shape or (grid.resolution,) * 3) == expected
+    if same_sources and same_grid and shapes == [expected] * len(kinds):
         return entry
     return None
 
@@ -536,23 +539,26 @@ def _prepare_or_reason(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntr
 def _prepare_case(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry:
     image = read_scan(case.image)
     grid_shape = grid.grid_of(image.array.shape, image.spacing)
-    box = (grid.resolution,) * 3
     label_counts = None
     labels = None if case.label is None else _labels(image, case.label)
-    # On the cube the box is the grid; on the spacing grid, an R³ box around the liver.
+    # The whole grid is stored; the case's box is where validation looks: on the cube the
+    # grid itself, on the spacing grid an R³ box around the liver (training draws others).
     offset = preprocess.training_offset(
         grid_shape, grid.resolution, None if labels is None else _liver_on_grid(labels, grid_shape)
     )
     if grid.kind == "cube":
         offset = (0, 0, 0)
     if labels is not None:
-        label_box = preprocess.to_box(labels, grid_shape, offset, box, order=0)
-        _write_array(store.array_path(out_dir, case.case_id, "label"), label_box)
+        label_grid = preprocess.to_grid(labels, grid_shape, order=0)
+        _write_array(store.array_path(out_dir, case.case_id, "label"), label_grid)
         # Not np.bincount: it would first copy a 512³ grid into 1 GiB of int64.
-        label_counts = tuple(int(np.count_nonzero(label_box == v)) for v in preprocess.LABEL_VALUES)
+        label_counts = tuple(
+            int(np.count_nonzero(label_grid == v)) for v in preprocess.LABEL_VALUES
+        )
+        del label_grid
     _write_array(
         store.array_path(out_dir, case.case_id, "image"),
-        preprocess.to_box(image.array, grid_shape, offset, box, order=1),
+        preprocess.image_to_grid(image.array, grid_shape),
     )
     image_source, label_source = _sources(case)
     entry = CaseEntry(

@@ -127,6 +127,42 @@ def read_scan(path: str | Path) -> Scan:
     return _canonical_scan(array, affine, header, path)
 
 
+def scan_from_image(
+    image: nib.spatialimages.SpatialImage | sitk.Image | np.ndarray,
+    affine: np.ndarray | None = None,
+    name: str = "scan",
+) -> Scan:
+    """An image in memory as a canonical Scan, checked as `read_scan` checks files: a
+    nibabel image, a SimpleITK image, or a 3-D array with its 4×4 voxel → RAS affine (mm).
+    `name` names the scan in messages and outputs."""
+    where = Path(name)
+    header = None
+    if isinstance(image, sitk.Image):
+        array, affine = _read_itk_image(where, image)
+    elif isinstance(image, nib.spatialimages.SpatialImage):
+        if isinstance(image, nib.Nifti1Image | nib.Nifti2Image):
+            header = image.header.copy()
+            affine = _nifti_affine(header, where)
+        else:
+            affine = np.asarray(image.affine, dtype=float)
+        array = _scaled_voxels(image)
+    elif isinstance(image, np.ndarray):
+        if affine is None or np.shape(affine) != (4, 4):
+            raise CtsegError(f"{name}: an array needs its 4×4 voxel-to-RAS affine (mm)")
+        if image.dtype.kind not in "biuf":
+            raise CtsegError(f"{name} holds {image.dtype} voxels; ctseg expects real numbers")
+        array, affine = image, np.asarray(affine, dtype=float)
+    else:
+        raise CtsegError(
+            f"{name}: give a file path, a nibabel image, a SimpleITK image or an array with "
+            f"its affine, not {type(image).__name__}"
+        )
+    array = _squeeze_to_3d(array, where)
+    _check_finite(array, where)
+    _check_affine(affine, where)
+    return _canonical_scan(array, affine, header, where)
+
+
 def _read_nifti(path: Path) -> tuple[np.ndarray, np.ndarray, nib.Nifti1Header]:
     try:
         image = nib.load(path)  # reads the header only
@@ -442,10 +478,14 @@ def write_labels(scan: Scan, labels: np.ndarray, path: str | Path) -> None:
 
 def write_volume(scan: Scan, array: np.ndarray, path: str | Path, dtype: np.dtype) -> None:
     """Write a canonical array (3-D, or 4-D with channels last) as NIfTI in the scan's geometry."""
-    data = np.asarray(to_original_order(scan, array), dtype=dtype)
-    image = nib.Nifti1Image(data, None, header=_output_header(scan, dtype))
+    image = nifti_image(scan, to_original_order(scan, array), dtype)
     with atomic_path(path) as tmp:
         nib.save(image, tmp)
+
+
+def nifti_image(scan: Scan, data: np.ndarray, dtype: np.dtype) -> nib.Nifti1Image:
+    """`data`, in the scan's own voxel order, as a NIfTI image of exactly its geometry."""
+    return nib.Nifti1Image(np.asarray(data, dtype=dtype), None, header=_output_header(scan, dtype))
 
 
 def _output_header(scan: Scan, dtype: np.dtype) -> nib.Nifti1Header:

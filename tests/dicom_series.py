@@ -6,8 +6,14 @@ from pathlib import Path
 import SimpleITK as sitk
 
 
-def write_dicom_series(folder: Path, image: sitk.Image, series: int = 99) -> None:
-    """`image` as one .dcm file per slice, a CT series with UID suffix `series`."""
+def write_dicom_series(
+    folder: Path, image: sitk.Image, series: int = 99, one_study: bool = False
+) -> None:
+    """`image` as one .dcm file per slice, a CT series with UID suffix `series`.
+
+    GDCM gives each slice a study of its own and no frame of reference; `one_study`
+    writes what a scanner writes: one study and one frame of reference for the series
+    (what a DICOM SEG needs to reference it)."""
     folder.mkdir(parents=True)
     direction = image.GetDirection()
     writer = sitk.ImageFileWriter()
@@ -19,6 +25,9 @@ def write_dicom_series(folder: Path, image: sitk.Image, series: int = 99) -> Non
         for z in range(image.GetDepth()):
             slice_ = image[:, :, z]
             slice_.SetMetaData("0020|000e", f"1.2.826.0.1.3680043.2.1125.1.{series}")  # series
+            if one_study:
+                slice_.SetMetaData("0020|000d", f"1.2.826.0.1.3680043.2.1125.2.{series}")
+                slice_.SetMetaData("0020|0052", f"1.2.826.0.1.3680043.2.1125.3.{series}")
             slice_.SetMetaData("0008|0060", "CT")
             orientation = direction[0:7:3] + direction[1:8:3]
             slice_.SetMetaData("0020|0037", "\\".join(map(str, orientation)))

@@ -61,6 +61,20 @@ def test_pairing_rules(tmp_path):
     assert unpaired_ref == ["segmentation-10.nii"]
 
 
+def test_a_lits_folder_pairs_predictions_with_segmentations_not_with_the_scans(tmp_path):
+    """A LiTS folder holds volume-N beside segmentation-N: `ctseg predict`'s volume-N_seg
+    is scored against segmentation-N, never against the CT scan it was made from."""
+    pred, ref = tmp_path / "pred", tmp_path / "ref"
+    touch(pred, "volume-3_seg.nii.gz", "test-volume-4_seg.nii.gz")
+    touch(ref, "volume-3.nii", "segmentation-3.nii", "test-volume-4.nii", "test-segmentation-4.nii")
+    pairs, _, unpaired_ref = pair_files(pred, ref)
+    assert [(p.pred.name, p.ref.name) for p in pairs] == [
+        ("volume-3_seg.nii.gz", "segmentation-3.nii"),
+        ("test-volume-4_seg.nii.gz", "test-segmentation-4.nii"),
+    ]
+    assert unpaired_ref == ["test-volume-4.nii", "volume-3.nii"]
+
+
 def test_ambiguous_names_are_errors(tmp_path):
     touch(tmp_path / "pred", "segmentation-3.nii.gz", "volume-3_seg.nii.gz")
     touch(tmp_path / "ref", "segmentation-3.nii")

@@ -16,7 +16,7 @@ from cli.app import app
 from ctseg import pipeline, rundir
 from ctseg import train as train_module
 from ctseg.errors import CtsegError
-from ctseg.evaluate import evaluate_cross_validation, evaluate_run
+from ctseg.evaluate_runs import evaluate_cross_validation, evaluate_run
 from ctseg.store import Store
 from ctseg.store_writer import assign_folds, write_folds
 from ctseg.train import train_and_evaluate
@@ -412,7 +412,7 @@ def test_cross_validation_refuses_missing_repeated_or_foreign_folds(
     assert not out.exists()
 
     several = runner.invoke(app, ["evaluate", *map(str, runs), "--data", str(fold_store)])
-    assert "several runs need --cross-validation" in str(several.exception)
+    assert "an ensemble of several runs writes" in str(several.exception)  # needs --out
     no_out = runner.invoke(app, [*base[:3], "--cross-validation", *map(str, runs)])
     assert "give one" in str(no_out.exception)
 

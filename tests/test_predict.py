@@ -118,8 +118,10 @@ def test_tta_tiled_equals_tta_whole_and_needs_a_model_trained_with_flips(trained
     tiled = Predictor.from_run(run_dir, InferenceOptions("latest", tile=8, tta=True))
     assert whole.summary.endswith("mirrored 8× (TTA)")
     seconds: dict[str, float] = {}
-    unit = whole.to_grid(read_scan(raw / "volume-0.nii.gz"), seconds).unit
-    np.testing.assert_allclose(tiled.infer(unit, seconds), whole.infer(unit, seconds), atol=1e-5)
+    on_grids = whole.to_grid(read_scan(raw / "volume-0.nii.gz"), seconds)
+    np.testing.assert_allclose(
+        tiled.infer(on_grids, seconds)[0], whole.infer(on_grids, seconds)[0], atol=1e-5
+    )
 
     model = whole.model
     unflipped = dataclasses.replace(

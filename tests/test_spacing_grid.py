@@ -11,10 +11,11 @@ from typer.testing import CliRunner
 
 import cli.main  # noqa: F401  (registers the commands)
 from cli.app import app
-from ctseg import preprocess, volume
+from ctseg import pipeline, preprocess, volume
 from ctseg.checkpoints import load_model
 from ctseg.config import InferenceOptions
 from ctseg.errors import CtsegError
+from ctseg.partition import make_mesh
 from ctseg.predict import Predictor
 from ctseg.store import Store
 from ctseg.train import train_and_evaluate
@@ -118,19 +119,59 @@ def spacing_run(tmp_path_factory):
     return root
 
 
-def test_the_store_holds_r3_boxes_around_the_liver_and_records_them(spacing_run):
+def test_the_store_holds_whole_grids_and_a_box_around_the_liver(spacing_run):
     store = Store.open(spacing_run / "prep")
     assert store.grid == "spacing" and store.spacing == (24.0, 24.0, 24.0)
     assert store.grid_spec.describe() == "16³ boxes at 24 × 24 × 24 mm"
     for case in store.cases:
         expected = preprocess.spacing_grid(case.canonical_shape, case.spacing, (24.0,) * 3)
         assert case.grid_shape == expected
-        assert np.load(store.path / "cases" / case.id / "image.npy").shape == (BOX,) * 3
-        assert case.label_counts[1] + case.label_counts[2] > 0  # the liver is in the box
+        assert np.load(store.path / "cases" / case.id / "image.npy").shape == expected
+        # The case's own box holds its whole liver (16 voxels of 24 mm hold any liver).
+        label = np.asarray(store.label(case.id))
+        boxed = np.asarray(store.box(case.id, "label"))
+        assert boxed.shape == (BOX,) * 3
+        assert (boxed >= 1).sum() == (label >= 1).sum() == sum(case.label_counts[1:]) > 0
         # The box's affine puts its voxels 24 mm apart, at the grid voxel of its offset.
         affine = case.box_affine()
         np.testing.assert_allclose(np.linalg.norm(affine[:3, :3], axis=0), 24.0, rtol=0.1)
     assert any(any(g > BOX for g in c.grid_shape) for c in store.cases)  # some were cropped
+
+
+def test_training_boxes_lie_around_the_liver_and_anywhere_the_same_on_every_layout(
+    spacing_run,
+):
+    """A third of the boxes around the liver, the others anywhere on the scan; each box
+    holds the grid's voxels at its offset (air beyond), whatever the mesh."""
+    store = Store.open(spacing_run / "prep")
+    config = tiny_config(*SPACING_GRID, *TRAIN)
+    case = max(store.split("train"), key=lambda c: max(c.grid_shape))
+    offsets = sorted({pipeline.draw_box_offset(config, case, BOX, step, 0) for step in range(60)})
+    assert len(offsets) > 10  # spread over the scan, not one box
+    around = [
+        o
+        for o in offsets
+        if all(abs(a - b) <= BOX // 4 for a, b in zip(o, case.box_offset, strict=True))
+    ]
+    assert 0 < len(around) < len(offsets)
+    for offset in list(offsets)[:5]:
+        box = np.asarray(store.box(case.id, "image", offset))
+        inside = tuple(
+            slice(max(-o, 0), min(g - o, BOX)) for o, g in zip(offset, case.grid_shape, strict=True)
+        )
+        grid_part = tuple(
+            slice(max(o, 0), min(o + BOX, g)) for o, g in zip(offset, case.grid_shape, strict=True)
+        )
+        np.testing.assert_array_equal(box[inside], np.asarray(store.image(case.id))[grid_part])
+        outside = np.ones(box.shape, bool)
+        outside[inside] = False
+        assert (box[outside] == preprocess.AIR_HU).all()
+    batches = [
+        jax.device_get(pipeline.training_batch(store, config, make_mesh(spatial), step=7))
+        for spatial in ((1, 1, 1), (2, 2, 1))
+    ]
+    for got, want in zip(batches[1], batches[0], strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_training_on_the_spacing_grid_is_the_same_on_every_layout(spacing_run, tmp_path):
@@ -172,7 +213,7 @@ def test_evaluation_scores_the_whole_scan_and_the_box_on_the_grid(spacing_run, t
     args = ["evaluate", str(spacing_run / "run"), "--data", str(spacing_run / "prep")]
     result = runner.invoke(app, [*args, "--split", "train", "--out", str(tmp_path / "e")])
     assert result.exit_code == 0, result.output
-    assert "grid Dice liver" in result.output
+    assert "grid Dice liver" in " ".join(result.output.split())
 
 
 def test_a_store_of_another_grid_is_refused_by_train_and_evaluate(spacing_run, tmp_path):
