@@ -27,7 +27,7 @@ bench: $(STAMP)
 	$(CTSEG) bench --config configs/demo.toml --partitions 1,2,4,8,16 --partitioner halo,gspmd --peak --json bench/bench.json
 
 # One 512×512 scan through `ctseg predict` with the lits512 model on ONNX Runtime, on
-# the CPU: wall time and peak memory (about 11 minutes on 2 cores). On a GPU, see the
+# the CPU: wall time and peak memory (about 9 minutes on 2 cores). On a GPU, see the
 # README's GPU section.
 bench-predict512: $(STAMP)
 	$(PY) scripts/bench_predict512.py bench/predict512 --device cpu --backend onnx --cold-only

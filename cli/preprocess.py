@@ -105,11 +105,12 @@ def _summary_line(result: PrepareResult, out_dir: Path) -> str:
         f"prepared store: {len(store.cases)} case(s) ({counts}), {store.grid_spec.describe()}; "
         f"manifest {escape(str(store.path / MANIFEST))}"
     )
-    cropped = [c for c in store.cases if any(g > store.resolution for g in c.grid_shape)]
-    if store.grid == "spacing" and cropped:
+    longer = [c for c in store.cases if any(g > store.resolution for g in c.grid_shape)]
+    if store.grid == "spacing" and longer:
         line += (
-            f"\n{len(cropped)} scan(s) extend beyond the {store.resolution}³ box at this "
-            "spacing: their boxes were taken around the liver (box_offset in the manifest)"
+            f"\n{len(longer)} scan(s) extend beyond the {store.resolution}³ box at this "
+            "spacing: kept whole; training draws its boxes on them, validation scores the "
+            "box around the liver (box_offset in the manifest)"
         )
     if failed:
         line += f"\n[red]{failed} case(s) failed[/]; fix them and re-run to add them to the store"

@@ -37,8 +37,9 @@ class DataConfig:
     grid: Literal["cube", "spacing"] = _f(
         "cube",
         "cube: every scan's field of view stretched onto R³ (the Mesh-TensorFlow LiTS "
-        "model's choice); spacing: every scan resampled to data.spacing, training on an "
-        "R³ box of it (around the liver) and predicting over the scan's whole extent.",
+        "model's choice); spacing: every scan resampled to data.spacing and kept whole, "
+        "training on R³ boxes drawn on it (`train.liver_boxes` of them around the liver) "
+        "and predicting over the scan's whole extent; the shipped configs use it.",
     )
     spacing: tuple[float, float, float] = _f(
         (1.5, 1.5, 1.5), "Voxel size [x, y, z] in mm of the spacing grid (grid = spacing)."

@@ -58,8 +58,10 @@ class BatchNorm(nnx.Module):
             # Two passes (not E[x²] − E[x]²): no cancellation at large volumes.
             var = comm.sum(jnp.square(xf - mean), axes) / n
             m = self.momentum
-            self.mean[...] = m * self.mean[...] + (1 - m) * jax.lax.stop_gradient(mean)
-            self.var[...] = m * self.var[...] + (1 - m) * jax.lax.stop_gradient(var)
+            # Rebound, never written in place: a caller's host (numpy) statistics would
+            # change under it in an eager call.
+            self.mean.value = m * self.mean[...] + (1 - m) * jax.lax.stop_gradient(mean)
+            self.var.value = m * self.var[...] + (1 - m) * jax.lax.stop_gradient(var)
         else:
             mean, var = self.mean[...], self.var[...]
         inv = jax.lax.rsqrt(var + self.epsilon) * self.scale[...]

@@ -8,7 +8,8 @@
 # predict the same held-out scans (liver-only, abdominal and chest-abdomen-pelvis
 # extents), scored in the scans' own geometry, overall and by extent.
 # Everything goes under experiment/ (git-ignored). Override with STEPS=…,
-# RESOLUTION=…, SPACING=… (mm, isotropic), HELDOUT=… (cases).
+# RESOLUTION=…, SPACING=… (mm, isotropic), LIVER_BOXES=… (share of training boxes
+# around the liver), HELDOUT=… (cases), OUT=… (folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CTSEG=${CTSEG:-.venv/bin/ctseg}
@@ -17,12 +18,14 @@ OUT=${OUT:-experiment}
 STEPS=${STEPS:-600}
 RESOLUTION=${RESOLUTION:-48}
 SPACING=${SPACING:-5}
+LIVER_BOXES=${LIVER_BOXES:-0.5}
 HELDOUT=${HELDOUT:-18}
 COMMON=(--config configs/demo.toml --set "mesh.spatial=[1,1,1]" --set "train.steps=$STEPS"
         --set "data.resolution=$RESOLUTION")
 declare -A GRID=(
   [cube]="--set data.grid=cube"
-  [spacing]="--set data.grid=spacing --set data.spacing=[$SPACING,$SPACING,$SPACING]"
+  [spacing]="--set data.grid=spacing --set data.spacing=[$SPACING,$SPACING,$SPACING]
+             --set train.liver_boxes=$LIVER_BOXES"
 )
 
 [ -f "$OUT/raw/segmentation-23.nii.gz" ] || "$CTSEG" synth "$OUT/raw" --cases 24 --size 96 --seed 0

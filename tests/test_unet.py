@@ -150,3 +150,20 @@ def test_receptive_field_radius_bounds_the_dependency_of_every_output(depth, ker
         support = np.nonzero(np.abs(np.asarray(jax.grad(voxel)(x))[0, :, :, :, 0]).sum((1, 2)))[0]
         reach = max(reach, abs(support - out).max())
     assert reach == radius
+
+
+def test_a_training_mode_call_leaves_the_callers_host_statistics_alone():
+    # Inference loads statistics as numpy arrays: an eager training-mode pass (the
+    # statistics of a batch) must not write the batch's into them.
+    config = cfg.load(overrides=["model.base_filters=2", "model.depth=2"])
+    graphdef, params, stats = unet.create(config.model, seed=0)
+    host = jax.tree.map(np.array, stats)
+    before = jax.tree.map(np.copy, host)
+    image = jnp.asarray(_batch()[0][:1])
+    own = unet.batch_statistics(graphdef, params, host, image, pt.LOCAL)
+    unet.apply(graphdef, params, host, image, pt.LOCAL, train=True)
+    for kept, now, batch in zip(
+        jax.tree.leaves(before), jax.tree.leaves(host), jax.tree.leaves(own), strict=True
+    ):
+        np.testing.assert_array_equal(now, kept)
+        assert not np.array_equal(np.asarray(batch), kept)  # the batch's are not these
