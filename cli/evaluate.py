@@ -270,7 +270,7 @@ def evaluate(
         "compile-cache": compile_cache,
     }
     _check_form(run_dirs, pred, ref, run_options)
-    run_dirs = [run for path in run_dirs for run in rundir.runs_in(path)]  # folders of runs
+    run_dirs = rundir.member_runs(run_dirs)  # folders of runs expanded
     if len(run_dirs) > 1 and not cross_validation and out is None:
         raise CtsegError(
             "an ensemble of several runs writes its predictions and reports into --out DIR: "

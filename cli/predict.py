@@ -162,7 +162,7 @@ def predict(
     already done are skipped, the rest are predicted.
     """
     console = Console(highlight=False)  # here, not at import: the terminal's width of now
-    run_dirs = [run for path in [run_dir, *(runs or [])] for run in rundir.runs_in(path)]
+    run_dirs = rundir.member_runs([run_dir, *(runs or [])])
     configs = [rundir.load_config(path) for path in run_dirs]
     start_jax(configs[0], devices=1, device=device, compile_cache=compile_cache)
     # After start_jax: importing the pipeline starts JAX.

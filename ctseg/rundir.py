@@ -24,6 +24,7 @@ read a run's config before it chooses (and starts) the devices.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,19 @@ def runs_in(path: Path) -> list[Path]:
         raise CtsegError(
             f"{path} is not a ctseg run directory (no {CONFIG}), nor a folder of run directories"
         )
+    return runs
+
+
+def member_runs(paths: Sequence[Path]) -> list[Path]:
+    """The run directories several paths name (`runs_in` each), each once: a run named
+    twice would silently weigh twice in an ensemble's mean."""
+    runs = [run for path in paths for run in runs_in(path)]
+    seen: dict[Path, Path] = {}
+    for run in runs:
+        same = seen.setdefault(run.resolve(), run)
+        if same is not run:
+            also = f" (also as {same})" if str(same) != str(run) else ""
+            raise CtsegError(f"{run} is named twice{also}: name each run once")
     return runs
 
 

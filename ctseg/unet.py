@@ -60,8 +60,8 @@ class BatchNorm(nnx.Module):
             m = self.momentum
             # Rebound, never written in place: a caller's host (numpy) statistics would
             # change under it in an eager call.
-            self.mean.value = m * self.mean[...] + (1 - m) * jax.lax.stop_gradient(mean)
-            self.var.value = m * self.var[...] + (1 - m) * jax.lax.stop_gradient(var)
+            self.mean.set_value(m * self.mean[...] + (1 - m) * jax.lax.stop_gradient(mean))
+            self.var.set_value(m * self.var[...] + (1 - m) * jax.lax.stop_gradient(var))
         else:
             mean, var = self.mean[...], self.var[...]
         inv = jax.lax.rsqrt(var + self.epsilon) * self.scale[...]

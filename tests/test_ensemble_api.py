@@ -3,6 +3,8 @@ TotalSegmentator use them."""
 
 import dataclasses
 import json
+import os
+import shutil
 
 import nibabel as nib
 import numpy as np
@@ -78,8 +80,25 @@ def test_ensemble_members_are_named_and_need_flips_for_tta(scan):
 
 def test_predict_and_evaluate_take_several_runs(trained, tmp_path):
     run_dir, store, raw = trained
+    twin = tmp_path / "twin"  # another run directory with the same model
+    shutil.copytree(run_dir, twin)
     args = [str(raw / "volume-1.nii.gz"), "--checkpoint", "latest", "--out", str(tmp_path / "p")]
-    result = runner.invoke(app, ["predict", str(run_dir), "--run", str(run_dir), *args])
+    # A run named twice would weigh twice in the mean: refused, however it is spelled.
+    result = runner.invoke(
+        app,
+        [
+            "predict",
+            str(run_dir),
+            "--run",
+            str(twin),
+            "--run",
+            os.path.join(run_dir, "..", run_dir.name),
+            *args,
+        ],
+    )
+    assert "is named twice (also as" in str(result.exception), result.output
+    assert not (tmp_path / "p").exists()
+    result = runner.invoke(app, ["predict", str(run_dir), "--run", str(twin), *args])
     assert result.exit_code == 0, result.output
     assert "ensemble of 2:" in result.output and "checkpoint steps 2, 2" in result.output
     stats = json.loads((tmp_path / "p" / "volume-1_stats.json").read_text())
@@ -91,6 +110,10 @@ def test_predict_and_evaluate_take_several_runs(trained, tmp_path):
     (runs / "a").symlink_to(run_dir)
     (runs / "b").symlink_to(run_dir)
     evaluate = ["evaluate", str(runs), "--data", str(store), "--split", "train"]
+    result = runner.invoke(app, [*evaluate, "--out", str(tmp_path / "e")])
+    assert "is named twice" in str(result.exception), result.output
+    (runs / "b").unlink()
+    (runs / "b").symlink_to(twin)
     result = runner.invoke(app, evaluate)
     assert "needs --out" in str(result.exception) or "--out DIR" in str(result.exception)
     result = runner.invoke(app, [*evaluate, "--out", str(tmp_path / "e")])

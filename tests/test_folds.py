@@ -397,13 +397,13 @@ def test_cross_validation_refuses_missing_repeated_or_foreign_folds(
 ):
     runs, _ = fold_runs
     out = tmp_path / "cv"
+    twin = tmp_path / "twin0"  # a second run of fold 0
+    shutil.copytree(runs[0], twin)
     base = ["evaluate", "--data", str(fold_store), "--out", str(out), "--cross-validation"]
     for given, message in [
         (runs[:2], "needs one run per fold of the store at .* \\(3 folds\\): no run for fold 2$"),
-        (
-            [runs[0], runs[0], runs[2]],
-            "fold 0 has 2 runs \\(.*fold0, .*fold0\\); no run for fold 1$",
-        ),
+        ([runs[0], twin, runs[2]], "fold 0 has 2 runs \\(.*fold0, .*twin0\\); no run for fold 1$"),
+        ([runs[0], runs[0], runs[2]], "fold0 is named twice: name each run once$"),
     ]:
         result = runner.invoke(app, [*base, *map(str, given)])
         assert isinstance(result.exception, CtsegError), result.output
