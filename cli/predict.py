@@ -114,8 +114,8 @@ def predict(
             "--run",
             help="Another run (or folder of runs) of an ensemble: each model predicts on its "
             "own grid and their probabilities are averaged on the scan's voxels "
-            "(repeatable). RUN_DIR may also be a folder of runs, e.g. one per "
-            "cross-validation fold.",
+            "(repeatable; each run once). RUN_DIR may also be a folder of runs, e.g. one "
+            "per cross-validation fold.",
             metavar="RUN",
         ),
     ] = None,

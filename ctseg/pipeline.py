@@ -129,20 +129,21 @@ def make_batch(
     r = store.resolution
     batch = len(case_ids)
     offsets = list(offsets or [None] * batch)
+    # Opened once here, not in the callbacks, which run once per device block.
+    images = [store.box(c, "image", o) for c, o in zip(case_ids, offsets, strict=True)]
+    labels = [store.box(c, "label", o) for c, o in zip(case_ids, offsets, strict=True)]
 
     def read_image(index: tuple[slice, ...]) -> np.ndarray:
         rows = []
         for b in range(*index[0].indices(batch)):
             aug = augmentations[b]
-            box = store.box(case_ids[b], "image", offsets[b])
-            unit = hu_to_unit(aug.read(box, index[1:4]), hu_window)
+            unit = hu_to_unit(aug.read(images[b], index[1:4]), hu_window)
             rows.append(unit * aug.scale + aug.shift)
         return np.stack(rows)[..., None]
 
     def read_label(index: tuple[slice, ...]) -> np.ndarray:
         rows = [
-            augmentations[b].read(store.box(case_ids[b], "label", offsets[b]), index[1:4])
-            for b in range(*index[0].indices(batch))
+            augmentations[b].read(labels[b], index[1:4]) for b in range(*index[0].indices(batch))
         ]
         return np.stack(rows)
 

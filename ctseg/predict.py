@@ -196,8 +196,7 @@ class Member:
         """The plan in words: the cube's one, or the latest box's on the spacing grid."""
         if self.engine is not None:
             return self.engine.description
-        mm = " × ".join(f"{v:g}" for v in self.grid.spacing)
-        return f"the scan at {mm} mm, boxes of its extent"
+        return f"the scan at {self.grid.voxel_size}, boxes of its extent"
 
     def to_grid(self, scan: volume.Scan) -> OnGrid:
         """The scan on the run's grid, HU-windowed: exactly the training preprocessing. On

@@ -183,7 +183,12 @@ class GridSpec:
         """`48³ cube` or `48³ boxes at 4 × 4 × 4 mm`."""
         if self.kind == "cube":
             return f"{self.resolution}³ cube"
-        return f"{self.resolution}³ boxes at {' × '.join(f'{v:g}' for v in self.spacing)} mm"
+        return f"{self.resolution}³ boxes at {self.voxel_size}"
+
+    @property
+    def voxel_size(self) -> str:
+        """The spacing grid's voxel in words: `4 × 4 × 4 mm`."""
+        return f"{' × '.join(f'{v:g}' for v in self.spacing)} mm"
 
 
 def spacing_grid(shape: Sequence[int], spacing: Sequence[float], target: Sequence[float]) -> Shape:

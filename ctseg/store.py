@@ -38,7 +38,7 @@ affine. A manifest without "grid" is a cube store, and cases without
 
 Cross-validation folds (`folds` = k ≥ 2; 0 = none) split the labelled cases (splits
 train and val, never test) into k folds whose sizes differ by at most one, drawn
-from the seed `fold_seed` (`store_writer.assign_folds`); each labelled case names
+from the seed `fold_seed` (`splits.assign_folds`); each labelled case names
 its `fold`, every other case null. They are independent of the train/val split:
 `Store.for_fold(i)` is the store seen by a run of fold i (fold i validates, the
 other folds train). A manifest without these keys (written before folds existed)

@@ -5,12 +5,9 @@ Every write is atomic and a case counts as done only once its ``case.json`` is
 written (after its arrays), so a killed run is simply run again: finished cases are
 skipped. The manifest is written last and lists only the cases that were prepared.
 
-Cross-validation folds (`assign_folds`) are drawn over the store's labelled cases,
-at preprocess time (`data.folds`) or later over an existing store (`write_folds`,
-``ctseg folds``, which rewrites the manifest alone). Once a store has folds, they
-are kept: a re-run of preprocess draws them again with their recorded count and
-seed (the same folds for the same cases), and assigning others needs ``force``,
-since fold runs may have trained on them.
+Which cases validate (the train/val split, cross-validation folds) is
+`ctseg.splits`'s to decide; `write_folds` (``ctseg folds``) assigns folds to an
+existing store by rewriting its manifest alone.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ctseg import lock, preprocess, store
+from ctseg import lock, preprocess, splits, store
 from ctseg.atomic import claim_folder, write_json, write_npy
 from ctseg.config import Config
 from ctseg.errors import CtsegError
@@ -68,33 +65,6 @@ class PrepareResult:
         return [o for o in self.outcomes if o.status == "failed"]
 
 
-def assign_splits(case_ids: list[str], val_fraction: float, seed: int) -> dict[str, str]:
-    """Deterministic train/val split: at least one val case once there are two or more."""
-    count = len(case_ids)
-    n_val = round(count * val_fraction)
-    if val_fraction > 0 and count >= 2:
-        n_val = min(max(n_val, 1), count - 1)
-    order = np.random.default_rng(seed).permutation(count)
-    val = {case_ids[i] for i in order[:n_val]}
-    return {cid: "val" if cid in val else "train" for cid in case_ids}
-
-
-def assign_folds(case_ids: list[str], folds: int, seed: int) -> dict[str, int]:
-    """Deterministic cross-validation folds: case id -> fold 0 … `folds` − 1.
-
-    The ids, sorted (so that the order they are listed in does not matter), are
-    permuted by `seed` and cut into `folds` runs whose sizes differ by at most one.
-    The same ids, count and seed always give the same folds.
-    """
-    ids = sorted(case_ids)
-    # A stream of its own: the folds do not follow the train/val split drawn from the seed.
-    order = np.random.default_rng([seed, _FOLD_STREAM]).permutation(len(ids))
-    return {ids[i]: fold for fold, chunk in enumerate(np.array_split(order, folds)) for i in chunk}
-
-
-_FOLD_STREAM = 1
-
-
 def write_store(
     layout: Layout,
     out_dir: str | Path,
@@ -113,7 +83,7 @@ def write_store(
     stop everything (a store of another grid, another command writing the
     store, folds other than the store's without `force`) raise CtsegError; `warn`
     hears of a lock taken over from a command that died, and of folds drawn again
-    or left out (`_with_folds`).
+    or left out (`splits.with_folds`).
     """
     workers = usable_workers(workers)
     out_dir = Path(out_dir)
@@ -133,17 +103,17 @@ def _write(
 ) -> PrepareResult:
     grid = GridSpec.of(config.data)
     _check_existing_store(out_dir, grid, force)
-    earlier = _earlier_folds(out_dir)
-    folds, fold_seed = _fold_plan(layout, out_dir, config, earlier, force)
+    earlier = splits.earlier_folds(out_dir)
+    folds, fold_seed = splits.fold_plan(layout, out_dir, config, earlier, force)
     # A manifest must never describe arrays that are being rewritten.
     (out_dir / store.MANIFEST).unlink(missing_ok=True)
 
-    splits = _splits(layout, config)
+    split_of = splits.of_layout(layout, config)
     entries: dict[str, CaseEntry] = {}
     outcomes: dict[str, CaseOutcome] = {}
 
     def record(case: RawCase, result: CaseEntry | str, resumed: bool = False) -> None:
-        split = splits[case.case_id]
+        split = split_of[case.case_id]
         if isinstance(result, str):
             outcomes[case.case_id] = CaseOutcome(case.case_id, split, "failed", result)
         else:
@@ -170,105 +140,9 @@ def _write(
     good = [entries[i] for i in ordered if i in entries]
     if not good:
         return PrepareResult(store=None, outcomes=[outcomes[i] for i in ordered])
-    good, folds = _with_folds(out_dir, good, folds, fold_seed, earlier, warn)
+    good, folds = splits.with_folds(out_dir, good, folds, fold_seed, earlier, warn)
     written = _write_manifest(out_dir, grid, good, folds, fold_seed if folds else None)
     return PrepareResult(store=written, outcomes=[outcomes[i] for i in ordered])
-
-
-@dataclass(frozen=True)
-class _Folds:
-    """The folds a store's manifest recorded before this run of preprocess."""
-
-    count: int
-    seed: int | None
-    of_case: dict[str, int | None]  # labelled case id -> fold
-
-
-def _earlier_folds(out_dir: Path) -> _Folds | None:
-    """The folds of the store at `out_dir`, None if it has none (or no readable manifest)."""
-    try:
-        manifest = store.read_manifest(out_dir)
-        if manifest is None or not manifest.get("folds"):
-            return None
-        of_case = {
-            c["id"]: c.get("fold") for c in manifest["cases"] if c.get("label_source") is not None
-        }
-        return _Folds(int(manifest["folds"]), manifest.get("fold_seed"), of_case)
-    except (CtsegError, KeyError, TypeError, ValueError, AttributeError):
-        return None  # a damaged manifest (rebuilt with --force) keeps nothing
-
-
-def _fold_plan(
-    layout: Layout, out_dir: Path, config: Config, earlier: _Folds | None, force: bool
-) -> tuple[int, int]:
-    """(folds, seed) this run assigns, checked before any case is prepared.
-
-    data.folds = 0 keeps the store's own folds; another count or seed than the store's
-    is refused unless `force` (fold runs may have trained on them).
-    """
-    asked, seed = config.data.folds, config.data.split_seed
-    if asked == 0:
-        keep = earlier is not None and not layout.predict_only
-        return (earlier.count, earlier.seed or 0) if keep else (0, 0)
-    if layout.predict_only:
-        raise CtsegError(
-            f"data.folds = {asked}, but the raw folder holds no labels: a predict-only store "
-            "has no cases to cross-validate"
-        )
-    if asked > len(layout.cases):
-        raise CtsegError(
-            f"data.folds = {asked} needs at least {asked} labelled cases; the raw folder holds "
-            f"{len(layout.cases)}"
-        )
-    if earlier is not None and (earlier.count, earlier.seed) != (asked, seed) and not force:
-        raise CtsegError(
-            f"{out_dir} has {earlier.count} folds (seed {earlier.seed}), which fold runs may "
-            f"have trained on; data.folds = {asked} with data.split_seed = {seed} would assign "
-            f"others: `ctseg folds {out_dir} --k {asked} --seed {seed} --force` re-assigns "
-            "them (or leave data.folds = 0 to keep them)"
-        )
-    return asked, seed
-
-
-def _with_folds(
-    out_dir: Path,
-    entries: list[CaseEntry],
-    folds: int,
-    seed: int,
-    earlier: _Folds | None,
-    warn: Callable[[str], None] | None,
-) -> tuple[list[CaseEntry], int]:
-    """`entries` with their folds (over the labelled ones), and the count of folds.
-
-    Fewer labelled cases than folds (some failed) leaves the store without folds until
-    they are fixed; labelled cases that changed since the folds were drawn draw them
-    again. Either is said through `warn`.
-    """
-    labelled = [e.id for e in entries if e.labelled]
-    if folds and len(labelled) < folds:
-        if warn is not None:
-            warn(
-                f"only {len(labelled)} labelled case(s) were prepared, fewer than {folds} "
-                "folds: the store has no folds until the failed cases are fixed"
-            )
-        folds = 0
-    of_case = assign_folds(labelled, folds, seed) if folds else {}
-    if earlier is not None and folds and of_case != earlier.of_case and warn is not None:
-        if (earlier.count, earlier.seed) == (folds, seed):
-            what = (
-                f"the labelled cases of {out_dir} changed since its {folds} folds were drawn, "
-                "so they were drawn again"
-            )
-        else:  # --force
-            what = (
-                f"the {earlier.count} folds (seed {earlier.seed}) of {out_dir} were replaced by "
-                f"{folds} folds (seed {seed})"
-            )
-        warn(
-            f"{what}: fold runs trained on the earlier folds can no longer be resumed or "
-            "evaluated together"
-        )
-    return [dataclasses.replace(e, fold=of_case.get(e.id)) for e in entries], folds
 
 
 @dataclass(frozen=True)
@@ -313,7 +187,7 @@ def write_folds(
                 f"--k {folds} needs at least {folds} labelled cases; the store at {store_dir} "
                 f"has {len(labelled)}"
             )
-        of_case = assign_folds(labelled, folds, seed) if folds else {}
+        of_case = splits.assign_folds(labelled, folds, seed) if folds else {}
         now = {case.id: case.fold for case in current.cases if case.labelled}
         same_assignment = now == {i: of_case.get(i) for i in labelled}
         if same_assignment and (current.folds, current.fold_seed) == (
@@ -347,18 +221,6 @@ def usable_workers(requested: int) -> int:
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
     return min(requested, cpus)
-
-
-def _splits(layout: Layout, config: Config) -> dict[str, str]:
-    """Case id -> split: "test" in a predict-only store, else a train/val split.
-
-    The split is drawn over all training cases found, failed ones included, so that
-    a case keeps its split when a failed neighbour is fixed and the store brought up to date.
-    """
-    case_ids = [c.case_id for c in layout.cases]
-    if layout.predict_only:
-        return dict.fromkeys(case_ids, "test")
-    return assign_splits(case_ids, config.data.val_fraction, config.data.split_seed)
 
 
 def _grid_keys(grid: GridSpec) -> dict[str, Any]:

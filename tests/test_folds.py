@@ -17,8 +17,9 @@ from ctseg import pipeline, rundir
 from ctseg import train as train_module
 from ctseg.errors import CtsegError
 from ctseg.evaluate_runs import evaluate_cross_validation, evaluate_run
+from ctseg.splits import assign_folds
 from ctseg.store import Store
-from ctseg.store_writer import assign_folds, write_folds
+from ctseg.store_writer import write_folds
 from ctseg.train import train_and_evaluate
 from data_prep.synth import write_dataset
 

@@ -11,8 +11,8 @@ from helpers import prepare_store
 
 from ctseg import config as cfg
 from ctseg.errors import CtsegError
+from ctseg.splits import assign_splits
 from ctseg.store import Store
-from ctseg.store_writer import assign_splits
 from data_prep.layouts import find_cases
 from data_prep.synth import write_dataset
 
