@@ -35,7 +35,7 @@ bench-predict512: $(STAMP)
 experiment-resolution: $(STAMP)
 	bash scripts/experiment_resolution.sh
 
-# The cube against the spacing grid on phantoms of LiTS-like extents (about 30 minutes).
+# The cube against the spacing grid on phantoms of LiTS-like extents (about 20 minutes).
 experiment-geometry: $(STAMP)
 	bash scripts/experiment_geometry.sh
 

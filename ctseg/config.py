@@ -118,6 +118,12 @@ class TrainConfig:
         "Training volumes whose batch-norm statistics are pooled for inference at every "
         "validation and checkpoint; 0 = running averages (model.bn_momentum).",
     )
+    held_norm_steps: int = _f(
+        0,
+        "The last this many steps train with batch norm in inference mode: the population "
+        "statistics are computed once when they begin and held, so that the weights adapt "
+        "to the statistics inference uses instead of each box's own; 0 = none.",
+    )
     checkpoint_every: int = _f(100, "Save a checkpoint every this many steps.")
     eval_every: int = _f(100, "Validate every this many steps.")
     keep_checkpoints: int = _f(3, "Keep this many latest checkpoints, plus the best.")
@@ -436,9 +442,16 @@ def _validate_train(t: TrainConfig, mesh: MeshConfig) -> None:
         "intensity_shift",
         "seed",
         "bn_population_volumes",
+        "held_norm_steps",
     ):
         value = getattr(t, key)
         _require(value >= 0, f"train.{key} must not be negative, got {value}")
+    # At least one step normalises by its own batch, so the held statistics are pooled
+    # through trained weights, never the initial ones.
+    _require(
+        t.held_norm_steps < t.steps,
+        f"train.held_norm_steps = {t.held_norm_steps} must be below train.steps = {t.steps}",
+    )
     _require(
         t.fold >= -1,
         f"train.fold must be a fold number (0, 1, …) or -1 (the store's split), got {t.fold}",

@@ -99,14 +99,20 @@ def abstract_batch(config: Config, mesh: Mesh) -> tuple[jax.ShapeDtypeStruct, ..
 
 
 def compile_train_step(
-    graphdef: nnx.GraphDef, config: Config, mesh: Mesh, state: Any, image: Any, label: Any
+    graphdef: nnx.GraphDef,
+    config: Config,
+    mesh: Mesh,
+    state: Any,
+    image: Any,
+    label: Any,
+    held_norm: bool = False,
 ) -> jax.stages.Compiled:
     """Compile the jitted training step for these (abstract or concrete) arguments.
 
     The state is donated, as a training loop does, so its buffers are reused
     for the new state and count once in the memory analysis.
     """
-    train_step = step.make_train_step(graphdef, config, mesh)
+    train_step = step.make_train_step(graphdef, config, mesh, held_norm)
     return jax.jit(train_step, donate_argnums=0).lower(state, image, label).compile()
 
 

@@ -62,12 +62,18 @@ def abstract_state(config: Config) -> tuple[nnx.GraphDef, TrainState]:
     return graphdef, TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, stats, opt_state)
 
 
-def make_loss(graphdef: nnx.GraphDef, config: Config, mesh: Mesh) -> Callable[..., Any]:
-    """loss(params, stats, image, label) -> (loss, (parts, new_stats)), partitioned over `mesh`."""
+def make_loss(
+    graphdef: nnx.GraphDef, config: Config, mesh: Mesh, held_norm: bool = False
+) -> Callable[..., Any]:
+    """loss(params, stats, image, label) -> (loss, (parts, new_stats)), partitioned over `mesh`.
+
+    `held_norm`: batch norm in inference mode, normalising by `stats` and leaving
+    them as they are (`train.held_norm_steps`).
+    """
     tc = config.train
 
     def body(comm: Comm, params, stats, image, label):
-        logits, new_stats = unet.apply(graphdef, params, stats, image, comm, train=True)
+        logits, new_stats = unet.apply(graphdef, params, stats, image, comm, train=not held_norm)
         loss, parts = segmentation_loss(logits, label, comm, tc.class_weights, tc.dice_weight)
         return loss, parts, new_stats
 
@@ -86,9 +92,14 @@ def make_loss(graphdef: nnx.GraphDef, config: Config, mesh: Mesh) -> Callable[..
     return loss_fn
 
 
-def make_train_step(graphdef: nnx.GraphDef, config: Config, mesh: Mesh) -> Callable[..., Any]:
-    """train_step(state, image, label) -> (state, metrics); jit it (plan/bench lower it)."""
-    loss_fn = make_loss(graphdef, config, mesh)
+def make_train_step(
+    graphdef: nnx.GraphDef, config: Config, mesh: Mesh, held_norm: bool = False
+) -> Callable[..., Any]:
+    """train_step(state, image, label) -> (state, metrics); jit it (plan/bench lower it).
+
+    `held_norm`: the step of `train.held_norm_steps`, see `make_loss`.
+    """
+    loss_fn = make_loss(graphdef, config, mesh, held_norm)
     optimizer = make_optimizer(config.train)
 
     def train_step(state: TrainState, image: jax.Array, label: jax.Array):

@@ -292,7 +292,14 @@ def _train(
     batch_statistics = jax.jit(make_batch_statistics(graphdef, config, mesh))
     pool = jax.jit(pool_statistics, out_shardings=NamedSharding(mesh, REPLICATED))
 
+    # From this step on, the statistics are held (`train.held_norm_steps`): the weights
+    # train against the ones inference will use, so they are never recomputed after it.
+    hold_from = tc.steps - tc.held_norm_steps
+    held_step = None
+
     def for_inference(state: TrainState) -> TrainState:
+        if int(state.step) > hold_from:
+            return state
         return population_statistics(batch_statistics, pool, state, store, config, mesh)
 
     has_val = bool(store.split("val"))
@@ -301,9 +308,14 @@ def _train(
     window_start, window_steps, compute_seconds = time.perf_counter(), 0, 0.0
     try:
         for step, (image, label) in prefetch:
+            if step >= hold_from and held_step is None:
+                held_step = plan.compile_train_step(
+                    graphdef, config, mesh, state, image, label, held_norm=True
+                )
             began = time.perf_counter()
             with _interrupt_after_step():
-                state, step_metrics = train_step(state, image, label)
+                run_step = train_step if step < hold_from else held_step
+                state, step_metrics = run_step(state, image, label)
             loss = float(step_metrics["loss"])
             compute_seconds += time.perf_counter() - began
             done = step + 1
@@ -318,7 +330,7 @@ def _train(
             rate = window_steps / (time.perf_counter() - window_start)
             validating = has_val and (done % tc.eval_every == 0 or done == tc.steps)
             saving = validating or done % tc.checkpoint_every == 0 or done == tc.steps
-            if saving:
+            if saving or done == hold_from:
                 # Every checkpoint carries the statistics that inference will use.
                 state = for_inference(state)
             if validating:

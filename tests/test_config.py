@@ -139,6 +139,10 @@ def test_bad_files(tmp_path):
         (["data.hu_window=[-inf, 250]"], r"data.hu_window\[0\] must be a finite number"),
         (["train.class_weights=[0, 0, 0]"], r"train.class_weights must be non-negative"),
         (["model.bn_momentum=1.5"], r"model.bn_momentum must be in \[0, 1\)"),
+        (
+            ["train.steps=100", "train.held_norm_steps=100"],
+            r"train.held_norm_steps = 100 must be below train.steps = 100",
+        ),
         (["predict.tile=13"], r"predict.tile = 13 must be even"),
         (["predict.tile=-2"], r"predict.tile must be -1 \(auto\), 0 \(whole volume\) or a size"),
     ],

@@ -211,6 +211,35 @@ def test_crash_then_resume_ends_with_identical_parameters(
     assert summary["best_validation"]["liver"] == best["val_dice_liver"]
 
 
+def test_held_norm_steps_train_against_the_statistics_of_their_first_step(
+    store_dir, uninterrupted, tmp_path
+):
+    """`train.held_norm_steps=2` of 4: steps 3 and 4 keep the statistics of step 2 while the
+    weights move, and a run cut in that phase resumes to the same parameters."""
+    config = tiny("train.held_norm_steps=2")
+    train_and_evaluate(config, store_dir, tmp_path / "full")
+    at_hold = checkpoints.load_model(tmp_path / "full", "2")
+    last = checkpoints.load_model(tmp_path / "full", "latest")
+    for a, b in zip(jax.tree.leaves(last.stats), jax.tree.leaves(at_hold.stats), strict=True):
+        np.testing.assert_array_equal(a, b)
+    moved = [
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(last.params), jax.tree.leaves(at_hold.params), strict=True)
+    ]
+    assert all(moved)
+    # The same steps 1–2 as a run without held statistics; steps 3–4 differ from it.
+    unheld = checkpoints.load_model(uninterrupted, "latest")
+    assert not np.array_equal(jax.tree.leaves(last.params)[0], jax.tree.leaves(unheld.params)[0])
+
+    with pytest.raises(Crash):
+        train_and_evaluate(config, store_dir, tmp_path / "cut", progress=crash_after(3))
+    train_and_evaluate(config, store_dir, tmp_path / "cut")
+    for got, want in zip(
+        final_params(tmp_path / "cut"), final_params(tmp_path / "full"), strict=True
+    ):
+        np.testing.assert_array_equal(got, want)
+
+
 def start_train_command(store_dir, run_dir, overrides, **popen):
     """`ctseg train` in a subprocess with this process's device count (XLA:CPU may
     split work differently on another count, which would break bit-identity)."""

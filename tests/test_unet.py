@@ -12,16 +12,16 @@ import pytest
 from ctseg import config as cfg
 from ctseg import partition as pt
 from ctseg import step, unet
+from ctseg.losses import segmentation_loss
 
 GRID = 16
-CONFIG = cfg.load(
-    overrides=[
-        f"data.resolution={GRID}",
-        "model.base_filters=2",
-        "model.depth=3",
-        "train.batch_size=2",
-    ]
-)
+CONFIG_OVERRIDES = [
+    f"data.resolution={GRID}",
+    "model.base_filters=2",
+    "model.depth=3",
+    "train.batch_size=2",
+]
+CONFIG = cfg.load(overrides=CONFIG_OVERRIDES)
 LAYOUTS = [
     ((2, 1, 1), 1),
     ((1, 2, 2), 1),
@@ -39,9 +39,16 @@ def _batch():
     return image, label
 
 
-def _loss_grads_and_logits(config, mesh):
+def _start(config, held_norm):
+    """A fresh model; for a held-norm step, statistics unlike the initial ones, so that
+    normalising by them shows."""
     graphdef, params, stats = unet.create(config.model, seed=0)
-    loss_fn = step.make_loss(graphdef, config, mesh)
+    return graphdef, params, jax.tree.map(lambda s: s + 0.5, stats) if held_norm else stats
+
+
+def _loss_grads_and_logits(config, mesh, held_norm=False):
+    graphdef, params, stats = _start(config, held_norm)
+    loss_fn = step.make_loss(graphdef, config, mesh, held_norm)
     predict = step.make_predict(graphdef, config, mesh)
 
     @jax.jit
@@ -78,10 +85,7 @@ def _relative_error(got, want):
 def test_partitioned_step_equals_unpartitioned(reference, spatial, data, partitioner):
     config = cfg.load(
         overrides=[
-            f"data.resolution={GRID}",
-            "model.base_filters=2",
-            "model.depth=3",
-            "train.batch_size=2",
+            *CONFIG_OVERRIDES,
             f"mesh.spatial={list(spatial)}",
             f"mesh.data={data}",
             f"mesh.partitioner={partitioner}",
@@ -94,6 +98,34 @@ def test_partitioned_step_equals_unpartitioned(reference, spatial, data, partiti
         assert len(g_leaves) == len(w_leaves)
         for gl, wl in zip(g_leaves, w_leaves, strict=True):
             assert _relative_error(gl, wl) <= 1e-5, name
+
+
+@pytest.mark.parametrize("partitioner", ["halo", "gspmd"])
+def test_held_norm_step_is_the_inference_network_on_every_layout(partitioner):
+    """`train.held_norm_steps`: the loss is that of the inference-mode logits, the
+    statistics stay as they are, and a partitioned step equals the unpartitioned one."""
+
+    def config(spatial, data):
+        layout = [f"mesh.spatial={list(spatial)}", f"mesh.data={data}"]
+        return cfg.load(overrides=[*CONFIG_OVERRIDES, *layout, f"mesh.partitioner={partitioner}"])
+
+    want = _loss_grads_and_logits(config((1, 1, 1), 1), pt.make_mesh((1, 1, 1)), held_norm=True)
+    loss, _, new_stats, logits = want
+    _, _, stats = _start(CONFIG, held_norm=True)
+    for a, b in zip(jax.tree.leaves(new_stats), jax.tree.leaves(stats), strict=True):
+        np.testing.assert_array_equal(a, b)
+    _, label = _batch()
+    reference, _ = segmentation_loss(
+        jnp.asarray(logits),
+        jnp.asarray(label),
+        pt.LOCAL,
+        CONFIG.train.class_weights,
+        CONFIG.train.dice_weight,
+    )
+    assert _relative_error(loss, reference) <= 1e-6
+    got = _loss_grads_and_logits(config((2, 2, 2), 2), pt.make_mesh((2, 2, 2), 2), held_norm=True)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert _relative_error(g, w) <= 1e-5
 
 
 def test_gradients_are_not_trivially_zero(reference):
