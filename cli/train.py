@@ -101,6 +101,8 @@ def train(
 
         def report(p) -> None:
             status = f"loss {p.loss:.4f}  {p.steps_per_second:.2f} steps/s"
+            if p.held_norm:
+                status += "  held batch-norm statistics"
             if p.val_dice:
                 status += (
                     f"  val Dice liver {p.val_dice['liver']:.3f} tumour {p.val_dice['tumour']:.3f}"

@@ -52,6 +52,7 @@ class Progress:
     loss: float
     steps_per_second: float
     val_dice: dict[str, float] | None
+    held_norm: bool = False  # this step normalised by held statistics (`train.held_norm_steps`)
 
 
 ProgressFn = Callable[[Progress], None]
@@ -351,7 +352,7 @@ def _train(
             elif saving:
                 checkpoints.save(state)
             if progress:
-                progress(Progress(done, tc.steps, loss, rate, val_dice))
+                progress(Progress(done, tc.steps, loss, rate, val_dice, step >= hold_from))
         checkpoints.wait()  # the last save counts: orbax lists a step once it is written
         predict_step = checkpoints.resolve("best")
     except KeyboardInterrupt:

@@ -217,7 +217,9 @@ def test_held_norm_steps_train_against_the_statistics_of_their_first_step(
     """`train.held_norm_steps=2` of 4: steps 3 and 4 keep the statistics of step 2 while the
     weights move, and a run cut in that phase resumes to the same parameters."""
     config = tiny("train.held_norm_steps=2")
-    train_and_evaluate(config, store_dir, tmp_path / "full")
+    held = []
+    train_and_evaluate(config, store_dir, tmp_path / "full", lambda p: held.append(p.held_norm))
+    assert held == [False, False, True, True]  # what the progress bar says
     at_hold = checkpoints.load_model(tmp_path / "full", "2")
     last = checkpoints.load_model(tmp_path / "full", "latest")
     for a, b in zip(jax.tree.leaves(last.stats), jax.tree.leaves(at_hold.stats), strict=True):
