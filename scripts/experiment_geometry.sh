@@ -9,7 +9,8 @@
 # extents), scored in the scans' own geometry, overall and by extent.
 # Everything goes under experiment/ (git-ignored). Override with STEPS=…,
 # RESOLUTION=…, SPACING=… (mm, isotropic), LIVER_BOXES=… (share of training boxes
-# around the liver), HELDOUT=… (cases), OUT=… (folder).
+# around the liver), HELDOUT=… (cases), OUT=… (folder), SETTINGS="KEY=VALUE …" (more
+# config settings for both runs, e.g. "train.held_norm_steps=0").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CTSEG=${CTSEG:-.venv/bin/ctseg}
@@ -22,6 +23,8 @@ LIVER_BOXES=${LIVER_BOXES:-0.5}
 HELDOUT=${HELDOUT:-18}
 COMMON=(--config configs/demo.toml --set "mesh.spatial=[1,1,1]" --set "train.steps=$STEPS"
         --set "data.resolution=$RESOLUTION")
+read -ra settings <<< "${SETTINGS:-}"  # words, not globs: [1,8,16] stays as written
+for setting in "${settings[@]}"; do COMMON+=(--set "$setting"); done
 declare -A GRID=(
   [cube]="--set data.grid=cube"
   [spacing]="--set data.grid=spacing --set data.spacing=[$SPACING,$SPACING,$SPACING]
