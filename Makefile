@@ -40,7 +40,7 @@ experiment-geometry: $(STAMP)
 	bash scripts/experiment_geometry.sh
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check ctseg cli data_prep tests scripts
+	$(VENV)/bin/ruff check ctseg tests scripts
 
 clean:
 	rm -rf $(VENV) demo bench experiment

@@ -12,7 +12,7 @@ def __getattr__(name: str):
     # `from ctseg import Segmenter, segment` without importing JAX with `import ctseg`:
     # the commands choose the devices before JAX starts.
     if name in ("Segmenter", "Segmentation", "segment"):
-        from ctseg import api
+        from ctseg.inference import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'ctseg' has no attribute {name!r}")

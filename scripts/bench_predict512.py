@@ -50,9 +50,9 @@ def make_untrained_run(run_dir: Path, config_path: Path) -> None:
     """A run directory with the config and a step-0 checkpoint of freshly initialised weights
     (in the child process, `untrained_run`)."""
     from ctseg import config as cfg
-    from ctseg import rundir
-    from ctseg.checkpoints import Checkpoints
-    from ctseg.step import init_state
+    from ctseg.model.step import init_state
+    from ctseg.run import rundir
+    from ctseg.run.checkpoints import Checkpoints
 
     config = cfg.load(config_path)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -29,8 +29,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ctseg import config as cfg  # noqa: E402
-from ctseg import unet  # noqa: E402
-from ctseg.partition import LOCAL  # noqa: E402
+from ctseg.model import unet  # noqa: E402
+from ctseg.parallel.partition import LOCAL  # noqa: E402
 
 BASE, DEPTH = 16, 4
 THREADS = 2
@@ -55,7 +55,7 @@ def jax_forward(x: np.ndarray, graphdef, params, stats):
 def onnx_forward(x: np.ndarray, graphdef, params, stats):
     import onnxruntime as ort
 
-    from ctseg import onnx_export
+    from ctseg.inference import onnx_export
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = THREADS

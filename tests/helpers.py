@@ -12,12 +12,12 @@ import numpy as np
 import SimpleITK as sitk
 
 from ctseg import config as cfg
-from ctseg import unet
-from ctseg.checkpoints import TrainedModel
-from ctseg.store_writer import PrepareResult, write_store
-from ctseg.train import train_and_evaluate
-from data_prep.layouts import find_cases
-from data_prep.synth import write_dataset
+from ctseg.data.build import PrepareResult, write_store
+from ctseg.data.raw import find_cases
+from ctseg.model import unet
+from ctseg.run.checkpoints import TrainedModel
+from ctseg.synth.phantoms import write_dataset
+from ctseg.training.loop import train_and_evaluate
 
 RESOLUTION = 32  # the grid of `random_model`'s models
 # The smallest model worth testing, as `--set` overrides (the CLI's own words).

@@ -19,8 +19,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ctseg import config as cfg
-from ctseg import partition as pt
-from ctseg import step, unet
+from ctseg.model import step, unet
+from ctseg.parallel import partition as pt
 
 DEVICES_PER_PROCESS = 8
 GRID = 16

@@ -9,9 +9,9 @@ import pytest
 from helpers import tiny_config
 
 from ctseg import config as cfg
-from ctseg.checkpoints import Checkpoints, load_model
 from ctseg.errors import CtsegError
-from ctseg.step import TrainState, init_state
+from ctseg.model.step import TrainState, init_state
+from ctseg.run.checkpoints import Checkpoints, load_model
 
 
 def _state(step: int) -> TrainState:

@@ -14,11 +14,11 @@ import SimpleITK as sitk
 from dicom_series import write_dicom_series
 from typer.testing import CliRunner
 
-import cli.main  # noqa: F401  (registers the commands)
-from cli.app import app
+import ctseg.cli.main  # noqa: F401  (registers the commands)
+from ctseg.cli.app import app
+from ctseg.data.grids import image_to_grid
+from ctseg.data.store import Store
 from ctseg.errors import CtsegError
-from ctseg.preprocess import image_to_grid
-from ctseg.store import Store
 
 runner = CliRunner()
 
@@ -27,7 +27,7 @@ def _ctseg(*args):
     """Run the CLI as a user does (own process), so exit codes and stderr are the real ones."""
     # Wide enough that rich does not wrap the long temporary paths in the messages.
     return subprocess.run(
-        [sys.executable, "-m", "cli.main", *map(str, args)],
+        [sys.executable, "-m", "ctseg.cli.main", *map(str, args)],
         capture_output=True,
         text=True,
         env={**os.environ, "COLUMNS": "300"},
@@ -180,7 +180,7 @@ def test_failure_reasons_are_folded_not_cut_in_a_narrow_terminal(tmp_path):
     assert runner.invoke(app, ["synth", str(raw), "--cases", "1", "--size", "16"]).exit_code == 0
     (raw / "volume-7.nii.gz").write_bytes(b"")  # a training image without its label
     result = subprocess.run(
-        [sys.executable, "-m", "cli.main", "preprocess", str(raw), str(tmp_path / "p")]
+        [sys.executable, "-m", "ctseg.cli.main", "preprocess", str(raw), str(tmp_path / "p")]
         + ["--set", "data.resolution=8"],
         capture_output=True,
         text=True,
@@ -194,7 +194,7 @@ def test_failure_reasons_are_folded_not_cut_in_a_narrow_terminal(tmp_path):
 def test_library_log_lines_are_kept_off_the_terminal(monkeypatch):
     import logging
 
-    from cli.main import main
+    from ctseg.cli.main import main
 
     monkeypatch.setattr(sys, "argv", ["ctseg", "--version"])
     with pytest.raises(SystemExit):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import jax
 
-from ctseg import devices as dev
+from ctseg.parallel import devices as dev
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -18,7 +18,7 @@ COMPILE_TWO = """
 import sys
 from pathlib import Path
 import jax, jax.numpy as jnp
-from ctseg import devices as dev
+from ctseg.parallel import devices as dev
 clock = dev.compile_clock()
 problem = dev.use_compile_cache(Path(sys.argv[1]))
 print("warning:", problem)

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from ctseg import config as cfg
-from ctseg import devices as dev
-from ctseg import train
 from ctseg.errors import CtsegError
+from ctseg.parallel import devices as dev
+from ctseg.training import loop
 
 GIB = 2**30
 
@@ -160,7 +160,7 @@ def test_training_fits_the_mesh_to_the_devices_here(devices, spatial, line):
 def replicated(batch: int, data: int) -> cfg.Config:
     """16³ at depth 4 (at most 8 partitions, [2, 2, 2]) asking for `data` replicas."""
     overrides = ["data.resolution=16", "model.depth=4", "mesh.spatial=[2,2,2]"]
-    return cfg.load(None, [*overrides, f"train.batch_size={batch}", f"mesh.data={data}"])
+    return cfg.load(None, [*overrides, f"loop.batch_size={batch}", f"mesh.data={data}"])
 
 
 @pytest.mark.parametrize(
@@ -207,14 +207,14 @@ class FakeCompiled:
 
 
 def test_a_step_too_large_for_the_gpu_is_one_line_with_the_ways_out():
-    train.check_memory(FakeCompiled(10 * GIB), SIXTEEN_WAY, gpus(1, free=70 * GIB))
+    loop.check_memory(FakeCompiled(10 * GIB), SIXTEEN_WAY, gpus(1, free=70 * GIB))
     with pytest.raises(
         CtsegError,
         match=r"needs 101\.0 GiB per device but 1 × NVIDIA H100 80GB "
         r"HBM3 has 70\.0 GiB free; use more devices, a lower data.resolution",
     ):
-        train.check_memory(FakeCompiled(100 * GIB), SIXTEEN_WAY, gpus(1, free=70 * GIB))
-    train.check_memory(FakeCompiled(100 * GIB), SIXTEEN_WAY, CPU)  # the OS has the last word
+        loop.check_memory(FakeCompiled(100 * GIB), SIXTEEN_WAY, gpus(1, free=70 * GIB))
+    loop.check_memory(FakeCompiled(100 * GIB), SIXTEEN_WAY, CPU)  # the OS has the last word
 
 
 # --------------------------------------------------------------------------- backends that fail
@@ -333,7 +333,7 @@ def test_jax_platforms_that_leaves_the_gpu_out_says_so(monkeypatch):
 
 
 def test_the_command_prints_why_it_runs_on_the_cpu_first(monkeypatch, capsys):
-    from cli.options import start_jax
+    from ctseg.cli.options import start_jax
 
     fake_jax(monkeypatch, cuda_plugin_fails)
     start_jax(SIXTEEN_WAY, compile_cache="off")
@@ -345,7 +345,7 @@ def test_the_command_prints_why_it_runs_on_the_cpu_first(monkeypatch, capsys):
 def test_jax_platforms_without_the_platform_is_one_line_from_the_command(tmp_path):
     # The real JAX on this CPU-only machine, as a user's shell would start it.
     env = {**os.environ, "JAX_PLATFORMS": "gpu", "PYTHONPATH": os.getcwd()}
-    command = [sys.executable, "-m", "cli.main", "plan", "--set", "data.resolution=16"]
+    command = [sys.executable, "-m", "ctseg.cli.main", "plan", "--set", "data.resolution=16"]
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("error: JAX_PLATFORMS=gpu is set"), done.stderr
@@ -369,7 +369,7 @@ def test_plan_compiles_a_mesh_larger_than_the_gpus_on_simulated_cpu_devices():
 
 
 def test_every_command_refuses_a_gpu_that_failed_before_it_starts_work(monkeypatch):
-    from cli.options import start_jax
+    from ctseg.cli.options import start_jax
 
     fake_jax(monkeypatch, cuda_plugin_fails)
     with pytest.raises(CtsegError, match="^--device gpu: CUDA backend failed to start: INTERNAL"):

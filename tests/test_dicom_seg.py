@@ -1,6 +1,6 @@
 """A prediction written as DICOM SEG (ctseg.dicom_seg), read back with highdicom.
 
-The masks read back are compared with the NIfTI that `volume.write_labels` writes
+The masks read back are compared with the NIfTI that `scans.write_labels` writes
 for the same scan, placed on the source files by ITK's own geometry: never with
 the module's mapping code.
 """
@@ -20,9 +20,9 @@ from pydicom.sr.codedict import codes
 from pydicom.uid import generate_uid
 
 import ctseg
-from ctseg import dicom_seg, volume
 from ctseg.atomic import TEMP_PREFIX
 from ctseg.errors import CtsegError
+from ctseg.io import dicom_seg, scans
 
 SHAPE = (24, 20, 12)  # ITK's x, y, z: columns, rows, slices
 SPACING = (0.7, 0.9, 2.5)
@@ -66,20 +66,18 @@ def _ct_series(folder: Path, *, shuffle: bool = False, uids: bool = True) -> Non
             (folder / f"tmp{n:03d}").rename(folder / f"IM{(n * 7) % len(files):04d}.dcm")
 
 
-def _labels(scan: volume.Scan, tumour: bool = True) -> np.ndarray:
+def _labels(scan: scans.Scan, tumour: bool = True) -> np.ndarray:
     """Labels in canonical order, different in every voxel's neighbourhood, so that any
     flip, transposition or slice shift of the mapping shows."""
     rng = np.random.default_rng(2)
     return rng.choice(3 if tumour else 2, size=scan.array.shape).astype(np.uint8)
 
 
-def _expected_frames(
-    scan: volume.Scan, labels: np.ndarray, tmp_path: Path
-) -> dict[str, np.ndarray]:
+def _expected_frames(scan: scans.Scan, labels: np.ndarray, tmp_path: Path) -> dict[str, np.ndarray]:
     """SOP Instance UID → [rows, columns] labels of that source file, from the NIfTI
-    written by `volume.write_labels` and the file's position in ITK's reading of it."""
+    written by `scans.write_labels` and the file's position in ITK's reading of it."""
     nifti = tmp_path / "labels.nii.gz"
-    volume.write_labels(scan, labels, nifti)
+    scans.write_labels(scan, labels, nifti)
     image = sitk.ReadImage(str(nifti))
     array = sitk.GetArrayFromImage(image)  # [slice, row, column]
     frames = {}
@@ -103,7 +101,7 @@ def test_seg_matches_the_nifti_labels_frame_by_frame(tmp_path, shuffle):
     folder = tmp_path / "series"
     _ct_series(folder, shuffle=shuffle)
     (folder / "notes.txt").write_text("not DICOM: ignored, as the reader ignores it\n")
-    scan = volume.read_scan(folder)
+    scan = scans.read_scan(folder)
     labels = _labels(scan)
     out = tmp_path / "out" / "case_seg.dcm"
     dicom_seg.write_dicom_seg(scan, labels, out)
@@ -143,7 +141,7 @@ def test_seg_matches_the_nifti_labels_frame_by_frame(tmp_path, shuffle):
 
 def test_segments_are_liver_and_tumour_with_their_coded_concepts(tmp_path):
     _ct_series(tmp_path / "series")
-    scan = volume.read_scan(tmp_path / "series")
+    scan = scans.read_scan(tmp_path / "series")
     dicom_seg.write_dicom_seg(scan, _labels(scan), tmp_path / "seg.dcm", algorithm_version="9.8.7")
     seg = hd.seg.segread(tmp_path / "seg.dcm")
     liver, tumour = seg.get_segment_description(1), seg.get_segment_description(2)
@@ -173,7 +171,7 @@ def test_segments_are_liver_and_tumour_with_their_coded_concepts(tmp_path):
 
 def test_an_empty_tumour_and_an_empty_liver_still_make_a_valid_seg(tmp_path):
     _ct_series(tmp_path / "series")
-    scan = volume.read_scan(tmp_path / "series")
+    scan = scans.read_scan(tmp_path / "series")
     uids = [pydicom.dcmread(f).SOPInstanceUID for f in (tmp_path / "series").iterdir()]
     labels = _labels(scan, tumour=False)
     labels[:, :, :3] = 0  # some slices hold no liver either: their frames are left out
@@ -211,7 +209,7 @@ def test_inputs_that_are_not_dicom_series_are_refused_in_one_line(tmp_path):
     dicom_seg.check_dicom_source(tmp_path / "series")
 
     # The writer refuses a scan that was not read from a DICOM series, before writing.
-    scan = volume.read_scan(nifti)
+    scan = scans.read_scan(nifti)
     with pytest.raises(CtsegError, match="is a NIfTI file"):
         dicom_seg.write_dicom_seg(scan, np.zeros(scan.array.shape, np.uint8), tmp_path / "s.dcm")
     assert not (tmp_path / "s.dcm").exists()
@@ -231,7 +229,7 @@ def test_missing_highdicom_is_one_line(tmp_path, monkeypatch):
 def test_series_that_a_seg_cannot_reference_are_refused_in_one_line(tmp_path):
     # As the test helper writes them: every slice a study of its own, no frame of reference.
     _ct_series(tmp_path / "raw", uids=False)
-    scan = volume.read_scan(tmp_path / "raw")
+    scan = scans.read_scan(tmp_path / "raw")
     with pytest.raises(CtsegError) as info:
         dicom_seg.write_dicom_seg(scan, _labels(scan), tmp_path / "seg.dcm")
     assert "belong to 12 different studies" in str(info.value)
@@ -249,7 +247,7 @@ def test_series_that_a_seg_cannot_reference_are_refused_in_one_line(tmp_path):
 def test_a_series_folder_changed_since_it_was_read_is_refused(tmp_path):
     folder = tmp_path / "series"
     _ct_series(folder)
-    scan = volume.read_scan(folder)
+    scan = scans.read_scan(folder)
     labels = _labels(scan)
     # Another series beside it: refused as the reader refuses it.
     _ct_series(tmp_path / "other")
@@ -280,7 +278,7 @@ def test_a_series_folder_changed_since_it_was_read_is_refused(tmp_path):
 
 def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
     _ct_series(tmp_path / "series")
-    scan = volume.read_scan(tmp_path / "series")
+    scan = scans.read_scan(tmp_path / "series")
     out = tmp_path / "out" / "seg.dcm"
 
     def fail(self, *args, **kwargs):

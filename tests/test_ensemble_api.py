@@ -15,12 +15,14 @@ from dicom_series import write_dicom_series
 from helpers import random_model, rotation_z
 from typer.testing import CliRunner
 
-import cli.main  # noqa: F401  (registers the commands)
-from cli.app import app
-from ctseg import Segmenter, postprocess, segment, volume
+import ctseg.cli.main  # noqa: F401  (registers the commands)
+from ctseg import Segmenter, segment
+from ctseg.cli.app import app
 from ctseg.config import DataConfig, InferenceOptions
 from ctseg.errors import CtsegError
-from ctseg.predict import Predictor
+from ctseg.inference import postprocess
+from ctseg.inference.predictor import Predictor
+from ctseg.io import scans
 
 runner = CliRunner(env={"COLUMNS": "400"})  # no line of the output folded
 
@@ -33,7 +35,7 @@ def scan():
     hu[8:30, 10:28, 6:24] += 80
     affine = np.eye(4)
     affine[:3, :3] = rotation_z(10) @ np.diag([1.5, 1.6, 2.5])
-    return volume.scan_from_image(hu, affine, "blob")
+    return scans.scan_from_image(hu, affine, "blob")
 
 
 def _members():
@@ -168,9 +170,9 @@ def test_predict_writes_a_dicom_seg_for_a_dicom_series(trained, tmp_path, monkey
     hd = pytest.importorskip("highdicom")
     monkeypatch.setattr(postprocess, "clean_labels", _blob)
     run_dir, _, raw = trained
-    source = volume.read_scan(raw / "volume-0.nii.gz")
+    source = scans.read_scan(raw / "volume-0.nii.gz")
     itk = sitk.GetImageFromArray(
-        np.asarray(volume.to_original_order(source, source.array), np.int16).transpose(2, 1, 0)
+        np.asarray(scans.to_original_order(source, source.array), np.int16).transpose(2, 1, 0)
     )
     itk.SetSpacing(tuple(float(v) for v in source.spacing))
     series = tmp_path / "series"
@@ -179,7 +181,7 @@ def test_predict_writes_a_dicom_seg_for_a_dicom_series(trained, tmp_path, monkey
     nifti = runner.invoke(app, [*base, str(tmp_path / "nifti")])
     seg = runner.invoke(app, [*base, str(tmp_path / "seg"), "--output-type", "dicom-seg"])
     assert nifti.exit_code == 0 and seg.exit_code == 0, nifti.output + seg.output
-    labels = volume.read_scan(tmp_path / "nifti" / "series_seg.nii.gz").array
+    labels = scans.read_scan(tmp_path / "nifti" / "series_seg.nii.gz").array
     written = hd.seg.segread(tmp_path / "seg" / "series_seg.dcm")
     assert [s.SegmentLabel for s in written.SegmentSequence] == ["Liver", "Liver tumour"]
     uids = [pydicom.dcmread(f, stop_before_pixels=True).SOPInstanceUID for f in series.iterdir()]

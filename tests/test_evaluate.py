@@ -11,10 +11,10 @@ import pytest
 from helpers import SPACING, labels, save
 from typer.testing import CliRunner
 
-import cli.main  # noqa: F401  (registers the commands)
-from cli.app import app
+import ctseg.cli.main  # noqa: F401  (registers the commands)
+from ctseg.cli.app import app
 from ctseg.errors import CtsegError
-from ctseg.evaluate import evaluate_arrays, evaluate_folders, pair_files, write_reports
+from ctseg.evaluation.scoring import evaluate_arrays, evaluate_folders, pair_files, write_reports
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -207,7 +207,7 @@ def test_cli_succeeds_on_clean_folders(tmp_path):
 )
 def test_cli_usage_errors_exit_2(arguments, message):
     completed = subprocess.run(
-        [sys.executable, "-m", "cli.main", "evaluate", *arguments],
+        [sys.executable, "-m", "ctseg.cli.main", "evaluate", *arguments],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -11,17 +11,18 @@ from helpers import prepare_store, tiny_config
 from rich.console import Console
 from typer.testing import CliRunner
 
-import cli.main  # noqa: F401  (registers the commands)
-from cli.app import app
-from cli.predict import _stats_table
-from ctseg import fingerprint, postprocess, rundir
+import ctseg.cli.main  # noqa: F401  (registers the commands)
+from ctseg.cli.app import app
+from ctseg.cli.predict import _stats_table
+from ctseg.data.grids import grid_affine
+from ctseg.data.store import Store, array_path
 from ctseg.errors import CtsegError
-from ctseg.predict_files import ScanOutcome
-from ctseg.preprocess import grid_affine
-from ctseg.store import Store, array_path
-from ctseg.train import train_and_evaluate
-from ctseg.volume import read_scan
-from data_prep.synth import write_dataset
+from ctseg.inference import postprocess
+from ctseg.inference.files import ScanOutcome
+from ctseg.io.scans import read_scan
+from ctseg.run import fingerprint, rundir
+from ctseg.synth.phantoms import write_dataset
+from ctseg.training.loop import train_and_evaluate
 
 runner = CliRunner()
 STATUS = "ok, check: outside training data"

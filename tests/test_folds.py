@@ -11,17 +11,18 @@ import pytest
 from helpers import prepare_store, tiny_config
 from typer.testing import CliRunner
 
-import cli.main  # noqa: F401  (registers the commands)
-from cli.app import app
-from ctseg import pipeline, rundir
-from ctseg import train as train_module
+import ctseg.cli.main  # noqa: F401  (registers the commands)
+from ctseg.cli.app import app
+from ctseg.data.build import write_folds
+from ctseg.data.splits import assign_folds
+from ctseg.data.store import Store
 from ctseg.errors import CtsegError
-from ctseg.evaluate_runs import evaluate_cross_validation, evaluate_run
-from ctseg.splits import assign_folds
-from ctseg.store import Store
-from ctseg.store_writer import write_folds
-from ctseg.train import train_and_evaluate
-from data_prep.synth import write_dataset
+from ctseg.evaluation.runs import evaluate_cross_validation, evaluate_run
+from ctseg.run import rundir
+from ctseg.synth.phantoms import write_dataset
+from ctseg.training import loop as train_module
+from ctseg.training import pipeline
+from ctseg.training.loop import train_and_evaluate
 
 runner = CliRunner()
 RUN = ("train.steps=2", "train.eval_every=2", "train.checkpoint_every=2", "train.log_every=1")

@@ -11,9 +11,9 @@ import pytest
 from helpers import labels, prepare_store, save
 from typer.testing import CliRunner
 
-import cli.main  # noqa: F401  (registers the commands)
-from cli.app import app
+import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg import atomic, lock
+from ctseg.cli.app import app
 from ctseg.errors import CtsegError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -252,7 +252,7 @@ def test_a_second_predict_into_one_out_is_refused_naming_the_first(trained, tmp_
 
 def test_outputs_are_never_put_among_a_runs_checkpoints(trained, tmp_path):
     from ctseg import config as cfg
-    from ctseg.train import train_and_evaluate
+    from ctseg.training.loop import train_and_evaluate
 
     run_dir, store, raw = trained
     inside = run_dir / "checkpoints" / "out"
@@ -313,7 +313,7 @@ def test_an_evaluation_of_another_run_is_replaced_only_with_force_and_never_mixe
 
 def test_a_second_train_on_one_workdir_is_refused_before_it_writes(trained, tmp_path):
     from ctseg import config as cfg
-    from ctseg.train import train_and_evaluate
+    from ctseg.training.loop import train_and_evaluate
 
     run_dir, store, _ = trained
     workdir = tmp_path / "run"
@@ -337,7 +337,7 @@ def test_a_second_synth_into_one_folder_is_refused(tmp_path):
 
 def test_a_second_preprocess_into_one_store_is_refused(tmp_path):
     from ctseg import config as cfg
-    from data_prep.synth import write_dataset
+    from ctseg.synth.phantoms import write_dataset
 
     write_dataset(tmp_path / "raw", cases=1, size=16, seed=0)
     proc = _holding(tmp_path / "prep")

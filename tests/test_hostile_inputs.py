@@ -18,17 +18,18 @@ from dicom_series import write_dicom_series
 from helpers import prepare_store
 from typer.testing import CliRunner
 
-import cli.main  # noqa: F401  (registers the commands)
-from cli.app import app
+import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg import config as cfg
-from ctseg import store_writer, volume
+from ctseg.cli.app import app
+from ctseg.data import build
+from ctseg.data.build import usable_workers
+from ctseg.data.raw import find_cases
+from ctseg.data.store import Store, is_case_id
 from ctseg.errors import CtsegError
-from ctseg.report import plot_preview
-from ctseg.store import Store, is_case_id
-from ctseg.store_writer import usable_workers
-from ctseg.volume import find_scans, read_scan
-from data_prep.layouts import find_cases
-from data_prep.synth import write_dataset
+from ctseg.io import scans
+from ctseg.io.pictures import plot_preview
+from ctseg.io.scans import find_scans, read_scan
+from ctseg.synth.phantoms import write_dataset
 
 AFFINE = np.diag([0.8, 0.8, 2.5, 1.0])
 NO_AFFINE = "has no usable geometry"
@@ -107,7 +108,7 @@ def _huge_header_tiny_file(path: Path) -> Path:
 
 def test_a_scan_too_large_for_memory_is_refused_from_its_header(tmp_path, monkeypatch):
     path = _huge_header_tiny_file(tmp_path / "huge.nii.gz")
-    monkeypatch.setattr(volume, "host_memory", lambda: 16 * 2**30)
+    monkeypatch.setattr(scans, "host_memory", lambda: 16 * 2**30)
     with pytest.raises(CtsegError) as info:
         read_scan(path)
     message = str(info.value)
@@ -122,7 +123,7 @@ def test_a_scan_too_large_for_memory_is_refused_from_its_header(tmp_path, monkey
         read_scan(path)
     # Within the limit the scan is read (here: found damaged, as it is).
     monkeypatch.setenv("CTSEG_MAX_SCAN_BYTES", str(4 * 2**30))
-    monkeypatch.setattr(volume, "_scaled_voxels", lambda image: pytest.fail("decompressed"))
+    monkeypatch.setattr(scans, "_scaled_voxels", lambda image: pytest.fail("decompressed"))
     with pytest.raises(pytest.fail.Exception, match="decompressed"):
         read_scan(path)
 
@@ -215,7 +216,7 @@ def test_workers_end_when_preprocess_is_killed(tmp_path):
     write_dataset(tmp_path / "raw", cases=6, size=24, seed=0)
     script = (
         "from ctseg import config; from ctseg.store_writer import write_store; "
-        "from data_prep.layouts import find_cases; "
+        "from ctseg.data.raw import find_cases; "
         f"write_store(find_cases({str(tmp_path / 'raw')!r}), {str(tmp_path / 'prep')!r}, "
         "config.load(None, ['data.resolution=160']), workers=2)"
     )
@@ -266,7 +267,7 @@ def test_a_read_only_store_folder_is_one_line_before_any_case(tmp_path, monkeypa
         raise PermissionError(errno.EACCES, "Permission denied")
 
     # As root (CI containers) chmod does not stop writes: refuse them where the probe goes.
-    monkeypatch.setattr(store_writer.tempfile, "TemporaryFile", refused)
+    monkeypatch.setattr(build.tempfile, "TemporaryFile", refused)
     result = CliRunner().invoke(
         app, ["preprocess", str(raw), str(tmp_path / "prep"), "--set", "data.resolution=8"]
     )

@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 from helpers import RESOLUTION, random_model
 
-from ctseg import infer, preprocess, tiling, unet
+from ctseg.data import grids
 from ctseg.errors import CtsegError
-from ctseg.partition import LOCAL
+from ctseg.inference import engine as infer
+from ctseg.inference import tiling
+from ctseg.model import unet
+from ctseg.parallel.partition import LOCAL
 
 
 @contextlib.contextmanager
@@ -216,13 +219,13 @@ def test_the_plan_is_chosen_from_the_compiled_programs_memory(monkeypatch, image
 
 def test_labels_on_the_scan_are_resampled_on_the_device_as_on_the_host():
     """The device's linear resampling back to the scan's voxels equals
-    `preprocess.from_grid` (order 1), shrinking, stretching and keeping axes."""
+    `grids.from_grid` (order 1), shrinking, stretching and keeping axes."""
     rng = np.random.default_rng(2)
     probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(16, 16, 16, 3)), jnp.float32), axis=-1)
     host = np.asarray(probs)
     for shape in [(16, 40, 5), (7, 16, 33)]:
         labels, on_scan = infer.scan_labels(probs, shape, with_probabilities=True)
-        expected = preprocess.from_grid(host, shape, order=1)
+        expected = grids.from_grid(host, shape, order=1)
         np.testing.assert_allclose(on_scan, expected, rtol=0, atol=1e-6)
         assert labels.dtype == np.uint8 and labels.shape == shape
         assert (labels == expected.argmax(-1)).mean() > 0.999  # ties may break either way

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from ctseg import metrics
+from ctseg.evaluation import metrics
 
 
 def box_mask(shape, *ranges) -> np.ndarray:

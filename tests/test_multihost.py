@@ -86,8 +86,8 @@ def test_two_process_train_command_equals_one_process(tmp_path):
     from helpers import prepare_store
 
     from ctseg import config as cfg
-    from ctseg.train import train_and_evaluate
-    from data_prep.synth import write_dataset
+    from ctseg.synth.phantoms import write_dataset
+    from ctseg.training.loop import train_and_evaluate
 
     overrides = [
         "data.resolution=16",
@@ -109,7 +109,7 @@ def test_two_process_train_command_equals_one_process(tmp_path):
     command = [
         sys.executable,
         "-m",
-        "cli.main",
+        "ctseg.cli.main",
         "train",
         "--data",
         str(tmp_path / "prep"),

@@ -12,11 +12,12 @@ from flax import nnx
 from helpers import RESOLUTION, random_model
 from typer.testing import CliRunner
 
-from cli.app import app
-from ctseg import infer, tiling, unet
-from ctseg.checkpoints import TrainedModel
+from ctseg.cli.app import app
 from ctseg.errors import CtsegError
-from ctseg.partition import LOCAL
+from ctseg.inference import engine, tiling
+from ctseg.model import unet
+from ctseg.parallel.partition import LOCAL
+from ctseg.run.checkpoints import TrainedModel
 
 runner = CliRunner()
 
@@ -45,7 +46,7 @@ def test_onnx_logits_equal_jax_inference_mode(depth):
     import onnx
     import onnxruntime as ort
 
-    from ctseg import onnx_export
+    from ctseg.inference import onnx_export
 
     model = with_head_bias(random_model(depth))
     proto = onnx_export.export(model.graphdef, model.params, model.stats)
@@ -67,7 +68,7 @@ def test_onnx_stage_graphs_equal_jax_stages():
     import onnx
     import onnxruntime as ort
 
-    from ctseg import onnx_export
+    from ctseg.inference import onnx_export
 
     model = with_head_bias(random_model(3))
     net = nnx.merge(model.graphdef, model.params, model.stats)
@@ -97,14 +98,14 @@ def test_onnx_stage_graphs_equal_jax_stages():
 def test_onnx_level_wise_tiles_equal_jax_whole_volume():
     model = random_model(3)
     image = np.random.default_rng(1).uniform(-1, 1, (RESOLUTION,) * 3).astype(np.float32)
-    reference = infer.Engine(model, tile=0).logits(image)
-    tiled = infer.Engine(model, tile=12, backend="onnx")
+    reference = engine.Engine(model, tile=0).logits(image)
+    tiled = engine.Engine(model, tile=12, backend="onnx")
     assert tiled.tile == 12 and len(tiled.stages) == 5
     logits = tiled.logits(image)
     np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-4)
     np.testing.assert_array_equal(logits.argmax(-1), reference.argmax(-1))
     logits -= 1  # callers compute probabilities in place: the logits must be writable
-    whole = infer.Engine(model, tile=0, backend="onnx").logits(image)
+    whole = engine.Engine(model, tile=0, backend="onnx").logits(image)
     np.testing.assert_allclose(whole, reference, rtol=0, atol=1e-4)
     whole -= 1
 
@@ -112,12 +113,12 @@ def test_onnx_level_wise_tiles_equal_jax_whole_volume():
 def test_missing_onnxruntime_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # makes `import onnxruntime` fail
     with pytest.raises(CtsegError, match=r"pip install 'ctseg\[onnx\]'"):
-        infer.Engine(random_model(2), tile=0, backend="onnx")
+        engine.Engine(random_model(2), tile=0, backend="onnx")
 
 
 def test_unknown_backend():
     with pytest.raises(CtsegError, match="unknown backend"):
-        infer.Engine(random_model(2), tile=0, backend="tensorrt")
+        engine.Engine(random_model(2), tile=0, backend="tensorrt")
 
 
 @needs_onnx

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ctseg import partition as pt
 from ctseg.errors import CtsegError
+from ctseg.parallel import partition as pt
 
 
 @pytest.mark.parametrize("kernel", [3, 5])

@@ -6,11 +6,11 @@ import pytest
 from helpers import TINY, tiny_config
 from typer.testing import CliRunner
 
-import cli.main  # noqa: F401  (registers the commands)
-from cli.app import app
-from ctseg import bench, plan
-from ctseg.devices import auto_spatial
+import ctseg.cli.main  # noqa: F401  (registers the commands)
+from ctseg.cli.app import app
 from ctseg.errors import CtsegError
+from ctseg.model import bench, plan
+from ctseg.parallel.devices import auto_spatial
 
 DEPTH_3 = ["model.depth=3", "mesh.spatial=[2,2,1]"]
 

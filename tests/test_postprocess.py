@@ -3,14 +3,14 @@
 import numpy as np
 import pytest
 
-from ctseg.postprocess import (
+from ctseg.inference.postprocess import (
     MEASURED_TUMOURS,
     clean_labels,
     largest_component,
     max_diameter_mm,
     scan_stats,
 )
-from ctseg.report import plot_preview
+from ctseg.io.pictures import plot_preview
 
 
 def phantom() -> tuple[np.ndarray, np.ndarray]:

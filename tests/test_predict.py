@@ -18,15 +18,15 @@ from dicom_series import write_dicom_series
 from helpers import itk_image
 from typer.testing import CliRunner
 
-import cli.main  # noqa: F401  (registers the commands)
-from cli.app import app
+import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg import config as cfg
-from ctseg.checkpoints import Checkpoints, load_model
+from ctseg.cli.app import app
 from ctseg.config import InferenceOptions
 from ctseg.errors import CtsegError
-from ctseg.predict import PHASES, Predictor, hu_warnings
-from ctseg.predict_files import expand_inputs
-from ctseg.step import TrainState
+from ctseg.inference.files import expand_inputs
+from ctseg.inference.predictor import PHASES, Predictor, hu_warnings
+from ctseg.model.step import TrainState
+from ctseg.run.checkpoints import Checkpoints, load_model
 
 runner = CliRunner()
 
@@ -101,7 +101,7 @@ def test_existing_outputs_are_done_earlier_or_redone_with_force(trained, tmp_pat
 
 def test_tiled_pipeline_equals_whole(trained, tmp_path):
     run_dir, _, raw = trained
-    from ctseg.volume import read_scan
+    from ctseg.io.scans import read_scan
 
     scan = read_scan(raw / "volume-0.nii.gz")
     whole = Predictor.from_run(run_dir, InferenceOptions("latest", tile=0)).predict(scan)
@@ -112,7 +112,7 @@ def test_tiled_pipeline_equals_whole(trained, tmp_path):
 
 def test_tta_tiled_equals_tta_whole_and_needs_a_model_trained_with_flips(trained):
     run_dir, _, raw = trained
-    from ctseg.volume import read_scan
+    from ctseg.io.scans import read_scan
 
     whole = Predictor.from_run(run_dir, InferenceOptions("latest", tile=0, tta=True))
     tiled = Predictor.from_run(run_dir, InferenceOptions("latest", tile=8, tta=True))
@@ -211,7 +211,7 @@ def test_a_second_predict_in_a_new_process_compiles_nothing(trained, tmp_path):
     compiled = []
     for attempt in ("first", "second"):
         out = tmp_path / attempt
-        command = [sys.executable, "-m", "cli.main", "predict", str(run_dir)]
+        command = [sys.executable, "-m", "ctseg.cli.main", "predict", str(run_dir)]
         command += [str(raw / "volume-1.nii.gz"), "--out", str(out), "--backend", "jax"]
         command += ["--compile-cache", str(cache), "--verbose"]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -268,8 +268,8 @@ def test_force_never_overwrites_an_input_and_outputs_are_not_inputs(trained, tmp
 
 
 def test_scans_outside_what_a_ct_can_be_are_warned_about(tmp_path):
-    from ctseg.predict import geometry_warnings, volume_warnings
-    from ctseg.volume import read_scan
+    from ctseg.inference.predictor import geometry_warnings, volume_warnings
+    from ctseg.io.scans import read_scan
 
     rng = np.random.default_rng(0)
     cases = {
@@ -334,8 +334,8 @@ def test_an_out_of_memory_scan_is_retried_with_smaller_tiles_or_fails_alone(
 ):
     """The second of three scans runs out of accelerator memory: once, it is retried with
     smaller tiles and says so; twice, its row fails and the other two are written."""
-    from ctseg import infer
-    from ctseg.predict_files import predict_files
+    from ctseg.inference import engine as infer
+    from ctseg.inference.files import predict_files
 
     run_dir, _, raw = trained
     scans = [raw / f"volume-{i}.nii.gz" for i in range(3)]

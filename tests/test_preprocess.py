@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 
-from ctseg.errors import CtsegError
-from ctseg.preprocess import (
+from ctseg.data.grids import (
     check_labels,
     from_grid,
     grid_affine,
@@ -12,6 +11,7 @@ from ctseg.preprocess import (
     hu_to_unit,
     to_grid,
 )
+from ctseg.errors import CtsegError
 
 SHAPE = (20, 14, 9)
 

@@ -9,17 +9,19 @@ from helpers import prepare_store, rotation_z, tiny_config
 from scipy import ndimage
 from typer.testing import CliRunner
 
-import cli.main  # noqa: F401  (registers the commands)
-from cli.app import app
-from ctseg import pipeline, preprocess, volume
-from ctseg.checkpoints import load_model
+import ctseg.cli.main  # noqa: F401  (registers the commands)
+from ctseg.cli.app import app
 from ctseg.config import InferenceOptions
+from ctseg.data import grids as preprocess
+from ctseg.data.store import Store
 from ctseg.errors import CtsegError
-from ctseg.partition import make_mesh
-from ctseg.predict import Predictor
-from ctseg.store import Store
-from ctseg.train import train_and_evaluate
-from data_prep.synth import write_dataset
+from ctseg.inference.predictor import Predictor
+from ctseg.io import scans as volume
+from ctseg.parallel.partition import make_mesh
+from ctseg.run.checkpoints import load_model
+from ctseg.synth.phantoms import write_dataset
+from ctseg.training import pipeline
+from ctseg.training.loop import train_and_evaluate
 
 runner = CliRunner()
 BOX = 16

@@ -10,11 +10,11 @@ import pytest
 from helpers import prepare_store
 
 from ctseg import config as cfg
+from ctseg.data.raw import find_cases
+from ctseg.data.splits import assign_splits
+from ctseg.data.store import Store
 from ctseg.errors import CtsegError
-from ctseg.splits import assign_splits
-from ctseg.store import Store
-from data_prep.layouts import find_cases
-from data_prep.synth import write_dataset
+from ctseg.synth.phantoms import write_dataset
 
 RESOLUTION = 16
 

@@ -9,8 +9,8 @@ import pytest
 from scipy import ndimage
 
 from ctseg.errors import CtsegError
-from ctseg.volume import read_scan
-from data_prep.synth import (
+from ctseg.io.scans import read_scan
+from ctseg.synth.phantoms import (
     KINDS,
     MAX_SLICES_PER_SIZE,
     SIDECAR,

@@ -8,7 +8,7 @@ import pytest
 from helpers import tiny_config
 
 from ctseg import config as cfg
-from ctseg import tiling
+from ctseg.inference import tiling
 
 
 @pytest.mark.parametrize(

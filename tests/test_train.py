@@ -18,16 +18,18 @@ import numpy as np
 import pytest
 from helpers import TINY, prepare_store, tiny_config
 
-from ctseg import checkpoints, pipeline, train
 from ctseg import config as cfg
-from ctseg import devices as dev
+from ctseg.data.store import Store
 from ctseg.errors import CtsegError
-from ctseg.partition import make_mesh, replicated_shapes
-from ctseg.rundir import MetricsLog
-from ctseg.step import abstract_state
-from ctseg.store import Store
-from ctseg.train import train_and_evaluate
-from data_prep.synth import write_dataset
+from ctseg.model.step import abstract_state
+from ctseg.parallel import devices as dev
+from ctseg.parallel.partition import make_mesh, replicated_shapes
+from ctseg.run import checkpoints
+from ctseg.run.rundir import MetricsLog
+from ctseg.synth.phantoms import write_dataset
+from ctseg.training import loop as train
+from ctseg.training import pipeline
+from ctseg.training.loop import train_and_evaluate
 
 TRAIN = [
     *TINY,
@@ -108,8 +110,8 @@ def population_statistics_on(config, store):
     """The pooled batch-norm statistics of a fresh model on `config`'s mesh, on the host."""
     from jax.sharding import NamedSharding
 
-    from ctseg import step
-    from ctseg.partition import REPLICATED
+    from ctseg.model import step
+    from ctseg.parallel.partition import REPLICATED
 
     mesh = make_mesh(config.mesh.spatial, config.mesh.data)
     graphdef, state = step.init_state(config)
@@ -248,7 +250,7 @@ def start_train_command(store_dir, run_dir, overrides, **popen):
     # Ctrl-C as in a terminal, even when these tests run in a background job
     # (`nohup make test &`), whose children inherit SIGINT ignored.
     ctseg = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    ctseg += "from cli.main import main; main()"
+    ctseg += "from ctseg.cli.main import main; main()"
     command = [sys.executable, "-c", ctseg, "train", "--data", str(store_dir)]
     command += ["--workdir", str(run_dir)]
     for item in overrides:
@@ -460,7 +462,7 @@ def test_workdir_of_other_files_or_a_file_is_refused(store_dir, tmp_path):
 
 
 def test_nan_loss_from_bad_labels_names_the_case(store_dir, tmp_path):
-    from ctseg.train import _nan_cause
+    from ctseg.training.loop import _nan_cause
 
     bad = tmp_path / "prep"
     shutil.copytree(store_dir, bad)
@@ -473,9 +475,9 @@ def test_nan_loss_from_bad_labels_names_the_case(store_dir, tmp_path):
 def test_cli_warns_when_the_store_has_no_validation_cases(monkeypatch, store_dir, tmp_path):
     from typer.testing import CliRunner
 
-    import cli.main  # noqa: F401  (registers the commands)
-    import ctseg.train
-    from cli.app import app
+    import ctseg.cli.main  # noqa: F401  (registers the commands)
+    import ctseg.training.loop
+    from ctseg.cli.app import app
 
     summary = {"step": 4, "data_wait_fraction": 0.0, "run_dir": str(tmp_path), "val_cases": 0}
     summary.update(last_validation=None, best_validation=None, predict_checkpoint=4)

@@ -3,9 +3,9 @@
 import pytest
 from helpers import prepare_store, tiny_config
 
-from ctseg import devices as dev
-from ctseg.train import train_and_evaluate
-from data_prep.synth import write_dataset
+from ctseg.parallel import devices as dev
+from ctseg.synth.phantoms import write_dataset
+from ctseg.training.loop import train_and_evaluate
 
 TRAIN = [
     "mesh.spatial=[2,1,1]",

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from ctseg import config as cfg
-from ctseg import partition as pt
-from ctseg import step, unet
-from ctseg.losses import segmentation_loss
+from ctseg.model import step, unet
+from ctseg.model.losses import segmentation_loss
+from ctseg.parallel import partition as pt
 
 GRID = 16
 CONFIG_OVERRIDES = [

@@ -10,7 +10,7 @@ from dicom_series import write_dicom_series
 from helpers import itk_image, rotation_z
 
 from ctseg.errors import CtsegError
-from ctseg.volume import find_scans, read_scan, write_labels, write_volume
+from ctseg.io.scans import find_scans, read_scan, write_labels, write_volume
 
 SHAPE = (6, 7, 5)
 

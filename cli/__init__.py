@@ -1,1 +1,0 @@
-"""The `ctseg` command line: parsing, progress, tables and exit codes, no logic of its own."""

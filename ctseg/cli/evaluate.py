@@ -1,0 +1,317 @@
+"""`ctseg evaluate`: metrics of predicted label maps against references."""
+
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ctseg.cli.app import app
+from ctseg.cli.options import CompileCacheOption, DeviceChoice, start_jax, warn
+from ctseg.cli.predict import BackendOption, TtaOption
+from ctseg.cli.progress import counting
+from ctseg.config import InferenceOptions
+from ctseg.errors import CtsegError
+from ctseg.evaluation.runs import evaluate_cross_validation, evaluate_run
+from ctseg.evaluation.scoring import claim_reports, evaluate_folders, write_reports
+from ctseg.run import rundir
+
+console = Console(highlight=False)
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _case_table(cases: list[dict]) -> Table:
+    table = Table(title="Per case")
+    table.add_column("case")
+    for heading in (
+        "liver Dice",
+        "tumour Dice",
+        "liver ASSD mm",
+        "liver HD95 mm",
+        "lesions det/ref",
+    ):
+        table.add_column(heading, justify="right")
+    for case in cases:
+        detection = case["detection"]
+        table.add_row(
+            escape(case["case"]),
+            _fmt(case["liver"]["dice"]),
+            _fmt(case["tumour"]["dice"]),
+            _fmt(case["liver"]["assd"], 2),
+            _fmt(case["liver"]["hd95"], 2),
+            f"{detection['n_detected']}/{detection['n_ref']}",
+        )
+    return table
+
+
+def _summary_table(summary: dict) -> Table:
+    table = Table(title=f"Summary over {summary['n_cases']} case(s)")
+    table.add_column("metric")
+    table.add_column("liver", justify="right")
+    table.add_column("tumour", justify="right")
+    liver, tumour = summary["liver"], summary["tumour"]
+    rows = [
+        ("Dice, mean per case", "dice_per_case", 3),
+        ("Dice, global", "dice_global", 3),
+        ("VOE", "voe", 3),
+        ("RVD", "rvd", 3),
+        ("ASSD mm", "assd", 2),
+        ("HD95 mm", "hd95", 2),
+        ("MSSD mm", "mssd", 2),
+    ]
+    for label, key, digits in rows:
+        table.add_row(label, _fmt(liver[key], digits), _fmt(tumour[key], digits))
+    table.add_row("detection precision", "", _fmt(tumour["detection_precision"]))
+    table.add_row("detection recall", "", _fmt(tumour["detection_recall"]))
+    table.add_row("burden error", "", _fmt(tumour["burden_error"], 4))
+    return table
+
+
+def _run_with_progress(run: Callable[..., dict]) -> dict:
+    """Call `run(progress=...)` under a progress bar of cases."""
+    with counting("evaluating") as report:
+        return run(progress=report)
+
+
+def _evaluate_run(
+    run_dirs: list[Path],
+    data: Path,
+    split: str,
+    out: Path | None,
+    options: InferenceOptions,
+    compile_cache: str | None,
+    force: bool,
+) -> dict:
+    """The RUN_DIR form: predict the store's split with the run's model (or the mean of an
+    ensemble's), then score it."""
+    configs = [rundir.load_config(run_dir) for run_dir in run_dirs]
+    start_jax(configs[0], devices=1, device=options.device, compile_cache=compile_cache)
+    if len(run_dirs) == 1:
+        out = rundir.evaluation_dir(run_dirs[0], out)
+    run = partial(
+        evaluate_run, run_dirs, data, split, out, options, configs, force=force, warn=warn
+    )
+    result = _run_with_progress(run)
+    if len(run_dirs) == 1:
+        grid = result["summary"]["grid_dice"]
+        model = (
+            f"checkpoint step {result['run']['checkpoint_step']}; grid Dice liver "
+            f"{_fmt(grid['liver'])}, tumour {_fmt(grid['tumour'])}"
+        )
+    else:
+        model = f"an ensemble of {len(run_dirs)} runs"
+    console.print(
+        f"{escape(result['run']['device'])}; {model}; "
+        f"reports in {escape(str(out))} (summary.json, metrics.csv)"
+    )
+    return result
+
+
+def _evaluate_cross_validation(
+    run_dirs: list[Path],
+    data: Path,
+    out: Path,
+    options: InferenceOptions,
+    compile_cache: str | None,
+    force: bool,
+) -> dict:
+    """The --cross-validation form: each fold run predicts its fold, scored as one table."""
+    configs = [rundir.load_config(run_dir) for run_dir in run_dirs]
+    start_jax(configs[0], devices=1, device=options.device, compile_cache=compile_cache)
+    run = partial(
+        evaluate_cross_validation,
+        run_dirs,
+        data,
+        out,
+        options,
+        configs,
+        force=force,
+        warn=warn,
+    )
+    result = _run_with_progress(run)
+    for entry in result["runs"]:
+        liver, tumour = entry["summary"]["liver"], entry["summary"]["tumour"]
+        console.print(
+            f"fold {entry['fold']}: {escape(entry['run_dir'])}, checkpoint step "
+            f"{entry['checkpoint_step']}, {len(entry['cases'])} case(s): Dice per case liver "
+            f"{_fmt(liver['dice_per_case'])}, tumour {_fmt(tumour['dice_per_case'])}"
+        )
+    grid = result["summary"]["grid_dice"]
+    console.print(
+        f"{escape(result['cross_validation']['device'])}; cross-validation over "
+        f"{len(result['runs'])} folds; grid Dice liver {_fmt(grid['liver'])}, tumour "
+        f"{_fmt(grid['tumour'])}; reports in {escape(str(out))} (summary.json, metrics.csv)"
+    )
+    return result
+
+
+def _check_form(
+    run_dirs: list[Path], pred: Path | None, ref: Path | None, run_options: dict
+) -> None:
+    """Exactly one of the two forms: RUN_DIR…, or --pred with --ref."""
+    if run_dirs and (pred is not None or ref is not None):
+        raise CtsegError("give either RUN_DIR or --pred/--ref, not both")
+    if not run_dirs:
+        given = [f"--{name}" for name, value in run_options.items() if value not in (None, False)]
+        if given:
+            raise CtsegError(f"{', '.join(given)} only apply with RUN_DIR")
+        if pred is None or ref is None:
+            raise CtsegError("give --pred PRED_DIR and --ref REF_DIR (or a RUN_DIR with --data)")
+    cross_validation = run_options["cross-validation"]
+    if cross_validation and run_options["split"] is not None:
+        raise CtsegError(
+            "--split does not apply to --cross-validation: each fold run predicts its own fold"
+        )
+    if cross_validation and run_options["out"] is None:
+        raise CtsegError(
+            "--cross-validation writes its predictions and reports into --out DIR: give one"
+        )
+
+
+@app.command()
+def evaluate(
+    run_dirs: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            help="Run directory whose model predicts the split to evaluate, or a folder of run "
+            "directories. Several runs: an ensemble (their probabilities averaged; needs "
+            "--out); with --cross-validation, one fold run per fold of the store.",
+            metavar="RUN_DIR...",
+            show_default=False,
+        ),
+    ] = None,
+    cross_validation: Annotated[
+        bool,
+        typer.Option(
+            "--cross-validation",
+            help="Evaluate the RUN_DIRs (one `ctseg train --fold` run per fold of --data) as "
+            "one cross-validation: every labelled case predicted by the run that did not "
+            "train on it. Needs --out.",
+        ),
+    ] = False,
+    data: Annotated[
+        Path | None, typer.Option(help="Prepared store holding the split (RUN_DIR form).")
+    ] = None,
+    split: Annotated[
+        str | None, typer.Option(help="Split of the prepared store to evaluate (default: val).")
+    ] = None,
+    checkpoint: Annotated[
+        str | None,
+        typer.Option(help="Checkpoint to load: best, latest or a step number (default: best)."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder for the predictions and reports (default: RUN_DIR/eval; required with "
+            "--cross-validation). It holds one evaluation: another run's or checkpoint's is "
+            "replaced only with --force."
+        ),
+    ] = None,
+    device: Annotated[
+        DeviceChoice | None,
+        typer.Option(
+            help="Where to predict (RUN_DIR form): auto (the GPUs or TPUs here, else the "
+            "CPU), cpu, gpu or tpu (default: auto)."
+        ),
+    ] = None,
+    backend: BackendOption = None,
+    tta: TtaOption = None,
+    compile_cache: CompileCacheOption = None,
+    pred: Annotated[
+        Path | None,
+        typer.Option(help="Folder of predicted label maps (.nii / .nii.gz).", metavar="PRED_DIR"),
+    ] = None,
+    ref: Annotated[
+        Path | None,
+        typer.Option(help="Folder of reference label maps (.nii / .nii.gz).", metavar="REF_DIR"),
+    ] = None,
+    json_path: Annotated[
+        Path | None,
+        typer.Option("--json", help="Write the full report (cases, summary, errors) as JSON here."),
+    ] = None,
+    csv_path: Annotated[
+        Path | None, typer.Option("--csv", help="Write one CSV row of metrics per case here.")
+    ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Replace a --json/--csv file that is not an earlier report, or (RUN_DIR form) "
+            "the evaluation of another run or checkpoint in --out. Inputs are never replaced.",
+        ),
+    ] = False,
+) -> None:
+    """Compare label maps with references: Dice, VOE, RVD, ASSD, HD95, MSSD, lesion detection.
+
+    Either --pred/--ref folders of NIfTI label maps (0 background, 1 liver, 2
+    tumour; paired by file name), or a RUN_DIR whose model predicts a split (several:
+    an ensemble, their probabilities averaged), or (--cross-validation) one fold run
+    per fold of the store, each predicting its fold.
+    Exits 1 when any case could not be evaluated. An existing --json/--csv file is
+    replaced only when it is an earlier report of `ctseg evaluate` (or with --force).
+    """
+    run_dirs = run_dirs or []
+    run_options = {
+        "cross-validation": cross_validation,
+        "data": data,
+        "split": split,
+        "checkpoint": checkpoint,
+        "out": out,
+        "device": device,
+        "backend": backend,
+        "tta": tta,
+        "compile-cache": compile_cache,
+    }
+    _check_form(run_dirs, pred, ref, run_options)
+    run_dirs = rundir.member_runs(run_dirs)  # folders of runs expanded
+    if len(run_dirs) > 1 and not cross_validation and out is None:
+        raise CtsegError(
+            "an ensemble of several runs writes its predictions and reports into --out DIR: "
+            "give one"
+        )
+    if run_dirs:
+        if json_path is not None or csv_path is not None:
+            raise CtsegError("--json/--csv apply to --pred/--ref; with RUN_DIR reports go to --out")
+        if data is None:
+            raise CtsegError("give --data PREP_DIR: the prepared store whose split to evaluate")
+        options = InferenceOptions(
+            checkpoint or "best",
+            backend=backend and backend.value,
+            device=(device or DeviceChoice.auto).value,
+            tta=tta,
+        )
+        if cross_validation:
+            result = _evaluate_cross_validation(run_dirs, data, out, options, compile_cache, force)
+        else:
+            result = _evaluate_run(
+                run_dirs, data, split or "val", out, options, compile_cache, force
+            )
+    else:
+        claim_reports(json_path, csv_path, [pred, ref], force)
+        result = _run_with_progress(partial(evaluate_folders, pred, ref))
+        write_reports(result, json_path=json_path, csv_path=csv_path)
+
+    if result["cases"]:
+        console.print(_case_table(result["cases"]))
+        console.print(_summary_table(result["summary"]))
+    unpaired = result["unpaired"]
+    if unpaired["pred"] or unpaired["ref"]:
+        console.print(
+            escape(
+                f"unpaired predictions: {', '.join(unpaired['pred']) or 'none'}; "
+                f"unpaired references: {', '.join(unpaired['ref']) or 'none'}"
+            )
+        )
+    for error in result["errors"]:
+        console.print(
+            f"[bold red]case {escape(error['case'])} failed:[/] {escape(error['message'])}"
+        )
+    if result["errors"]:
+        raise typer.Exit(1)

@@ -1,0 +1,43 @@
+"""Entry point of the `ctseg` console script."""
+
+import logging
+import sys
+
+from rich.console import Console
+from rich.markup import escape
+
+from ctseg.cli import (  # noqa: F401  (registers the commands)
+    bench,
+    evaluate,
+    folds,
+    plan,
+    predict,
+    preprocess,
+    synth,
+    train,
+)
+from ctseg.cli.app import app
+from ctseg.errors import CtsegError
+
+
+def main() -> None:
+    # Libraries log what is theirs to know (orbax: "Given directory is read only" on every
+    # prediction); the user sees ctseg's own lines, and errors.
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    # ctseg's own warnings (a checkpoint skipped as unreadable, say) read as its other lines.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("ctseg").addHandler(handler)
+    logging.getLogger("ctseg").propagate = False
+    try:
+        app()
+    except CtsegError as exc:
+        # Escaped: a message is plain text, and a path like x[final] must keep its brackets.
+        console = Console(stderr=True, highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

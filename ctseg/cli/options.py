@@ -1,0 +1,115 @@
+"""Options shared by several commands, and the helpers that turn them into library calls."""
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from ctseg import config as cfg
+
+_stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def warn(message: str) -> None:
+    """A `warning:` line on standard error, as every command prints them."""
+    _stderr.print(f"[yellow]warning:[/] {escape(message)}")
+
+
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--config", "-c", help="TOML experiment config (see configs/); defaults if omitted."
+    ),
+]
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="Override one config value, e.g. --set data.resolution=32 (repeatable).",
+        metavar="SECTION.KEY=VALUE",
+    ),
+]
+CoordinatorOption = Annotated[
+    str | None,
+    typer.Option(help="Multi-host: address host:port of process 0 (jax.distributed)."),
+]
+NumProcessesOption = Annotated[
+    int | None, typer.Option(help="Multi-host: total number of processes.")
+]
+ProcessIdOption = Annotated[
+    int | None, typer.Option(help="Multi-host: index of this process, 0 … num-processes-1.")
+]
+
+
+class DeviceChoice(StrEnum):
+    """`ctseg.devices.DEVICE_CHOICES`, as a choice for the command line."""
+
+    auto = "auto"
+    cpu = "cpu"
+    gpu = "gpu"
+    tpu = "tpu"
+
+
+DeviceOption = Annotated[
+    DeviceChoice,
+    typer.Option(
+        "--device",
+        help="Where to run: auto (the GPUs or TPUs here, else the CPU), cpu, gpu or tpu.",
+    ),
+]
+CompileCacheOption = Annotated[
+    str | None,
+    typer.Option(
+        "--compile-cache",
+        help="Folder of the persistent XLA compilation cache, or 'off'. Default: "
+        "$CTSEG_COMPILE_CACHE (empty: unset), else ~/.cache/ctseg/xla. A second run with "
+        "the same shapes compiles nothing. A folder that cannot be written is reported "
+        "and the run compiles without it.",
+        metavar="DIR|off",
+    ),
+]
+
+
+def load_config(path: Path | None, overrides: list[str] | None) -> cfg.Config:
+    return cfg.load(path, overrides or ())
+
+
+def start_jax(
+    config: cfg.Config,
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    devices: int | None = None,
+    device: str = "auto",
+    compile_cache: str | None = None,
+) -> None:
+    """Start JAX for `device`, join a multi-host job if asked, and simulate CPU devices.
+
+    `devices`: the CPU devices to simulate over all processes (default: the
+    config's mesh), used only where the CPU is what runs. `compile_cache`: the
+    `--compile-cache` option. Must run before anything touches JAX devices:
+    simulated CPU devices can only be configured before the backend starts.
+    Raises the one-line error of a `device` that is not here. Prints, as the
+    command's first lines, why `--device auto` runs on the CPU where an accelerator
+    failed to start, and why the compilation cache is not used.
+    """
+    from ctseg.parallel import devices as dev
+    from ctseg.parallel import partition  # imports JAX; keep `ctseg --help` fast
+
+    dev.restrict_backends(device)
+    cache_problem = dev.use_compile_cache(dev.compile_cache_dir(compile_cache))
+    partition.initialize_distributed(coordinator, num_processes, process_id)
+    # Each process contributes its share of the mesh's devices.
+    processes = num_processes or 1
+    partition.configure_cpu_devices(-(-(devices or config.num_devices) // processes))
+    found = dev.visible(local=False)
+    # Here, so that every command (bench too) refuses a --device it cannot have, in one
+    # line with the reason, before it starts any work.
+    dev.choose(device, found)
+    fallback = dev.fallback_warning(device, found)
+    for line in (fallback, cache_problem):
+        if line is not None:
+            warn(line)

@@ -1,0 +1,224 @@
+"""`ctseg predict`: label maps, statistics and previews for new scans."""
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ctseg import lock
+from ctseg.cli.app import app
+from ctseg.cli.options import CompileCacheOption, DeviceChoice, DeviceOption, start_jax, warn
+from ctseg.config import InferenceOptions
+from ctseg.io import dicom_seg
+from ctseg.run import rundir
+
+RunDirArgument = Annotated[
+    Path,
+    typer.Argument(
+        help="Run directory of `ctseg train`, or a folder of run directories (an ensemble).",
+        metavar="RUN_DIR",
+    ),
+]
+CheckpointOption = Annotated[
+    str, typer.Option(help="Checkpoint to load: best, latest or a step number.")
+]
+TileOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Core size in voxels (even) of level-wise tiles, at every U-Net level; "
+        "0 = whole volume; -1 = from available memory. Default: the run's predict.tile."
+    ),
+]
+
+
+class OutputType(StrEnum):
+    """`ctseg.predict_files.OUTPUT_TYPES`, as a choice for the command line."""
+
+    nifti = "nifti"
+    dicom_seg = "dicom-seg"
+
+
+class Backend(StrEnum):
+    """`ctseg.infer.BACKENDS`, as a choice for the command line."""
+
+    jax = "jax"
+    onnx = "onnx"
+
+
+BackendOption = Annotated[
+    Backend | None,  # None: the device policy chooses
+    typer.Option(
+        help="Inference backend: jax (XLA on the chosen devices) or onnx (ONNX Runtime on "
+        "the CPU, several times faster than XLA there; needs pip install 'ctseg\\[onnx]'). "
+        "Default: jax on GPUs/TPUs, else onnx when installed.",
+    ),
+]
+
+
+TtaOption = Annotated[
+    bool | None,
+    typer.Option(
+        "--tta/--no-tta",
+        help="Test-time augmentation: average the probabilities of the 8 mirrorings of each "
+        "scan (8× the inference time; models trained with flips). Default: the run's "
+        "predict.tta.",
+        show_default=False,
+    ),
+]
+
+
+def _stats_table(outcomes: list) -> Table:
+    table = Table(title="Predictions")
+    table.add_column("scan")
+    for heading in ("liver mL", "tumour mL", "tumours", "largest mm", "burden %"):
+        table.add_column(heading, justify="right")
+    table.add_column("status", overflow="fold")  # a failure's reason in full, however narrow
+    for o in outcomes:
+        if o.error is not None:
+            table.add_row(escape(o.name), "", "", "", "", "", f"[red]failed:[/] {escape(o.error)}")
+            continue
+        s = o.stats
+        status = "[yellow]warning[/]" if o.warnings else "[green]ok[/]"
+        if o.checks:  # far outside the run's training data (ctseg.fingerprint)
+            status = f"[yellow]{'warning' if o.warnings else 'ok'}, check: outside training data[/]"
+        status = "[green]done earlier[/]" if o.done_earlier else status
+        table.add_row(
+            escape(o.name),
+            f"{s['liver_volume_ml']:.1f}",
+            f"{s['tumour_volume_ml']:.1f}",
+            str(s["tumour_count"]),
+            f"{s['largest_tumour_diameter_mm']:.1f}",
+            f"{s['tumour_burden_percent']:.2f}",
+            status,
+        )
+    return table
+
+
+@app.command()
+def predict(
+    run_dir: RunDirArgument,
+    inputs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="NIfTI/NRRD/MHA files, folders of them, or DICOM series folders.",
+            metavar="INPUT...",
+        ),
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Folder for the outputs.")],
+    runs: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--run",
+            help="Another run (or folder of runs) of an ensemble: each model predicts on its "
+            "own grid and their probabilities are averaged on the scan's voxels "
+            "(repeatable; each run once). RUN_DIR may also be a folder of runs, e.g. one "
+            "per cross-validation fold.",
+            metavar="RUN",
+        ),
+    ] = None,
+    output_type: Annotated[
+        OutputType,
+        typer.Option(
+            "--output-type",
+            help="The label map as NIfTI (<name>_seg.nii.gz), or as a DICOM Segmentation "
+            "object referencing the source series (<name>_seg.dcm; DICOM inputs only; "
+            "pip install 'ctseg\\[dicom]').",
+        ),
+    ] = OutputType.nifti,
+    checkpoint: CheckpointOption = "best",
+    tile: TileOption = None,
+    device: DeviceOption = DeviceChoice.auto,
+    backend: BackendOption = None,
+    tta: TtaOption = None,
+    compile_cache: CompileCacheOption = None,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Print the plan (its memory per device against what is free) and where "
+            "each scan's time went.",
+        ),
+    ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Predict every scan again, replacing its outputs (by default a scan whose "
+            "outputs are all there, by this model, is done earlier and skipped).",
+        ),
+    ] = False,
+) -> None:
+    """Segment liver and tumours: <name>_seg.nii.gz, _stats.json and _preview.png per scan.
+
+    Runs on the GPUs or TPUs that are here, whatever layout trained the model
+    (else on the CPU, with ONNX Runtime when installed); the first line says
+    what runs where. The segmentation has exactly the input's geometry, so it
+    overlays on the scan in ITK-SNAP or 3D Slicer. Exits 1 when any scan
+    failed; the others are written. Run again after an interruption: scans
+    already done are skipped, the rest are predicted.
+    """
+    console = Console(highlight=False)  # here, not at import: the terminal's width of now
+    run_dirs = rundir.member_runs([run_dir, *(runs or [])])
+    configs = [rundir.load_config(path) for path in run_dirs]
+    start_jax(configs[0], devices=1, device=device, compile_cache=compile_cache)
+    # After start_jax: importing the pipeline starts JAX.
+    from ctseg.inference.files import check_output_folder, expand_inputs, predict_files
+    from ctseg.inference.predictor import Predictor
+
+    options = InferenceOptions(checkpoint, tile, backend and backend.value, device.value, tta)
+    # One writer per --out: two predictions at once would mix their outputs. A file in
+    # its place is one error line, not a failure per scan.
+    check_output_folder(out)
+    with lock.hold(out, warn):
+        scans, outcomes = expand_inputs(inputs, out)
+        if output_type == OutputType.dicom_seg:
+            for scan in scans:  # before any prediction: every input must be a DICOM series
+                dicom_seg.check_dicom_source(scan)
+        predictor = Predictor.from_run(run_dirs, options, configs)
+        steps = ", ".join(str(m.model.step) for m in predictor.members)
+        console.print(
+            f"{escape(predictor.summary)}; checkpoint step{'s' * (len(run_dirs) > 1)} {steps}; "
+            f"{len(scans)} scan(s)"
+        )
+        if verbose:
+            console.print(f"plan: {escape(predictor.plan_line)}")
+            one_off = ", ".join(f"{k} {v:.2f} s" for k, v in predictor.seconds.items())
+            console.print(f"once for all scans: {one_off}")
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=console, transient=True) as bar:
+            scan_task = bar.add_task("scans", total=len(scans))
+            tile_task = bar.add_task("", total=None)
+
+            def report(name: str, stage: str, done: int, total: int) -> None:
+                # Reading the next scan and writing the last run beside inference: show
+                # the latter.
+                if stage == "infer":
+                    description = f"{escape(name)}: tiles"
+                    bar.update(tile_task, description=description, completed=done, total=total)
+
+            written = predict_files(predictor, scans, out, force, report, output_type.value)
+            for outcome in written:
+                outcomes.append(outcome)
+                name = escape(outcome.name)
+                for warning in outcome.warnings + outcome.checks:
+                    console.print(f"[yellow]warning:[/] {name}: {escape(warning)}")
+                if outcome.error is not None:
+                    console.print(f"[bold red]failed:[/] {name}: {escape(outcome.error)}")
+                elif verbose:
+                    seconds = outcome.seconds.items()
+                    console.print(f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in seconds))
+                bar.advance(scan_task)
+        console.print(_stats_table(outcomes))
+        if any(o.error is not None for o in outcomes):
+            raise typer.Exit(1)

@@ -1,0 +1,155 @@
+"""`ctseg train`: partitioned whole-volume training with checkpoints and live validation."""
+
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from ctseg.cli.app import app
+from ctseg.cli.options import (
+    CompileCacheOption,
+    ConfigOption,
+    CoordinatorOption,
+    DeviceChoice,
+    DeviceOption,
+    NumProcessesOption,
+    ProcessIdOption,
+    SetOption,
+    load_config,
+    start_jax,
+    warn,
+)
+
+
+def _dice(entry: dict) -> str:
+    return f"liver {entry['liver']:.3f}, tumour {entry['tumour']:.3f}"
+
+
+@app.command()
+def train(
+    data: Annotated[
+        Path, typer.Option("--data", help="Prepared store written by `ctseg preprocess`.")
+    ],
+    workdir: Annotated[
+        Path,
+        typer.Option(
+            "--workdir",
+            help="Run directory; an existing one is resumed from its latest checkpoint.",
+        ),
+    ],
+    config_path: ConfigOption = None,
+    overrides: SetOption = None,
+    fold: Annotated[
+        int | None,
+        typer.Option(
+            "--fold",
+            help="Train cross-validation fold I of the store (`ctseg folds`): validate on "
+            "fold I, train on the other folds (the same as --set train.fold=I).",
+            metavar="I",
+            show_default=False,
+        ),
+    ] = None,
+    device: DeviceOption = DeviceChoice.auto,
+    exact_mesh: Annotated[
+        bool,
+        typer.Option(
+            "--exact-mesh",
+            help="Train on exactly the config's mesh: an error, not a fitted layout, when "
+            "there are fewer devices.",
+        ),
+    ] = False,
+    compile_cache: CompileCacheOption = None,
+    coordinator: CoordinatorOption = None,
+    num_processes: NumProcessesOption = None,
+    process_id: ProcessIdOption = None,
+) -> None:
+    """Train the U-Net on whole volumes, spatially partitioned over the devices here.
+
+    The config's mesh is a request: with fewer devices than it needs, the grid is
+    split over those there are (the same model: partitioned training equals
+    unpartitioned training); the first line says what runs where. On a machine
+    without accelerators the mesh's devices are simulated on the CPU. Ctrl-C
+    (or SIGTERM) saves a checkpoint and stops; running the same command again
+    resumes, on this layout or another. One `ctseg train` at a time per WORKDIR.
+    With --fold I it trains one cross-validation fold of the store.
+    """
+    extra = [] if fold is None else [f"train.fold={fold}"]
+    config = load_config(config_path, [*(overrides or []), *extra])
+    start_jax(
+        config, coordinator, num_processes, process_id, device=device, compile_cache=compile_cache
+    )
+    from ctseg.parallel import devices as dev  # after start_jax: imports start JAX
+    from ctseg.training.loop import train_and_evaluate
+
+    found = dev.choose(device.value, dev.visible(local=False))
+    layout = dev.fit_training(config, found, exact_mesh)
+    console = Console(highlight=False)
+    console.print(layout.line)
+    columns = (
+        TextColumn("[bold]train[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("train", total=config.train.steps, status="compiling…")
+
+        def report(p) -> None:
+            status = f"loss {p.loss:.4f}  {p.steps_per_second:.2f} steps/s"
+            if p.held_norm:
+                status += "  held batch-norm statistics"
+            if p.val_dice:
+                status += (
+                    f"  val Dice liver {p.val_dice['liver']:.3f} tumour {p.val_dice['tumour']:.3f}"
+                )
+            bar.update(task, completed=p.step, status=status)
+
+        try:
+            summary = train_and_evaluate(
+                layout.config,
+                data,
+                workdir,
+                report,
+                layout.devices,
+                layout.line,
+                warn,
+                say=lambda line: console.print(escape(line)),
+            )
+        except KeyboardInterrupt as stop:
+            console.print(
+                "[yellow]interrupted:[/] checkpoint saved; run the same command to resume"
+            )
+            # The shell's status for a death by the signal: 130 for Ctrl-C, 143 for SIGTERM.
+            raise typer.Exit(128 + (stop.args[0] if stop.args else signal.SIGINT)) from None
+    console.print(
+        f"done: step {summary['step']}, data wait {100 * summary['data_wait_fraction']:.1f} % "
+        f"of step time; run directory {summary['run_dir']} "
+        "(metrics.jsonl, curves.png, checkpoints/)"
+    )
+    if summary.get("fold") is not None:
+        console.print(
+            f"fold {summary['fold']}: trained on {summary['train_cases']} case(s), validated on "
+            f"the fold's {summary['val_cases']} (fold.json)"
+        )
+    best, last = summary["best_validation"], summary["last_validation"]
+    if last:
+        console.print(
+            f"validation Dice: last (step {last['step']}) {_dice(last)}; "
+            f"best (step {best['step']}) {_dice(best)}"
+        )
+    which = "best" if best else "latest"
+    console.print(
+        f"`ctseg predict` and `ctseg evaluate` use checkpoint {summary['predict_checkpoint']} "
+        f"({which}; --checkpoint latest or a step number for another)"
+    )
+    if not summary["val_cases"]:
+        console.print(
+            "[yellow]warning:[/] the store has no validation cases: no validation Dice was "
+            "measured and `best` is simply the latest checkpoint (preprocess with "
+            "data.val_fraction > 0)"
+        )

@@ -1,0 +1,480 @@
+"""Building a prepared store (`ctseg preprocess`): every case of a raw data set resampled
+to the R³ grid, in worker processes, resumable. The store's layout is `ctseg.store`'s.
+
+Every write is atomic and a case counts as done only once its ``case.json`` is
+written (after its arrays), so a killed run is simply run again: finished cases are
+skipped. The manifest is written last and lists only the cases that were prepared.
+
+Which cases validate (the train/val split, cross-validation folds) is
+`ctseg.splits`'s to decide; `write_folds` (``ctseg folds``) assigns folds to an
+existing store by rewriting its manifest alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import errno
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from ctseg import lock
+from ctseg.atomic import claim_folder, write_json, write_npy
+from ctseg.config import Config
+from ctseg.data import grids as preprocess
+from ctseg.data import splits, store
+from ctseg.data.grids import GridSpec
+from ctseg.data.store import CaseEntry, Layout, RawCase, Store
+from ctseg.errors import CtsegError
+from ctseg.io.scans import Scan, geometry_difference, read_scan
+
+Progress = Callable[[int, int, str], None]
+Status = Literal["prepared", "resumed", "failed"]
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@dataclass(frozen=True)
+class CaseOutcome:
+    """What `write_store` did with one case of the raw folder."""
+
+    case_id: str
+    split: str
+    status: Status  # "resumed": already prepared by an earlier run, left as it was
+    reason: str = ""  # the one-line error of a failed case
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    store: Store | None  # None when no case could be prepared (then no manifest is written)
+    outcomes: list[CaseOutcome]  # one per case found, in the raw folder's order
+
+    @property
+    def failures(self) -> list[CaseOutcome]:
+        return [o for o in self.outcomes if o.status == "failed"]
+
+
+def write_store(
+    layout: Layout,
+    out_dir: str | Path,
+    config: Config,
+    progress: Progress | None = None,
+    force: bool = False,
+    workers: int = 1,
+    warn: Callable[[str], None] | None = None,
+) -> PrepareResult:
+    """Resample every case of `layout` into a store at `out_dir`; resumable.
+
+    Cases already prepared on this grid from the same sources are skipped
+    unless `force`. A case that fails (bad file, missing label, ...) is recorded
+    with its one-line reason and left out of the manifest; the others go on.
+    `workers` > 1 prepares cases in that many processes at once. Problems that
+    stop everything (a store of another grid, another command writing the
+    store, folds other than the store's without `force`) raise CtsegError; `warn`
+    hears of a lock taken over from a command that died, and of folds drawn again
+    or left out (`splits.with_folds`).
+    """
+    workers = usable_workers(workers)
+    out_dir = Path(out_dir)
+    # One writer per store: two preprocesses at once would write one case's arrays twice.
+    with lock.hold(out_dir, warn):
+        return _write(layout, out_dir, config, progress, force, workers, warn)
+
+
+def _write(
+    layout: Layout,
+    out_dir: Path,
+    config: Config,
+    progress: Progress | None,
+    force: bool,
+    workers: int,
+    warn: Callable[[str], None] | None,
+) -> PrepareResult:
+    grid = GridSpec.of(config.data)
+    _check_existing_store(out_dir, grid, force)
+    earlier = splits.earlier_folds(out_dir)
+    folds, fold_seed = splits.fold_plan(layout, out_dir, config, earlier, force)
+    # A manifest must never describe arrays that are being rewritten.
+    (out_dir / store.MANIFEST).unlink(missing_ok=True)
+
+    split_of = splits.of_layout(layout, config)
+    entries: dict[str, CaseEntry] = {}
+    outcomes: dict[str, CaseOutcome] = {}
+
+    def record(case: RawCase, result: CaseEntry | str, resumed: bool = False) -> None:
+        split = split_of[case.case_id]
+        if isinstance(result, str):
+            outcomes[case.case_id] = CaseOutcome(case.case_id, split, "failed", result)
+        else:
+            entries[case.case_id] = dataclasses.replace(result, split=split)
+            outcomes[case.case_id] = CaseOutcome(
+                case.case_id, split, "resumed" if resumed else "prepared"
+            )
+        if progress is not None:
+            progress(len(outcomes), len(layout.cases), case.case_id)
+
+    todo = []
+    for case in layout.cases:
+        finished = None if force else _finished_entry(out_dir, case, grid)
+        if finished is not None:
+            record(case, finished, resumed=True)
+        elif case.label is None and not layout.predict_only:
+            record(case, f"training case without its label: no label file for {case.image}")
+        else:
+            todo.append(case)
+    for case, result in _prepare_all(todo, out_dir, grid, workers):
+        record(case, result)
+
+    ordered = [c.case_id for c in layout.cases]
+    good = [entries[i] for i in ordered if i in entries]
+    if not good:
+        return PrepareResult(store=None, outcomes=[outcomes[i] for i in ordered])
+    good, folds = splits.with_folds(out_dir, good, folds, fold_seed, earlier, warn)
+    written = _write_manifest(out_dir, grid, good, folds, fold_seed if folds else None)
+    return PrepareResult(store=written, outcomes=[outcomes[i] for i in ordered])
+
+
+@dataclass(frozen=True)
+class FoldsResult:
+    """What `write_folds` did: the store as it is now, and whether its manifest changed."""
+
+    store: Store
+    changed: bool
+    earlier: int  # the folds the store had before
+
+
+def write_folds(
+    store_dir: str | Path,
+    folds: int,
+    seed: int = 0,
+    force: bool = False,
+    warn: Callable[[str], None] | None = None,
+) -> FoldsResult:
+    """Assign `folds` cross-validation folds (0: none) to an existing store (`ctseg folds`).
+
+    Rewrites manifest.json alone, atomically, under the store's lock; the arrays and
+    case.json files are not touched. Folds equal to the store's are left as they are;
+    other folds over a store that has some need `force`, because runs trained on the
+    old ones could no longer be resumed or evaluated together (their fold.json
+    records the cases they validated on, and both refuse the mismatch).
+    """
+    store_dir = Path(store_dir)
+    if folds < 0 or folds == 1:
+        raise CtsegError(f"--k must be 0 (no folds) or at least 2, got {folds}")
+    if seed < 0:
+        raise CtsegError(f"--seed must not be negative, got {seed}")
+    if store.manifest_file(store_dir) is None:
+        raise CtsegError(
+            f"no prepared store at {store_dir} ({store.MANIFEST} missing); run "
+            "`ctseg preprocess` first"
+        )
+    with lock.hold(store_dir, warn):
+        current = Store.open(store_dir)
+        labelled = [case.id for case in current.cases if case.labelled]
+        if folds > len(labelled):
+            raise CtsegError(
+                f"--k {folds} needs at least {folds} labelled cases; the store at {store_dir} "
+                f"has {len(labelled)}"
+            )
+        of_case = splits.assign_folds(labelled, folds, seed) if folds else {}
+        now = {case.id: case.fold for case in current.cases if case.labelled}
+        same_assignment = now == {i: of_case.get(i) for i in labelled}
+        if same_assignment and (current.folds, current.fold_seed) == (
+            folds,
+            seed if folds else None,
+        ):
+            return FoldsResult(current, changed=False, earlier=current.folds)
+        if current.folds and not force:
+            raise CtsegError(
+                f"{store_dir} already has {current.folds} folds (seed {current.fold_seed}); "
+                "runs trained on them could no longer be resumed or evaluated together: "
+                "give --force to re-assign them"
+            )
+        entries = [dataclasses.replace(case, fold=of_case.get(case.id)) for case in current.cases]
+        written = _write_manifest(
+            store_dir, current.grid_spec, entries, folds, seed if folds else None
+        )
+        return FoldsResult(written, changed=True, earlier=current.folds)
+
+
+def usable_workers(requested: int) -> int:
+    """`requested` worker processes, but at most one per CPU this process may run on.
+
+    More would only share the CPUs (and multiply the memory): 1000 workers on 2 cores
+    were 20× slower than 2. CtsegError below 1.
+    """
+    if requested < 1:
+        raise CtsegError(f"--workers must be at least 1, got {requested}")
+    try:
+        cpus = len(os.sched_getaffinity(0))  # what taskset or a container's cpuset leaves
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return min(requested, cpus)
+
+
+def _grid_keys(grid: GridSpec) -> dict[str, Any]:
+    """The manifest's description of the grid: resolution, grid and (spacing grid) spacing."""
+    keys: dict[str, Any] = {"resolution": grid.resolution, "grid": grid.kind}
+    if grid.kind == "spacing":
+        keys["spacing"] = list(grid.spacing)
+    return keys
+
+
+def _write_manifest(
+    out_dir: Path, grid: GridSpec, entries: list[CaseEntry], folds: int, fold_seed: int | None
+) -> Store:
+    write_json(
+        out_dir / store.MANIFEST,
+        {
+            "format": store.FORMAT,
+            "version": store.VERSION,
+            **_grid_keys(grid),
+            "folds": folds,
+            "fold_seed": fold_seed,
+            "cases": [e.to_json() for e in entries],
+        },
+    )
+    return Store.open(out_dir)
+
+
+def _check_existing_store(out_dir: Path, grid: GridSpec, force: bool) -> None:
+    """Refuse a folder that is not a store (unless `force`), or a store of another grid."""
+    # A killed first run leaves cases/ without a manifest: the folder is still the store's.
+    claim_folder(out_dir, (store.MANIFEST, "cases"), force)
+    _check_writable(out_dir)
+    store.manifest_file(out_dir)
+    manifest = None if force else store.read_manifest(out_dir)
+    if manifest is None:
+        return
+    written = {key: manifest[key] for key in ("resolution", "grid", "spacing") if key in manifest}
+    written.setdefault("grid", "cube")  # a store written before the spacing grid
+    if written != _grid_keys(grid):
+        raise CtsegError(
+            f"{out_dir} holds a store of {_described(written)}, not {grid.describe()}; use "
+            "another folder or --force to rebuild it"
+        )
+
+
+def _described(keys: dict[str, Any]) -> str:
+    spacing = tuple(keys.get("spacing") or (0.0, 0.0, 0.0))
+    return GridSpec(keys["grid"], keys["resolution"], spacing).describe()
+
+
+def _check_writable(folder: Path) -> None:
+    """CtsegError naming the folder if no file can be created in it (read-only, not ours).
+
+    Found here, before any case, rather than as the same failure for every case and
+    then a traceback at the manifest.
+    """
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise CtsegError(f"cannot write in {folder}: {exc.strerror or exc}") from None
+
+
+def _write_array(path: Path, array: np.ndarray) -> None:
+    """`write_npy`, with a full disk said as such.
+
+    numpy writes arrays with fwrite, whose short write on a full disk reaches Python
+    as "32768 requested and 6080 written", without an errno.
+    """
+    try:
+        write_npy(path, array)
+    except CtsegError as exc:
+        cause = exc.__cause__
+        short_write = isinstance(cause, OSError) and cause.errno is None
+        if not (short_write or getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT)):
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise CtsegError(
+            f"cannot write {path}: no space left on the device of {path.parent} "
+            f"({array.nbytes / 2**20:.0f} MiB to write, {free / 2**20:.0f} MiB free); free "
+            "some space and run the same command: finished cases are kept"
+        ) from cause
+
+
+def _finished_entry(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry | None:
+    """The entry of a case already prepared from the same sources on this grid, else None.
+
+    Sources are compared by path only (a DICOM series is a folder: nothing is hashed or
+    stat-ed), so a scan changed in place needs --force.
+    """
+    case_json = store.case_json_path(out_dir, case.case_id)
+    if not case_json.is_file():
+        return None
+    kinds = ("image",) if case.label is None else ("image", "label")
+    try:
+        entry = CaseEntry.from_json(json.loads(case_json.read_text()))
+        shapes = [
+            np.load(store.array_path(out_dir, case.case_id, kind), mmap_mode="r").shape
+            for kind in kinds
+        ]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # damaged or from an older layout: prepare the case again
+    same_sources = (entry.image_source, entry.label_source) == _sources(case)
+    expected = grid.grid_of(entry.canonical_shape, entry.spacing)
+    # A case written before grids were recorded is its R³ grid.
+    same_grid = tuple(entry.grid_shape or (grid.resolution,) * 3) == expected
+    if same_sources and same_grid and shapes == [expected] * len(kinds):
+        return entry
+    return None
+
+
+def _sources(case: RawCase) -> tuple[str, str | None]:
+    label = None if case.label is None else str(case.label.resolve())
+    return str(case.image.resolve()), label
+
+
+def _prepare_all(
+    cases: list[RawCase], out_dir: Path, grid: GridSpec, workers: int
+) -> Iterator[tuple[RawCase, CaseEntry | str]]:
+    """Prepare `cases`, in this process or in a pool; yield each with its entry or error."""
+    if workers == 1 or len(cases) <= 1:
+        for case in cases:
+            yield case, _prepare_or_reason(out_dir, case, grid)
+        return
+    # 'spawn': forking a parent that may have started JAX's threads can deadlock the child.
+    pool = ProcessPoolExecutor(
+        max_workers=min(workers, len(cases)),
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_end_with_parent,
+        initargs=(os.getpid(),),
+    )
+    try:
+        futures = {pool.submit(_prepare_or_reason, out_dir, case, grid): case for case in cases}
+        for future in as_completed(futures):
+            yield futures[future], _worker_result(future)
+    finally:
+        # On Ctrl-C, start no further case; those running finish (their writes are atomic).
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _end_with_parent(parent: int) -> None:
+    """Pool initializer: this worker ends when `parent` does, even killed by SIGKILL.
+
+    A worker busy with a case outlives a killed parent otherwise, and keeps the
+    multiprocessing resource tracker (which waits for every holder of its pipe) alive.
+    """
+    try:  # Linux: the kernel sends the signal, whatever the worker is doing
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (AttributeError, OSError):  # elsewhere: a thread watches for the parent
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # it died before the signal was asked for
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _worker_result(future: Future) -> CaseEntry | str:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        return "the worker process died (out of memory?); re-run with fewer --workers"
+
+
+def _prepare_or_reason(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry | str:
+    """The case's entry, or the one-line reason it could not be prepared (runs in workers)."""
+    try:
+        return _prepare_case(out_dir, case, grid)
+    except CtsegError as exc:
+        return str(exc)
+    except MemoryError:
+        return "out of memory; re-run with fewer --workers or more memory"
+
+
+def _prepare_case(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry:
+    image = read_scan(case.image)
+    grid_shape = grid.grid_of(image.array.shape, image.spacing)
+    label_counts = None
+    labels = None if case.label is None else _labels(image, case.label)
+    # The whole grid is stored; the case's box is where validation looks: on the cube the
+    # grid itself, on the spacing grid an R³ box around the liver (training draws others).
+    offset = preprocess.training_offset(
+        grid_shape, grid.resolution, None if labels is None else _liver_on_grid(labels, grid_shape)
+    )
+    if grid.kind == "cube":
+        offset = (0, 0, 0)
+    if labels is not None:
+        label_grid = preprocess.to_grid(labels, grid_shape, order=0)
+        _write_array(store.array_path(out_dir, case.case_id, "label"), label_grid)
+        # Not np.bincount: it would first copy a 512³ grid into 1 GiB of int64.
+        label_counts = tuple(
+            int(np.count_nonzero(label_grid == v)) for v in preprocess.LABEL_VALUES
+        )
+        del label_grid
+    _write_array(
+        store.array_path(out_dir, case.case_id, "image"),
+        preprocess.image_to_grid(image.array, grid_shape),
+    )
+    image_source, label_source = _sources(case)
+    entry = CaseEntry(
+        id=case.case_id,
+        split="",  # assigned over all cases in `prepare`; the fold too (`_with_folds`)
+        image_source=image_source,
+        label_source=label_source,
+        original_shape=image.original_shape,
+        original_affine=_rows(image.original_affine),
+        canonical_shape=tuple(int(n) for n in image.array.shape),
+        canonical_affine=_rows(image.affine),
+        spacing=image.spacing,
+        label_counts=label_counts,
+        grid_shape=tuple(int(n) for n in grid_shape),
+        box_offset=tuple(int(n) for n in offset),
+    )
+    write_json(store.case_json_path(out_dir, case.case_id), entry.to_json())
+    return entry
+
+
+def _labels(image: Scan, label_path: Path) -> np.ndarray:
+    """The case's label map (canonical voxels), after checking it against the image."""
+    label = read_scan(label_path)
+    _check_same_geometry(image, label)
+    return preprocess.check_labels(label.array, label_path.name)
+
+
+def _liver_on_grid(
+    labels: np.ndarray, grid_shape: Sequence[int]
+) -> tuple[list[int], list[int]] | None:
+    """The liver's bounding box on the grid (first, last + 1 grid voxels), None without one."""
+    low, high = [], []
+    for axis, (n, g) in enumerate(zip(labels.shape, grid_shape, strict=True)):
+        others = tuple(a for a in range(3) if a != axis)
+        present = np.flatnonzero(np.any(labels > 0, axis=others))
+        if not len(present):
+            return None
+        # Source voxel i's centre is grid coordinate (i + 0.5)·g/n − 0.5.
+        low.append(int(np.floor((present[0] + 0.5) * g / n - 0.5)))
+        high.append(int(np.ceil((present[-1] + 0.5) * g / n - 0.5)) + 1)
+    return low, high
+
+
+def _rows(affine: np.ndarray) -> tuple[tuple[float, ...], ...]:
+    return tuple(tuple(float(v) for v in row) for row in affine)
+
+
+def _check_same_geometry(image: Scan, label: Scan) -> None:
+    difference = geometry_difference(
+        image.original_shape, image.original_affine, label.original_shape, label.original_affine
+    )
+    if difference:
+        raise CtsegError(
+            f"{image.source.name} and {label.source.name} differ in geometry: {difference}"
+        )

@@ -1,0 +1,334 @@
+"""Evaluation: scoring predicted label maps against references, and the reports.
+
+`evaluate_folders` (``ctseg evaluate --pred P --ref R``) pairs NIfTI label maps by
+name and compares them in their own file geometry: a prediction must have its
+reference's shape and affine, so no resampling or reorientation happens here. The
+evaluations that predict with trained runs (a run, an ensemble, a cross-validation)
+are `ctseg.evaluate_runs`'s, and go through the same per-case loop (`score_cases`):
+a case that fails (unreadable file, other geometry, labels outside 0–2) is listed
+under ``errors`` and the other cases still count. `evaluate_arrays` is the
+in-memory core of them all; `write_reports` writes summary.json and metrics.csv.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+
+import nibabel as nib
+import numpy as np
+
+from ctseg.atomic import claim_report, is_json_with, write_text
+from ctseg.errors import CtsegError
+from ctseg.evaluation import metrics
+from ctseg.io import scans
+
+NIFTI_SUFFIXES = (".nii.gz", ".nii")
+CSV_SECTIONS = ("liver", "tumour", "detection", "burden")
+Case = TypeVar("Case")
+
+Progress = Callable[[int, int, str], None]  # (cases done, cases in total, current case name)
+
+
+class CasePair(NamedTuple):
+    case: str  # the reference file name without extension, e.g. "segmentation-3"
+    pred: Path
+    ref: Path
+
+
+# ---------------------------------------------------------------- pairing
+
+
+def nifti_stem(path: Path) -> str | None:
+    """The file name without .nii / .nii.gz, or None for other files."""
+    for suffix in NIFTI_SUFFIXES:
+        if path.name.endswith(suffix) and len(path.name) > len(suffix):
+            return path.name[: -len(suffix)]
+    return None
+
+
+def _natural_key(name: str) -> list:
+    """Sort "segmentation-2" before "segmentation-10"."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _nifti_files(folder: Path, role: str) -> dict[str, Path]:
+    """NIfTI files of `folder` by stem; two files with one stem (.nii and .nii.gz) are an error."""
+    if not folder.is_dir():
+        raise CtsegError(f"{role} folder {folder} does not exist or is not a folder")
+    files: dict[str, Path] = {}
+    for path in sorted(folder.iterdir()):
+        stem = nifti_stem(path)
+        if stem is None or path.name.startswith(".") or not path.is_file():
+            continue
+        if stem in files:
+            raise CtsegError(f"{role} folder holds both {files[stem].name} and {path.name}")
+        files[stem] = path
+    return files
+
+
+def reference_candidates(pred_stem: str) -> list[str]:
+    """Reference stems a prediction may belong to, most specific first.
+
+    `x` ↔ `x`; LiTS `test-segmentation-N` ↔ `segmentation-N`; and what
+    `ctseg predict` writes, `<scan>_seg` ↔ `<scan>`, where a LiTS scan name
+    `volume-N` (or `test-volume-N`) stands for its `segmentation-N`: first, because a
+    LiTS folder holds the scan `volume-N` itself beside it, which is no reference.
+    """
+    candidates = [pred_stem]
+    if match := re.fullmatch(r"test-segmentation-(\d+)", pred_stem):
+        candidates.append(f"segmentation-{match[1]}")
+    if pred_stem.endswith("_seg"):
+        scan = pred_stem[: -len("_seg")]
+        if match := re.fullmatch(r"(test-)?volume-(\d+)", scan):
+            candidates.append(f"{match[1] or ''}segmentation-{match[2]}")
+        candidates.append(scan)
+    return candidates
+
+
+def pair_files(pred_dir: Path, ref_dir: Path) -> tuple[list[CasePair], list[str], list[str]]:
+    """Match prediction files to reference files by name (see `reference_candidates`).
+
+    Returns the pairs (sorted by case name) and the file names left unpaired in
+    each folder. Two predictions claiming one reference are an error.
+    """
+    preds = _nifti_files(Path(pred_dir), "prediction")
+    refs = _nifti_files(Path(ref_dir), "reference")
+    claimed: dict[str, Path] = {}
+    unpaired_pred = []
+    for stem, pred_path in preds.items():
+        ref_stem = next((c for c in reference_candidates(stem) if c in refs), None)
+        if ref_stem is None:
+            unpaired_pred.append(pred_path.name)
+        elif ref_stem in claimed:
+            raise CtsegError(
+                f"{claimed[ref_stem].name} and {pred_path.name} both match reference "
+                f"{refs[ref_stem].name}; keep one of them"
+            )
+        else:
+            claimed[ref_stem] = pred_path
+    pairs = [CasePair(stem, claimed[stem], refs[stem]) for stem in claimed]
+    pairs.sort(key=lambda pair: _natural_key(pair.case))
+    unpaired_ref = [refs[stem].name for stem in refs if stem not in claimed]
+    return pairs, sorted(unpaired_pred, key=_natural_key), sorted(unpaired_ref, key=_natural_key)
+
+
+# ---------------------------------------------------------------- one case
+
+
+def check_labels(labels: np.ndarray, role: str) -> np.ndarray:
+    """The label map as uint8, or CtsegError if it holds anything but 0, 1, 2."""
+    if labels.size and (labels.min() < 0 or labels.max() > metrics.TUMOUR):
+        raise CtsegError(f"{role} has labels outside 0–2 (min {labels.min()}, max {labels.max()})")
+    # LiTS stores some segmentations as floats; only whole numbers are labels.
+    if not np.issubdtype(labels.dtype, np.integer) and not np.array_equal(labels, np.rint(labels)):
+        raise CtsegError(f"{role} has non-integer label values")
+    return labels.astype(np.uint8)
+
+
+def evaluate_arrays(
+    name: str, pred_labels: np.ndarray, ref_labels: np.ndarray, spacing: Sequence[float]
+) -> dict:
+    """The case record of the JSON report for two label maps on one grid (spacing in mm)."""
+    if pred_labels.shape != ref_labels.shape:
+        raise CtsegError(
+            f"prediction shape {pred_labels.shape} differs from reference shape {ref_labels.shape}"
+        )
+    pred = check_labels(pred_labels, "prediction")
+    ref = check_labels(ref_labels, "reference")
+    return {"case": name, **metrics.case_metrics(pred, ref, spacing)}
+
+
+def _load_nifti(path: Path) -> nib.Nifti1Image:
+    try:
+        image = nib.load(path)
+    except (OSError, EOFError, ValueError, nib.filebasedimages.ImageFileError) as exc:
+        raise CtsegError(f"could not read {path.name}: {exc}") from exc
+    if len(image.shape) != 3:
+        raise CtsegError(f"{path.name} is not a 3-D image (shape {image.shape})")
+    return image
+
+
+def _read_labels(image: nib.Nifti1Image, path: Path) -> np.ndarray:
+    try:
+        return np.asanyarray(image.dataobj)
+    except (OSError, EOFError, ValueError, zlib.error) as exc:  # truncated or corrupt voxel data
+        raise CtsegError(f"could not read the voxels of {path.name}: {exc}") from exc
+
+
+def evaluate_pair(pair: CasePair) -> dict:
+    """Read one prediction/reference pair, check their geometry, and evaluate it."""
+    pred_image, ref_image = _load_nifti(pair.pred), _load_nifti(pair.ref)
+    difference = scans.geometry_difference(
+        pred_image.shape, pred_image.affine, ref_image.shape, ref_image.affine
+    )
+    if difference:
+        raise CtsegError(f"the prediction's geometry is not the reference's: {difference}")
+    spacing = tuple(float(z) for z in ref_image.header.get_zooms()[:3])
+    return evaluate_arrays(
+        pair.case, _read_labels(pred_image, pair.pred), _read_labels(ref_image, pair.ref), spacing
+    )
+
+
+# ---------------------------------------------------------------- many cases
+
+
+def score_cases(
+    cases: Sequence[Case],
+    name: Callable[[Case], str],
+    score: Callable[[Case], dict],
+    progress: Progress | None = None,
+) -> tuple[list[dict], list[dict]]:
+    """`score` every case: (the records, {"case", "message"} of each that failed).
+
+    A case's `CtsegError` fails that case alone; the others go on.
+    """
+    records, errors = [], []
+    for done, case in enumerate(cases):
+        if progress is not None:
+            progress(done, len(cases), name(case))
+        try:
+            records.append(score(case))
+        except CtsegError as exc:
+            errors.append({"case": name(case), "message": str(exc)})
+    if progress is not None:
+        progress(len(cases), len(cases), "")
+    return records, errors
+
+
+def evaluate_pairs(pairs: Sequence[CasePair], progress: Progress | None = None) -> dict:
+    """Evaluate every pair; a case that fails is listed under "errors" and the rest go on.
+
+    Returns ``{"cases", "summary", "errors", "unpaired"}`` (unpaired lists empty;
+    `evaluate_folders` fills them).
+    """
+    cases, errors = score_cases(pairs, lambda pair: pair.case, evaluate_pair, progress)
+    return {
+        "cases": cases,
+        "summary": metrics.summarize(cases),
+        "errors": errors,
+        "unpaired": {"pred": [], "ref": []},
+    }
+
+
+def _models(pairs: Sequence[CasePair]) -> set[tuple]:
+    """The models (run, checkpoint step, TTA) whose `ctseg predict` stats lie beside the pairs'
+    predictions (`<scan>_seg.nii.gz` beside `<scan>_stats.json`)."""
+    models = set()
+    for pair in pairs:
+        stem = nifti_stem(pair.pred) or ""
+        stats_path = pair.pred.with_name(f"{stem.removesuffix('_seg')}_stats.json")
+        if not stem.endswith("_seg") or not stats_path.is_file():
+            continue
+        try:
+            stats = json.loads(stats_path.read_text())
+            ensemble = json.dumps(stats.get("ensemble"))  # a list of members: made hashable
+            models.add((stats.get("run_dir"), stats.get("run_step"), stats.get("tta"), ensemble))
+        except (OSError, ValueError, AttributeError):
+            continue  # not a stats file of ours: nothing to compare
+    return models
+
+
+def evaluate_folders(pred_dir: Path, ref_dir: Path, progress: Progress | None = None) -> dict:
+    """Pair the two folders' files and evaluate them.
+
+    No pair at all is an error; so are one folder given as both (every case would
+    score perfectly) and predictions of several models in one folder (their mean
+    would describe none of them).
+    """
+    if Path(pred_dir).resolve() == Path(ref_dir).resolve():
+        raise CtsegError(f"--pred and --ref are the same folder ({pred_dir})")
+    pairs, unpaired_pred, unpaired_ref = pair_files(pred_dir, ref_dir)
+    if not pairs:
+        raise CtsegError(f"no prediction in {pred_dir} matches a reference in {ref_dir}")
+    if len(models := _models(pairs)) > 1:
+        described = "; ".join(
+            f"run {run or '?'} step {step}{' TTA' if tta else ''}"
+            + (" (an ensemble)" if ensemble != "null" else "")
+            for run, step, tta, ensemble in sorted(models, key=str)
+        )
+        raise CtsegError(
+            f"{pred_dir} holds predictions of {len(models)} models ({described}); "
+            "predict every scan with one model (ctseg predict --force) or evaluate them apart"
+        )
+    result = evaluate_pairs(pairs, progress)
+    result["unpaired"] = {"pred": unpaired_pred, "ref": unpaired_ref}
+    return result
+
+
+# ---------------------------------------------------------------- reports
+
+
+def case_row(case: dict) -> dict[str, Any]:
+    """One flat CSV row: "case", then "<section>_<metric>" for every per-case value."""
+    row: dict[str, Any] = {"case": case["case"]}
+    for section in CSV_SECTIONS:
+        for key, value in case[section].items():
+            row[f"{section}_{key}"] = value
+    return row
+
+
+def cases_csv(cases: Sequence[dict]) -> str:
+    """The per-case table as CSV text; undefined values are empty cells."""
+    rows = [case_row(case) for case in cases]
+    columns = list(rows[0]) if rows else ["case"]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)  # DictWriter writes None as an empty cell
+    return buffer.getvalue()
+
+
+REPORT_KEYS = ("cases", "summary", "errors", "unpaired")
+
+
+def is_cases_csv(path: Path) -> bool:
+    """Whether `path` holds a per-case CSV that `cases_csv` wrote (by its header)."""
+    try:
+        with path.open(errors="replace") as f:
+            header = f.readline().rstrip("\n")
+    except OSError:
+        return False
+    columns = header.split(",")
+    # "tumor_…": the spelling of reports written before the outputs settled on one.
+    sections = (*CSV_SECTIONS, "tumor")
+    return columns[0] == "case" and all(c.split("_")[0] in sections for c in columns[1:])
+
+
+def claim_reports(
+    json_path: Path | None,
+    csv_path: Path | None,
+    inputs: Sequence[Path],
+    force: bool = False,
+) -> None:
+    """Check, before evaluating, that the reports may go where they are asked to.
+
+    Never over an input (the `inputs` folders or a label map in them), nor one over
+    the other; an existing file only when it is such a report already, or with `force`.
+    """
+    if json_path is not None and csv_path is not None:
+        if Path(json_path).resolve() == Path(csv_path).resolve():
+            raise CtsegError("--json and --csv name the same file; give two files")
+    # The label maps the folders hold are inputs too (a report may go beside them).
+    inputs = [*inputs, *(f for d in inputs if d.is_dir() for f in d.iterdir() if nifti_stem(f))]
+    if json_path is not None:
+        claim_report(json_path, lambda p: is_json_with(p, REPORT_KEYS), inputs, force)
+    if csv_path is not None:
+        claim_report(csv_path, is_cases_csv, inputs, force)
+
+
+def write_reports(
+    result: dict, json_path: Path | None = None, csv_path: Path | None = None
+) -> None:
+    """Write the JSON report and/or the per-case CSV, each atomically."""
+    if json_path is not None:
+        # allow_nan=False: a NaN would be a bug in the metrics (they use None), so fail loudly.
+        write_text(json_path, json.dumps(result, indent=2, allow_nan=False) + "\n")
+    if csv_path is not None:
+        write_text(csv_path, cases_csv(result["cases"]))

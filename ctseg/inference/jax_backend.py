@@ -1,0 +1,395 @@
+"""Inference on JAX devices: the whole volume partitioned over them, or level-wise tiles.
+
+Whole volume (no stages): one pass over the devices, the grid split over them when
+they are several (`devices.fit_layout`: halo exchange, exactly as in training),
+whatever mesh trained the model.
+
+Level-wise tiles (the geometry in `ctseg.tiling`): everything stays on the devices.
+Each stage is one program that takes its whole input level(s), cuts its windows,
+runs them and stitches their cores into its whole output level, a loop over the
+windows inside the program (`_stage_program`). With several devices the windows are
+dealt out over them, each device stitches the cores it computed into its own copy of
+the level, and a sum over the devices (the cores are disjoint) gives every device the
+whole level for the next stage. The levels kept for the up stages stay on the devices
+while they fit, and are moved to the host whole (never per window) when they do not.
+
+Planning (no stages given): the hand formula of `ctseg.tiling` proposes candidates
+(the whole volume, then tiles); the candidates' programs are compiled, all of a plan
+at once (XLA compiles them in parallel threads), and the compiler's own memory
+analysis of each, with the levels alive beside it, decides against the devices' free
+memory. A plan is compiled before the first scan, so every scan after it only runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ctseg.config import Config
+from ctseg.errors import CtsegError
+from ctseg.inference import tiling
+from ctseg.inference.tiling import Shape, Stage, TileProgress
+from ctseg.model import plan, unet
+from ctseg.model.step import make_predict
+from ctseg.model.unet import BOTTOM, DOWN, NUM_CLASSES, UP
+from ctseg.parallel import devices as dev
+from ctseg.parallel.partition import (
+    REPLICATED,
+    Comm,
+    activation_sharding,
+    make_mesh,
+    partitioned,
+    replicated_shapes,
+)
+from ctseg.run.checkpoints import TrainedModel
+
+# Share of the devices' free memory a plan's compiled programs, with the levels alive
+# beside them, may take. The compiler's figures are the programs' own, so the share
+# only keeps room for the runtime's workspace and for fragmentation.
+COMPILED_SHARE = 0.85
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An accelerator's allocation failure, as XLA reports it."""
+    return isinstance(exc, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(exc)
+
+
+def _output_level(config: Config, stage: Stage) -> tuple[tuple[int, ...], Any]:
+    """Shape [1, x, y, z, C] and dtype of a stage's output level."""
+    if stage.kind != DOWN and stage.level == 0:
+        return (1, *stage.out_size, NUM_CLASSES), jnp.float32
+    width = unet.level_widths(config.model)[stage.level]
+    return (1, *stage.out_size, width), jnp.dtype(config.model.dtype)
+
+
+def _input_level(config: Config, stage: Stage) -> tuple[tuple[int, ...], Any]:
+    """Shape [1, x, y, z, C] and dtype of a stage's input level (the image at level 0)."""
+    if stage.level == 0:
+        return (1, *stage.size, 1), jnp.float32
+    width = unet.level_widths(config.model)[stage.level - 1]
+    return (1, *stage.size, width), jnp.dtype(config.model.dtype)
+
+
+def _below_level(config: Config, stage: Stage) -> tuple[tuple[int, ...], Any]:
+    """Shape and dtype of an up stage's second input, d_{level+1}, from the stage below."""
+    width = unet.level_widths(config.model)[stage.level + 1]
+    below = tuple(n // 2 for n in stage.size)
+    return (1, *below, width), jnp.dtype(config.model.dtype)
+
+
+def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
+    return int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+
+
+def _stage_program(
+    graphdef: nnx.GraphDef, stage: Stage, config: Config, mesh: Mesh, params: Any, stats: Any
+) -> jax.stages.Compiled:
+    """Stage `stage` over all its windows, on the devices of `mesh`'s ``data`` axis.
+
+    Arguments: params, stats, the window table (`tiling.stitch_table`, dealt out over
+    the devices: [devices, steps, 4, 3]) and the whole input level(s), replicated.
+    Result: the whole output level, replicated.
+    """
+    devices = mesh.shape["data"]
+    extent, block = stage.extent, stage.block
+    out_shape, out_dtype = _output_level(config, stage)
+    in_shape, in_dtype = _input_level(config, stage)
+    channels = in_shape[-1]
+
+    def body(comm: Comm, params: Any, stats: Any, table: jax.Array, *levels: jax.Array):
+        # The mesh splits no spatial axis, so `comm` pads with zeros, as LOCAL does.
+        net = nnx.merge(graphdef, params, stats, copy=True)
+        offsets = [jax.lax.broadcasted_iota(jnp.int32, (side,), 0) for side in block]
+
+        def one(step: jax.Array, out: jax.Array) -> jax.Array:
+            start, kept, first, stop = (table[0, step, i] for i in range(4))
+            window = [jax.lax.dynamic_slice(levels[0], (0, *start, 0), (1, *extent, channels))]
+            if stage.kind == UP:
+                below = levels[1]
+                half = (1, *(side // 2 for side in extent), below.shape[-1])
+                window.append(jax.lax.dynamic_slice(below, (0, *(start // 2), 0), half))
+            y = net.stage(stage.kind, stage.level, window, comm)
+            into = (0, *kept, 0)
+            size = (1, *block, out_shape[-1])
+            result = jax.lax.dynamic_slice(y, (0, *(kept - start // stage.scale), 0), size)
+            # Only the core's voxels: a shortened last core's block overlaps its neighbour's,
+            # and on several devices the sum over them must see each voxel once.
+            owned = [
+                (kept[a] + offsets[a] >= first[a]) & (kept[a] + offsets[a] < stop[a])
+                for a in range(3)
+            ]
+            mask = owned[0][:, None, None] & owned[1][None, :, None] & owned[2][None, None, :]
+            current = jax.lax.dynamic_slice(out, into, size)
+            return jax.lax.dynamic_update_slice(
+                out, jnp.where(mask[None, ..., None], result.astype(out_dtype), current), into
+            )
+
+        # Each device's copy of the level differs (its own cores): a device-varying carry.
+        out = jax.lax.pcast(jnp.zeros(out_shape, out_dtype), ("data",), to="varying")
+        out = jax.lax.fori_loop(0, table.shape[1], one, out)
+        return jax.lax.psum(out, "data")
+
+    count = 2 if stage.kind == UP else 1
+    program = partitioned(
+        body,
+        mesh,
+        "halo",
+        in_specs=(
+            REPLICATED,
+            REPLICATED,
+            PartitionSpec("data"),
+            *[REPLICATED] * count,
+        ),
+        out_specs=REPLICATED,
+    )
+    replicated = NamedSharding(mesh, REPLICATED)
+    inputs = [jax.ShapeDtypeStruct(in_shape, in_dtype, sharding=replicated)]
+    if stage.kind == UP:
+        below_shape, below_dtype = _below_level(config, stage)
+        inputs.append(jax.ShapeDtypeStruct(below_shape, below_dtype, sharding=replicated))
+    steps = -(-len(stage.windows()) // devices)
+    table = jax.ShapeDtypeStruct(
+        (devices, steps, 4, 3),
+        jnp.int32,
+        sharding=NamedSharding(mesh, PartitionSpec("data")),
+    )
+    return jax.jit(program).lower(params, stats, table, *inputs).compile()
+
+
+def _dealt_table(stage: Stage, devices: int) -> np.ndarray:
+    """`tiling.stitch_table` dealt out round-robin over `devices`: [devices, steps, 4, 3].
+
+    A device with fewer windows than the others repeats the first window owning
+    nothing (core start = stop), which writes no voxel.
+    """
+    table = tiling.stitch_table(stage)
+    steps = -(-len(table) // devices)
+    idle = table[0].copy()
+    idle[2:] = 0
+    padded = np.concatenate([table, np.repeat(idle[None], steps * devices - len(table), 0)])
+    return np.ascontiguousarray(padded.reshape(steps, devices, 4, 3).transpose(1, 0, 2, 3))
+
+
+# --------------------------------------------------------------------------- JAX plans
+
+
+@dataclass
+class _Plan:
+    """Compiled programs ready to run: the whole pass (no stages) or one per stage."""
+
+    stages: list[Stage]
+    programs: list[jax.stages.Compiled]
+    mesh: Mesh
+    spatial: tuple[int, int, int]  # the whole pass's split over the devices
+    needed: int  # peak bytes per device: the largest program with the levels beside it
+    spill: bool = False  # keep waiting levels on the host
+
+
+def _compile_whole(model: TrainedModel, devices: Sequence[Any], shape: Shape) -> _Plan:
+    spatial = dev.fit_split(model.config, shape, len(devices))
+    config = model.config  # its partitioner; the mesh below is the split that counts
+    mesh = make_mesh(spatial, 1, devices)
+    image = jax.ShapeDtypeStruct((1, *shape, 1), jnp.float32, sharding=activation_sharding(mesh))
+    weights = replicated_shapes((model.params, model.stats), mesh)
+    compiled = jax.jit(make_predict(model.graphdef, config, mesh)).lower(*weights, image).compile()
+    needed = plan.memory_of(compiled).total + _post_bytes(shape)
+    return _Plan([], [compiled], mesh, spatial, needed)
+
+
+def _post_bytes(shape: Shape) -> int:
+    """Device bytes after the network: the probabilities and a TTA sum of them (float32)."""
+    return 2 * math.prod(shape) * NUM_CLASSES * 4
+
+
+def _compile_stages(
+    model: TrainedModel, stages: list[Stage], mesh: Mesh
+) -> list[jax.stages.Compiled]:
+    """Every stage's program, compiled concurrently (XLA compiles in threads of its own)."""
+    params, stats = replicated_shapes((model.params, model.stats), mesh)
+    compile_one = partial(
+        _stage_program, model.graphdef, config=model.config, mesh=mesh, params=params, stats=stats
+    )
+    with ThreadPoolExecutor(max(1, len(stages))) as pool:
+        return list(pool.map(lambda stage: compile_one(stage=stage), stages))
+
+
+def _stage_needs(config: Config, stages: list[Stage], programs: list, spill: bool) -> list[int]:
+    """Peak bytes per device during each stage: its program (its input and output levels
+    included) plus the other levels alive then (none on the device when `spill`)."""
+    waiting: list[int] = []  # bytes of the levels kept for the up stages, a_0 … a_l
+    post = _post_bytes(stages[0].size)  # the first stage runs on the whole grid
+    needs = []
+    for stage, program in zip(stages, programs, strict=True):
+        if stage.kind == UP:
+            waiting.pop()  # the level this stage reads is its argument now
+        others = 0 if spill else sum(waiting)
+        needs.append(plan.memory_of(program).total + others + post)
+        if stage.kind == DOWN:  # its input level waits for the up stage of its level
+            waiting.append(_bytes(*_input_level(config, stage)))
+    return needs
+
+
+def _plan_tiles(
+    model: TrainedModel, stages: list[Stage], mesh: Mesh, budget: float | None
+) -> _Plan:
+    """Compile `stages`; with a `budget`, shrink the cores of stages that do not fit it."""
+    config = model.config
+    programs = _compile_stages(model, stages, mesh)
+    needs = _stage_needs(config, stages, programs, spill=False)
+    spill = False
+    while budget is not None and max(needs) > budget:
+        over = [
+            i
+            for i, (stage, need) in enumerate(zip(stages, needs, strict=True))
+            if need > budget and stage.largest_core > 2
+        ]
+        if not over:
+            if not spill:  # the cores are as small as they go: the waiting levels leave
+                spill = True
+                needs = _stage_needs(config, stages, programs, spill=True)
+                continue
+            break
+        for i in over:
+            stage = stages[i]
+            smaller = max(2, (stage.largest_core // 2) & ~1)
+            shape = stages[0].size  # the grid: the first stage runs at level 0
+            stages[i] = tiling.make_stage(config, shape, stage.kind, stage.level, smaller)
+        recompiled = _compile_stages(model, [stages[i] for i in over], mesh)
+        for i, program in zip(over, recompiled, strict=True):
+            programs[i] = program
+        needs = _stage_needs(config, stages, programs, spill)
+    return _Plan(stages, programs, mesh, (1, 1, 1), max(needs), spill)
+
+
+class JaxBackend:
+    """A model's compiled inference plan on JAX devices, with its weights placed there."""
+
+    def __init__(
+        self,
+        model: TrainedModel,
+        shape: Shape,
+        stages: list[Stage] | None,
+        devices: Sequence[Any],
+        memory: int,
+    ):
+        """The plan for grids of `shape`. `stages`: the level-wise tiles to run ([] the
+        whole volume), or None to plan them from the compiled programs' memory against
+        `memory` bytes per device."""
+        self.model = model
+        self.shape = shape
+        self.devices = list(devices)
+        self.dtype = jnp.dtype(model.config.model.dtype)  # of the materialised levels
+        self._plan = self._compile(stages, memory)
+        self.stages = self._plan.stages
+        self.needed = self._plan.needed
+        self.spatial = self._plan.spatial
+        mesh = self._plan.mesh
+        self._params, self._stats = jax.device_put(
+            (model.params, model.stats), NamedSharding(mesh, REPLICATED)
+        )
+        if self.stages:
+            dealt = NamedSharding(mesh, PartitionSpec("data"))
+            self._tables = [
+                jax.device_put(_dealt_table(stage, mesh.shape["data"]), dealt)
+                for stage in self.stages
+            ]
+            self._input_sharding = NamedSharding(mesh, REPLICATED)
+        else:
+            self._input_sharding = activation_sharding(mesh)
+
+    def _compile(self, fixed: list[Stage] | None, memory: int) -> _Plan:
+        """Compile the plan: `fixed` stages as asked, else from the compiler's memory figures."""
+        model, devices = self.model, self.devices
+        config = model.config
+        budget = COMPILED_SHARE * memory
+        tiles_mesh = make_mesh((1, 1, 1), len(devices), devices)
+        if fixed is not None:
+            if fixed:
+                chosen = _plan_tiles(model, fixed, tiles_mesh, budget=None)
+                largest = max(stage.largest_core for stage in fixed)
+                what, advice = f"tiles ≤ {largest}³", "use smaller tiles"
+            else:
+                chosen = _compile_whole(model, devices, self.shape)
+                what, advice = "a whole-volume pass", "use tiles"
+            if chosen.needed > memory:
+                raise CtsegError(
+                    f"{what} of the {tiling.shape_text(self.shape)} grid needs "
+                    f"{dev.human_bytes(chosen.needed)} per device, more than the "
+                    f"{dev.human_bytes(memory)} free on {dev.describe(devices)}; "
+                    f"{advice} (--tile -1 chooses them, or e.g. --tile 64)"
+                )
+            return chosen
+        # The hand formula overestimates wide models severalfold (lits512: 85 GB planned
+        # in bfloat16, 48 GiB compiled), so the whole volume is compiled to be measured
+        # whenever the formula is within that factor of fitting.
+        itemsize = self.dtype.itemsize
+        if tiling.whole_volume_bytes(config, itemsize, self.shape) <= 3 * budget:
+            whole = _compile_whole(model, devices, self.shape)
+            if whole.needed <= budget:
+                return whole
+        first_guess = tiling.choose_stages(config, memory, itemsize, self.shape)
+        return _plan_tiles(model, first_guess, tiles_mesh, budget)
+
+    @property
+    def spills(self) -> bool:
+        """Whether the levels waiting for their up stage are kept on the host."""
+        return self._plan.spill
+
+    def place(self, image: np.ndarray | jax.Array) -> jax.Array:
+        """A unit-scaled image [x, y, z] as the plan takes it: [1, x, y, z, 1] float32, on
+        the devices (one transfer)."""
+        return jax.device_put(_as_batch(image), self._input_sharding)
+
+    def logits(self, image: jax.Array, progress: TileProgress | None) -> jax.Array:
+        """Logits [x, y, z, 3] float32 of a `place`d image, on the devices."""
+        image = jax.device_put(image, self._input_sharding)  # a flipped copy may lie otherwise
+        if not self.stages:
+            out = self._plan.programs[0](self._params, self._stats, image)
+            if progress is not None:
+                out.block_until_ready()
+                progress(1, 1)
+            return _only_item(out)
+        total = sum(len(stage.windows()) for stage in self.stages)
+        done = 0
+        levels: list[Any] = [image]  # a_0 … a_l: inputs of the levels whose up stage is to come
+        below = None  # d_{l+1}, the output of the stage that ran last
+        run = zip(self.stages, self._plan.programs, self._tables, strict=True)
+        for stage, program, table in run:
+            args = (self._params, self._stats, table)
+            if stage.kind == DOWN:
+                pooled = program(*args, levels[-1])
+                if self._plan.spill:  # the level waits for its up stage on the host, whole
+                    levels[-1] = jax.device_get(levels[-1])
+                levels.append(pooled)
+            else:
+                level = jax.device_put(levels.pop(), self._input_sharding)
+                below = (
+                    program(*args, level) if stage.kind == BOTTOM else program(*args, level, below)
+                )
+            if progress is not None:
+                jax.block_until_ready(below if stage.kind != DOWN else levels[-1])
+                done += len(stage.windows())
+                progress(done, total)
+        assert below is not None and below.dtype == jnp.float32
+        return _only_item(below)
+
+
+@jax.jit
+def _as_batch(image: jax.Array) -> jax.Array:
+    return jnp.asarray(image, jnp.float32)[None, ..., None]
+
+
+@jax.jit
+def _only_item(batch: jax.Array) -> jax.Array:
+    # Jitted: an eager index of a sharded array would send the index from the host.
+    return batch[0]

@@ -1,0 +1,124 @@
+"""Post-processing of predicted label maps and the clinical numbers reported per scan.
+
+Label maps hold 0 background, 1 liver, 2 tumour; the liver is every voxel with
+label ≥ 1 (tumour is part of the organ), as in `metrics`. Connected components
+are 26-connected, the convention `metrics` uses for lesions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from scipy import ndimage, spatial
+
+from ctseg.evaluation.metrics import LIVER, TUMOUR, bounding_box, tumour_burden
+
+_CONNECTIVITY = ndimage.generate_binary_structure(3, 3)
+# Tumours (the largest by volume) whose largest diameter `scan_stats` measures: RECIST
+# follows at most 5 target lesions, and a noisy prediction can have tens of thousands.
+MEASURED_TUMOURS = 20
+
+
+def largest_component(mask: np.ndarray) -> np.ndarray:
+    """The largest 26-connected component of a boolean mask (all False if it is empty)."""
+    box = bounding_box(mask)
+    kept = np.zeros(mask.shape, dtype=bool)
+    if box is None:
+        return kept
+    components, count = ndimage.label(mask[box], structure=_CONNECTIVITY)
+    if count > 1:
+        sizes = np.bincount(components.ravel())
+        sizes[0] = 0
+        kept[box] = components == sizes.argmax()
+    else:
+        kept[box] = components > 0
+    return kept
+
+
+def clean_labels(
+    labels: np.ndarray, keep_largest_liver: bool, tumour_inside_liver: bool
+) -> np.ndarray:
+    """Post-processed copy of a label map.
+
+    `keep_largest_liver`: only the largest connected piece of liver (tumour
+    included) survives; tumour in the dropped pieces goes with them.
+    `tumour_inside_liver`: pieces of liver-or-tumour that hold no liver voxel
+    at all (tumour floating outside any liver) are dropped.
+    """
+    labels = np.array(labels, dtype=np.uint8)
+    if keep_largest_liver:
+        labels[~largest_component(labels >= LIVER)] = 0
+    if tumour_inside_liver:
+        box = bounding_box(labels >= LIVER)
+        if box is not None:
+            pieces, count = ndimage.label(labels[box] >= LIVER, structure=_CONNECTIVITY)
+            has_liver = np.zeros(count + 1, dtype=bool)
+            has_liver[np.unique(pieces[labels[box] == LIVER])] = True
+            has_liver[0] = True  # background stays what it is
+            labels[box][~has_liver[pieces]] = 0
+    return labels
+
+
+def max_diameter_mm(voxels: np.ndarray, affine: np.ndarray) -> float:
+    """Largest distance in mm between the centres of the given voxel indices [n, 3].
+
+    The farthest pair lies on the convex hull, so only its vertices are compared.
+    """
+    points = voxels @ affine[:3, :3].T  # the translation cancels in differences
+    if len(points) > 4:
+        try:
+            points = points[spatial.ConvexHull(points).vertices]
+        except spatial.QhullError:
+            pass  # flat or collinear pieces: compare all points (they are few)
+    if len(points) < 2:
+        return 0.0
+    return float(spatial.distance.pdist(points).max())
+
+
+def scan_stats(labels: np.ndarray, affine: np.ndarray) -> dict[str, Any]:
+    """Volumes (mL), tumours (count, each one's volume and place, diameters), burden (%).
+
+    `affine` maps the label map's voxel indices to mm; oblique and sheared
+    voxels are measured exactly through it. Every tumour is listed, largest
+    first; the largest diameter is measured for the `MEASURED_TUMOURS` largest
+    (a noisy prediction has tens of thousands of specks, and a diameter costs a
+    convex hull each), and `largest_tumour_diameter_mm` is the longest of those.
+    """
+    voxel_ml = abs(float(np.linalg.det(affine[:3, :3]))) / 1000.0
+    liver_voxels = int(np.count_nonzero(labels >= LIVER))
+    tumour = labels == TUMOUR
+    tumour_voxels = int(np.count_nonzero(tumour))
+    tumours: list[dict[str, Any]] = []
+    box = bounding_box(tumour)
+    if box is not None:
+        origin = np.array([s.start for s in box])
+        pieces, count = ndimage.label(tumour[box], structure=_CONNECTIVITY)
+        sizes = np.bincount(pieces.ravel())[1:]
+        objects = ndimage.find_objects(pieces)
+        # Where each tumour is: the centre of its bounding box, in mm.
+        centres = np.array([[(s.start + s.stop - 1) / 2 for s in o] for o in objects]) + origin
+        centres_mm = centres @ affine[:3, :3].T + affine[:3, 3]
+        order = np.argsort(-sizes, kind="stable")
+        for rank, piece in enumerate(order):
+            entry = {
+                "volume_ml": float(sizes[piece] * voxel_ml),
+                "box_centre_mm": [round(float(c), 2) for c in centres_mm[piece]],
+            }
+            if rank < MEASURED_TUMOURS:
+                where = objects[piece]
+                corner = np.array([s.start for s in where]) + origin
+                voxels = np.argwhere(pieces[where] == piece + 1) + corner
+                entry["diameter_mm"] = max_diameter_mm(voxels.astype(float), affine)
+            tumours.append(entry)
+    burden = tumour_burden(labels)
+    return {
+        "liver_volume_ml": liver_voxels * voxel_ml,
+        "tumour_volume_ml": tumour_voxels * voxel_ml,
+        "tumour_count": len(tumours),
+        "largest_tumour_diameter_mm": max(
+            (t["diameter_mm"] for t in tumours[:MEASURED_TUMOURS]), default=0.0
+        ),
+        "tumour_burden_percent": 0.0 if burden is None else 100.0 * burden,
+        "tumours": tumours,
+    }

@@ -1,0 +1,326 @@
+"""Geometry of exact level-wise tiled inference, and the first-guess memory model.
+
+Pure functions of a config and a grid's shape (x, y, z voxels): no device is
+touched here. `ctseg.infer` runs what this module plans.
+
+Tiling the whole network would give every window a margin of the receptive-field
+radius (56 voxels for depth 4), so at 512³ the windows would hold 6–15× the grid's
+voxels. Instead the inference-mode U-Net of depth D is cut into 2D−1 stages whose
+outputs are materialised whole, at their level's resolution (the grid's shape / 2^l;
+a grid may be any box whose sides the alignment 2^(D−1) divides, not only a cube):
+
+    down l (l = 0 … D−2):  a_{l+1} = max_pool(encoder_l(a_l)),  a_0 = the image
+    bottom:                d_{D−1} = encoder_{D−1}(a_{D−1})
+    up l (l = D−2 … 0):    d_l = decoder_l(encoder_l(a_l), d_{l+1}); up 0 ends with the head
+
+Each stage runs window by window with only its own margin, in its level's voxels:
+2·(k//2) for an encoder level's two convolutions, 4·(k//2) for an up stage, which
+recomputes its skip encoder_l(a_l) before the decoder's two convolutions (storing
+level 0's skip would take R³·base values: 8.6 GB in bfloat16 at 512³ base 32).
+Cores and margins are even, so every window starts and ends on an even voxel:
+pooling pairs the voxels the whole pass pairs, and an up stage reads d_{l+1}
+through its own window halved.
+
+Why it is exact: with inference-mode batch norm every stage is a local function of
+its inputs (ARCHITECTURE.md, invariant 6) whose radius its margin covers. Windows
+are shifted inwards at the volume's faces, never padded, so where a window stops at
+a face each convolution's own SAME zero padding is what the whole pass sees there,
+and everywhere else a core voxel is computed from the same values as in the whole
+pass.
+
+Cost, counted as window voxels × multiply-adds per voxel of each stage against one
+whole pass: 512³, base 32, depth 4, cores of 128 — 147 windows in 7 stages, 1.47× the
+whole pass (1.28× from recomputing the skips, the rest from the margins).
+
+The memory model here is a hand formula: the first guess that picks the candidate
+programs. `ctseg.infer` then decides from the compiled programs' own memory analysis.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ctseg.config import Config
+from ctseg.model.unet import BOTTOM, DOWN, NUM_CLASSES, UP, level_widths
+
+TileProgress = Callable[[int, int], None]  # (windows done, windows in total)
+Shape = tuple[int, int, int]  # voxels along x, y, z
+
+# Live activation bytes per voxel of a level, per channel of its width and per byte of
+# the compute dtype: the level's input, its halo-padded copy, the convolution output and,
+# in the decoder, the concatenated skip (twice the width).
+_LIVE_BUFFERS_PER_CHANNEL = 6
+# Per-voxel bytes that do not scale with the width: the input and its padded copies, the
+# logits, and XLA:CPU's temporaries for few-channel convolutions. Measured: a base-2 model
+# takes about 120 B per voxel at 128³, where the width term alone predicts 64.
+_FIXED_BYTES_PER_VOXEL = 128
+# Share of the available memory the first guess plans for; the rest is for the caller's
+# arrays, the runtime's own buffers, the estimate's error and whatever else runs there.
+# Measured at 512³ (lits512, ONNX, 23 GiB available): a share of 0.5 planned 11.4 GiB
+# and the process peaked at 12.5 GiB.
+MEMORY_SHARE = 0.4
+# Automatic cores when not even the smallest fits the estimate: a usable size (4096
+# windows at 512³) beats hundreds of thousands of windows.
+MIN_AUTO_CORE = 32
+
+
+@dataclass(frozen=True)
+class Window:
+    """One tile: the window fed to the network and where its core goes in the output."""
+
+    window: tuple[slice, slice, slice]  # in grid coordinates
+    core: tuple[slice, slice, slice]  # in grid coordinates
+    core_in_window: tuple[slice, slice, slice]
+
+
+def _axis_windows(size: int, core: int, extent: int, context: int) -> list[tuple[slice, slice]]:
+    """(window, core) ranges along one axis; windows have `extent` voxels, shifted to fit."""
+    ranges = []
+    for start in range(0, size, core):
+        stop = min(start + core, size)
+        first = min(max(start - context, 0), size - extent)
+        ranges.append((slice(first, first + extent), slice(start, stop)))
+    return ranges
+
+
+def grid_shape(config: Config) -> Shape:
+    """The config's training grid, R³ (`data.resolution`)."""
+    return (config.data.resolution,) * 3
+
+
+def level_shape(shape: Shape, level: int) -> Shape:
+    """A grid's shape at U-Net level `level` (each level halves every side)."""
+    return tuple(n >> level for n in shape)
+
+
+def shape_text(shape: Shape) -> str:
+    """`48³` for a cube, `320×320×160` for a box."""
+    return f"{shape[0]}³" if len(set(shape)) == 1 else "×".join(str(n) for n in shape)
+
+
+def plan_windows(size: Shape, core: Shape, context: int) -> list[Window]:
+    """Windows covering a grid of `size` with cores of `core` voxels; all of one shape.
+
+    With `size`, `core` and `context` even, every window and core starts and ends on
+    an even voxel.
+    """
+    extent = [min(c + 2 * context, n) for c, n in zip(core, size, strict=True)]
+    ax, ay, az = (
+        _axis_windows(n, c, e, context) for n, c, e in zip(size, core, extent, strict=True)
+    )
+    windows = []
+    for wx, cx in ax:
+        for wy, cy in ay:
+            for wz, cz in az:
+                window, cores = (wx, wy, wz), (cx, cy, cz)
+                inner = tuple(
+                    slice(c.start - w.start, c.stop - w.start)
+                    for w, c in zip(window, cores, strict=True)
+                )
+                windows.append(Window(window, cores, inner))
+    return windows
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of level-wise tiled inference: what it computes and how it is tiled."""
+
+    kind: str  # DOWN, BOTTOM or UP
+    level: int  # the U-Net level its convolutions run at
+    size: Shape  # that level's grid, the grid's shape / 2^level
+    core: Shape  # core sides in the level's voxels; an axis's `size`: one window along it
+    context: int  # margin in the level's voxels
+
+    @property
+    def extent(self) -> Shape:
+        """Sides of every window."""
+        return tuple(
+            min(c + 2 * self.context, n) for c, n in zip(self.core, self.size, strict=True)
+        )
+
+    @property
+    def out_size(self) -> Shape:
+        """The stage's output grid (a down stage pools)."""
+        return tuple(n // self.scale for n in self.size)
+
+    @property
+    def block(self) -> Shape:
+        """Sides of a core in output voxels: every window writes a block of this shape."""
+        return tuple(c // self.scale for c in self.core)
+
+    @property
+    def largest_core(self) -> int:
+        return max(self.core)
+
+    @property
+    def scale(self) -> int:
+        """Input voxels per output voxel along an axis: 2 for a down stage, else 1."""
+        return 2 if self.kind == DOWN else 1
+
+    def windows(self) -> list[Window]:
+        return plan_windows(self.size, self.core, self.context)
+
+
+def stitch_table(stage: Stage) -> np.ndarray:
+    """Where each window is cut and what of its output is kept: int32 [windows, 4, 3].
+
+    Per window and axis: the window's start in the stage's input; the start of a
+    block of `stage.block` output voxels, inside the window's output
+    and inside the grid, that holds the window's core (the last core along an
+    axis may be shorter than the others: its block is shifted back to end at the
+    grid's face, where the window ends too, so every voxel of it still has its
+    whole margin); and the start and stop of the core, the voxels this window
+    owns, in output voxels. Every block has one static shape, so one program cuts
+    and stitches every window.
+    """
+    rows = []
+    for w in stage.windows():
+        starts = [s.start for s in w.window]
+        core = [(c.start // stage.scale, c.stop // stage.scale) for c in w.core]
+        blocks = [
+            min(lo, out - block)
+            for (lo, _), out, block in zip(core, stage.out_size, stage.block, strict=True)
+        ]
+        rows.append([starts, blocks, [lo for lo, _ in core], [hi for _, hi in core]])
+    return np.asarray(rows, np.int32)
+
+
+def stage_order(depth: int) -> list[tuple[str, int]]:
+    """(kind, level) of every stage, in the order they run."""
+    return (
+        [(DOWN, level) for level in range(depth - 1)]
+        + [(BOTTOM, depth - 1)]
+        + [(UP, level) for level in reversed(range(depth - 1))]
+    )
+
+
+def stage_context(config: Config, kind: str) -> int:
+    """A stage's margin: the radius of its convolutions, in its level's voxels (even)."""
+    halo = config.model.kernel_size // 2
+    # An up stage: the skip's two convolutions, then the decoder's two.
+    return 4 * halo if kind == UP else 2 * halo
+
+
+def _axis_core(size: int, tile: int, context: int) -> int:
+    """Balanced cores along an axis of `size` voxels: as many as `tile` needs, all of one
+    even size but the last; `size` when the windows would span the axis anyway."""
+    per_axis = math.ceil(size / tile)
+    core = 2 * math.ceil(size / per_axis / 2)
+    return size if core + 2 * context >= size else core
+
+
+def make_stage(config: Config, shape: Shape, kind: str, level: int, tile: int) -> Stage:
+    """Stage (`kind`, `level`) of a grid of `shape`, with cores of at most `tile` voxels
+    of its level (even) along every axis.
+
+    Cores are balanced: as many per axis as `tile` needs, all of one even size but the
+    last (cores ≤ 192 on a 512 grid are 172, 172 and 168 rather than 192, 192 and 128:
+    as many windows, smaller ones). Along an axis whose windows would span it whole
+    anyway, the stage runs as one window.
+    """
+    size = level_shape(shape, level)
+    context = stage_context(config, kind)
+    core = tuple(_axis_core(n, tile, context) for n in size)
+    return Stage(kind, level, size, core, context)
+
+
+def plan_stages(config: Config, tile: int, shape: Shape | None = None) -> list[Stage]:
+    """Every stage of a grid of `shape` (default the config's R³), with cores of `tile`
+    voxels a side at every level."""
+    shape = grid_shape(config) if shape is None else shape
+    return [
+        make_stage(config, shape, kind, level, tile)
+        for kind, level in stage_order(config.model.depth)
+    ]
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def window_bytes(config: Config, level: int, extent: Shape, itemsize: int) -> float:
+    """Estimated peak activation bytes of one stage window of `extent` voxels at `level`.
+
+    The stage's level dominates (an up stage's input from below has 1/8 of the voxels):
+    a fixed share per voxel plus the live buffers of the level's width in the compute
+    dtype (`itemsize` bytes a value). Conservative for wide models: whole-network windows
+    of the lits512 model (base 32, float32) measured about 440 B per voxel, where the
+    level-0 term alone is 896.
+    """
+    width = level_widths(config.model)[level]
+    per_voxel = _FIXED_BYTES_PER_VOXEL + _LIVE_BUFFERS_PER_CHANNEL * itemsize * width
+    return math.prod(extent) * per_voxel
+
+
+def _voxels(shape: Shape, level: int = 0) -> int:
+    return math.prod(level_shape(shape, level))
+
+
+def whole_volume_bytes(config: Config, itemsize: int, shape: Shape | None = None) -> float:
+    """Estimated peak bytes of a whole-volume pass over a grid of `shape` (default the
+    config's R³): every level's buffers at once, plus the float32 image and logits."""
+    shape = grid_shape(config) if shape is None else shape
+    widths = level_widths(config.model)
+    activations = _voxels(shape) * _FIXED_BYTES_PER_VOXEL + sum(
+        _LIVE_BUFFERS_PER_CHANNEL * itemsize * width * _voxels(shape, level)
+        for level, width in enumerate(widths)
+    )
+    return activations + _voxels(shape) * (1 + NUM_CLASSES) * 4
+
+
+def resident_bytes(config: Config, shape: Shape, kind: str, level: int, itemsize: int) -> int:
+    """Bytes of the materialised levels alive while stage (`kind`, `level`) runs.
+
+    The image (float32), the pooled inputs a_1 … a_m still needed, the stage's input
+    from below and its output (float32 logits for the last stage); `itemsize`: bytes
+    per value of the intermediates.
+    """
+    widths = level_widths(config.model)
+
+    def pooled(m: int) -> int:  # a_m = max_pool of level m−1's encoder output
+        return _voxels(shape, m) * widths[m - 1] * itemsize
+
+    def decoded(m: int) -> int:  # d_m
+        return _voxels(shape, m) * widths[m] * itemsize
+
+    logits = _voxels(shape) * NUM_CLASSES * 4
+    total = _voxels(shape) * 4
+    if kind == DOWN:
+        return total + sum(pooled(m) for m in range(1, level + 2))
+    total += sum(pooled(m) for m in range(1, level + 1))
+    if kind == UP:
+        total += decoded(level + 1)
+    return total + (logits if level == 0 else decoded(level))
+
+
+def fits_whole(config: Config, memory: float, itemsize: int, shape: Shape | None = None) -> bool:
+    """Whether the first guess expects a whole-volume pass to fit in `memory` bytes."""
+    return whole_volume_bytes(config, itemsize, shape) <= MEMORY_SHARE * memory
+
+
+def choose_stages(
+    config: Config, memory: float, itemsize: int, shape: Shape | None = None
+) -> list[Stage]:
+    """The first-guess tiles for `memory` bytes per device: each stage's largest core that fits.
+
+    Each stage gets the largest core whose window fits in a share of what the
+    materialised levels alive during the stage leave (`resident_bytes`). A device
+    runs its windows one after another, so one window counts, however many devices
+    share a stage's windows.
+    """
+    shape = grid_shape(config) if shape is None else shape
+    stages = []
+    for kind, level in stage_order(config.model.depth):
+        room = MEMORY_SHARE * memory - resident_bytes(config, shape, kind, level, itemsize)
+        size = max(level_shape(shape, level))
+        chosen = make_stage(config, shape, kind, level, min(MIN_AUTO_CORE, size))
+        for core in [size, *range(2 * ((size - 1) // 2), 0, -2)]:  # the grid, then even cores
+            stage = make_stage(config, shape, kind, level, core)
+            if window_bytes(config, level, stage.extent, itemsize) <= room:
+                chosen = stage
+                break
+        stages.append(chosen)
+    return stages

@@ -1,0 +1,267 @@
+"""What a layout costs before anything runs: compile from abstract inputs and account.
+
+`plan` compiles — never runs — the jitted training step and the
+inference pass for the config's mesh and for the unpartitioned mesh with the
+same partitioner. Inputs are `jax.ShapeDtypeStruct`s carrying their
+shardings and the state comes from `jax.eval_shape`, so a 512³ plan
+allocates nothing 512³-sized. Per-device memory and FLOPs come from XLA's
+analysis of the compiled program; halo traffic is counted from the model's
+structure (`halo_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from ctseg.config import Config, with_mesh
+from ctseg.model import step
+from ctseg.model.unet import level_widths
+from ctseg.parallel.partition import (
+    ACTIVATION_SPEC,
+    local_block_shape,
+    make_mesh,
+    replicated_shapes,
+)
+
+MODES = ("train", "predict")
+LABEL_DTYPE = jnp.int32  # labels as the input pipeline hands them to the step
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Per-device bytes of one compiled program, as XLA's buffer assignment reports them."""
+
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int  # outputs written into donated argument buffers
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs + self.temporaries - self.aliased
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    partitions: int
+    partitioner: str
+    mode: str  # "train" or "predict"
+    spatial: tuple[int, int, int]
+    local_shape: tuple[int, ...]
+    memory: Memory
+    halo_bytes: int
+    flops: float  # whole step, summed over all devices
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "partitions": self.partitions,
+            "partitioner": self.partitioner,
+            "mode": self.mode,
+            "spatial": list(self.spatial),
+            "local_shape": list(self.local_shape),
+            "per_device_bytes": self.memory.total,
+            "argument_bytes": self.memory.arguments,
+            "output_bytes": self.memory.outputs,
+            "temp_bytes": self.memory.temporaries,
+            "halo_bytes": self.halo_bytes,
+            "flops": self.flops,
+        }
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def global_image_shape(config: Config) -> tuple[int, ...]:
+    r = config.data.resolution
+    return (config.train.batch_size, r, r, r, 1)
+
+
+# --------------------------------------------------------------------------- abstract inputs
+
+
+def abstract_state(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, step.TrainState]:
+    """The train state's shapes (no values), replicated over `mesh`, and the model's graphdef."""
+    graphdef, shapes = step.abstract_state(config)
+    return graphdef, replicated_shapes(shapes, mesh)
+
+
+def abstract_batch(config: Config, mesh: Mesh) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Image and label descriptions, sharded as the step expects them."""
+    shape = global_image_shape(config)
+    image = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, ACTIVATION_SPEC))
+    label = jax.ShapeDtypeStruct(
+        shape[:-1], LABEL_DTYPE, sharding=NamedSharding(mesh, step.LABEL_SPEC)
+    )
+    return image, label
+
+
+def compile_train_step(
+    graphdef: nnx.GraphDef,
+    config: Config,
+    mesh: Mesh,
+    state: Any,
+    image: Any,
+    label: Any,
+    held_norm: bool = False,
+) -> jax.stages.Compiled:
+    """Compile the jitted training step for these (abstract or concrete) arguments.
+
+    The state is donated, as a training loop does, so its buffers are reused
+    for the new state and count once in the memory analysis.
+    """
+    train_step = step.make_train_step(graphdef, config, mesh, held_norm)
+    return jax.jit(train_step, donate_argnums=0).lower(state, image, label).compile()
+
+
+def compile_predict(
+    graphdef: nnx.GraphDef, config: Config, mesh: Mesh, state: step.TrainState, image: Any
+) -> jax.stages.Compiled:
+    predict = step.make_predict(graphdef, config, mesh)
+    return jax.jit(predict).lower(state.params, state.stats, image).compile()
+
+
+# --------------------------------------------------------------------------- accounting
+
+
+def memory_of(compiled: jax.stages.Compiled) -> Memory:
+    """Per-device memory: an SPMD program is compiled once for every device alike."""
+    stats = compiled.memory_analysis()
+    return Memory(
+        arguments=stats.argument_size_in_bytes,
+        outputs=stats.output_size_in_bytes,
+        temporaries=stats.temp_size_in_bytes,
+        aliased=stats.alias_size_in_bytes,
+    )
+
+
+def flops_of(compiled: jax.stages.Compiled, devices: int) -> float:
+    """FLOPs of the whole step: XLA counts the per-device program, so × devices.
+
+    `cost_analysis()` is a dict in recent JAX and a one-element list in older
+    versions.
+    """
+    costs = compiled.cost_analysis()
+    if isinstance(costs, (list, tuple)):
+        costs = costs[0]
+    return float(costs.get("flops", 0.0)) * devices
+
+
+def _conv_input_channels(config: Config) -> list[tuple[int, int]]:
+    """(level, input channels) of every k×k×k convolution of the U-Net, in order."""
+    widths = level_widths(config.model)
+    convs = []
+    for level, width in enumerate(widths):
+        convs += [(level, 1 if level == 0 else widths[level - 1]), (level, width)]
+    for level in range(config.model.depth - 1):
+        convs += [(level, 2 * widths[level]), (level, widths[level])]  # after the skip concat
+    return convs
+
+
+def _exchange_bytes(
+    block: tuple[int, int, int], spatial: tuple[int, int, int], width: int, voxel_bytes: int
+) -> int:
+    """Bytes one interior partition sends to pad `block` by `width` (as `Comm.pad` does).
+
+    Axes are padded in order x, y, z, each on the block already extended
+    along the previous ones (that is how corners arrive without diagonal
+    messages), so later faces are larger. Only partitioned axes send.
+    """
+    extent = list(block)
+    sent = 0
+    for axis, parts in enumerate(spatial):
+        face = math.prod(extent[:axis] + extent[axis + 1 :])
+        if parts > 1:
+            sent += 2 * width * face * voxel_bytes  # two faces, `width` slices each
+        extent[axis] += 2 * width
+    return sent
+
+
+def halo_bytes(config: Config, mode: str) -> int:
+    """Halo bytes one interior partition sends per step (edge partitions send less).
+
+    For every convolution at level l, on the local block (global side /
+    partitions / 2^l per axis, local batch b): for each partitioned axis,
+    2 faces × k//2 slices × face area × b × input channels × bytes of the
+    compute dtype. Training exchanges again in the backward pass (the
+    transpose of each exchange has the same size) and once more in the
+    recomputed forward pass under `model.remat`; inference is forward only.
+    Under `gspmd` this is what the model needs, not a measurement of what XLA
+    sends.
+    """
+    spatial = config.mesh.spatial
+    if math.prod(spatial) == 1:
+        return 0
+    local = local_block_shape(global_image_shape(config), _mesh_shape(config))
+    batch, base_block = local[0], local[1:4]
+    width = config.model.kernel_size // 2
+    dtype_bytes = jnp.dtype(config.model.dtype).itemsize
+    forward = 0
+    for level, channels in _conv_input_channels(config):
+        block = tuple(side // 2**level for side in base_block)
+        forward += _exchange_bytes(block, spatial, width, batch * channels * dtype_bytes)
+    if mode == "predict":
+        return forward
+    return forward * (3 if config.model.remat else 2)
+
+
+def _mesh_shape(config: Config) -> dict[str, int]:
+    x, y, z = config.mesh.spatial
+    return {"data": config.mesh.data, "x": x, "y": y, "z": z}
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def plan_layout(
+    config: Config,
+    progress: Callable[[str], None] | None = None,
+    devices: Sequence[Any] | None = None,
+) -> list[LayoutPlan]:
+    """Compile the training step and the inference pass for `config`'s layout on `devices`
+    (default: JAX's default devices); account both."""
+    mesh = make_mesh(config.mesh.spatial, config.mesh.data, devices)
+    graphdef, state = abstract_state(config, mesh)
+    image, label = abstract_batch(config, mesh)
+    compilers = {
+        "train": lambda: compile_train_step(graphdef, config, mesh, state, image, label),
+        "predict": lambda: compile_predict(graphdef, config, mesh, state, image),
+    }
+    plans = []
+    for mode in MODES:
+        if progress is not None:
+            progress(f"compiling {mode}, {config.num_partitions} partition(s)")
+        compiled = compilers[mode]()
+        plans.append(
+            LayoutPlan(
+                partitions=config.num_partitions,
+                partitioner=config.mesh.partitioner,
+                mode=mode,
+                spatial=config.mesh.spatial,
+                local_shape=local_block_shape(global_image_shape(config), mesh.shape),
+                memory=memory_of(compiled),
+                halo_bytes=halo_bytes(config, mode),
+                flops=flops_of(compiled, mesh.size),
+            )
+        )
+    return plans
+
+
+def plan(
+    config: Config,
+    progress: Callable[[str], None] | None = None,
+    devices: Sequence[Any] | None = None,
+) -> list[LayoutPlan]:
+    """The config's layout, then the unpartitioned one with the same partitioner."""
+    plans = plan_layout(config, progress, devices)
+    if config.num_partitions > 1:
+        whole = with_mesh(config, (1, 1, 1))
+        plans += plan_layout(whole, progress, devices)
+    return plans

@@ -1,0 +1,310 @@
+"""The run directory: what `ctseg train` writes, and what `predict` and `evaluate` read.
+
+Layout (the contract between `ctseg train` and the commands after it)::
+
+    RUN_DIR/config.toml      the fully resolved config; a resumed run must match it (mesh aside)
+    RUN_DIR/checkpoints/     orbax checkpoints (`ctseg.checkpoints`): the latest K plus the best
+    RUN_DIR/metrics.jsonl    one JSON object per logged step; validation entries carry Dice
+    RUN_DIR/curves.png       loss and validation Dice over steps, redrawn at each validation
+    RUN_DIR/layouts.jsonl    one line per start: {"from_step", "mesh", "devices"}
+    RUN_DIR/fingerprint.json the training data's fingerprint (spacings, extents, livers' volumes,
+                             extents and HU; `ctseg.fingerprint`), written when a run starts
+                             (or resumes without one) and kept after; absent in runs trained
+                             before fingerprints, whose scans `predict` checks as before
+    RUN_DIR/fold.json        a cross-validation fold run's fold (train.fold ≥ 0 only):
+                             {"fold", "folds", "fold_seed", "store", "val_cases",
+                             "train_cases"}, the store's fold as the run first trained on it
+    RUN_DIR/eval/            `ctseg evaluate RUN_DIR`'s default output folder: evaluated.json
+                             (what it evaluated), summary.json, metrics.csv, predictions/
+
+This module reads and writes the plain files; it imports no JAX, so a command can
+read a run's config before it chooses (and starts) the devices.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ctseg import atomic
+from ctseg import config as cfg
+from ctseg.data.store import Store
+from ctseg.errors import CtsegError
+
+CONFIG = "config.toml"
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+CURVES = "curves.png"
+LAYOUTS = "layouts.jsonl"
+FINGERPRINT = "fingerprint.json"
+FOLD = "fold.json"
+EVALUATION = "eval"
+# In an evaluation's folder (RUN_DIR/eval, or --out): the run, checkpoint, store and split.
+EVALUATED = "evaluated.json"
+# What makes a folder a run directory's: `ctseg train` claims no folder of others' files.
+OWN_FILES = (CONFIG, CHECKPOINTS)
+
+
+def load_config(run_dir: Path) -> cfg.Config:
+    """The run's config.toml; CtsegError if `run_dir` is no run directory."""
+    path = Path(run_dir) / CONFIG
+    if not path.is_file():
+        raise CtsegError(f"{run_dir} is not a ctseg run directory (no {CONFIG})")
+    return cfg.load(path)
+
+
+def write_or_check_config(run_dir: Path, config: cfg.Config, write: bool = True) -> None:
+    """Write RUN_DIR/config.toml, or check that an existing run used the same config.
+
+    The mesh is not part of a run's identity: every layout trains the same model
+    (invariant 1), so a run may resume on another machine with another layout.
+    """
+    path = Path(run_dir) / CONFIG
+    if path.exists():
+        previous, current = cfg.to_dict(cfg.load(path)), cfg.to_dict(config)
+        previous.pop("mesh")
+        current.pop("mesh")
+        if previous != current:
+            changed = [
+                f"{section}.{key}"
+                for section, values in current.items()
+                for key, value in values.items()
+                if previous[section][key] != value
+            ]
+            raise CtsegError(
+                f"{run_dir} holds a run with a different config ({', '.join(changed)}); "
+                "use a new --workdir, or the same config to resume"
+            )
+        return
+    if write:
+        atomic.write_text(path, cfg.to_toml(config))
+
+
+def fold_record(store: Store, fold: int) -> dict[str, Any]:
+    """What RUN_DIR/fold.json says of a run of fold `fold` of `store` (or of a fold view
+    of it: the view keeps every case's fold)."""
+    view = store.for_fold(fold)
+    return {
+        "fold": fold,
+        "folds": store.folds,
+        "fold_seed": store.fold_seed,
+        "store": str(Path(store.path).resolve()),
+        "val_cases": [case.id for case in view.split("val")],
+        "train_cases": [case.id for case in view.split("train")],
+    }
+
+
+def read_fold(run_dir: Path) -> dict[str, Any] | None:
+    """RUN_DIR/fold.json, None for a run of a store's own split; CtsegError if damaged."""
+    path = Path(run_dir) / FOLD
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        fold, folds = record["fold"], record["folds"]
+        if not (
+            isinstance(fold, int)
+            and isinstance(folds, int)
+            and all(isinstance(record[k], list) for k in ("val_cases", "train_cases"))
+        ):
+            raise ValueError("fold, folds or the case lists are not what they must be")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CtsegError(f"cannot read {path}: {exc}") from None
+    return record
+
+
+def fold_difference(record: dict[str, Any], store: Store) -> str | None:
+    """How the fold a run recorded differs from that fold of `store` now; None if it does not.
+
+    Compared by case ids (the store may have moved): fold runs of folds re-assigned
+    since they trained neither resume nor make a cross-validation together.
+    """
+    fold = record["fold"]
+    if store.folds != record["folds"] or not 0 <= fold < store.folds:
+        now = f"{store.folds} folds" if store.folds else "no folds"
+        return (
+            f"trained on fold {fold} of {record['folds']} folds, but the store at {store.path} "
+            f"has {now} now"
+        )
+    now = fold_record(store, fold)
+    if sorted(now["val_cases"]) != sorted(record["val_cases"]) or sorted(
+        now["train_cases"]
+    ) != sorted(record["train_cases"]):
+        return (
+            f"trained on fold {fold} as it was then ({_cases(record['val_cases'])}), but fold "
+            f"{fold} of the store at {store.path} is now {_cases(now['val_cases'])}: its folds "
+            "were re-assigned since"
+        )
+    return None
+
+
+def _cases(ids: list[str]) -> str:
+    shown = ", ".join(ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")
+    return f"{len(ids)} case(s): {shown}"
+
+
+def write_or_check_fold(run_dir: Path, store: Store, fold: int, write: bool = True) -> None:
+    """Write RUN_DIR/fold.json, or check that a resumed run's fold is still the store's."""
+    earlier = read_fold(run_dir)
+    if earlier is None:
+        if write:
+            atomic.write_json(Path(run_dir) / FOLD, fold_record(store, fold))
+        return
+    difference = fold_difference(earlier, store)
+    if earlier["fold"] != fold:
+        difference = f"trained on fold {earlier['fold']}, not {fold}"
+    if difference is not None:
+        raise CtsegError(
+            f"{run_dir} {difference}; use a new --workdir, or assign the folds it trained on again"
+        )
+
+
+def is_run_dir(folder: Path) -> bool:
+    """Whether `folder` is a run directory (a `ctseg train` wrote its config there)."""
+    return all((Path(folder) / name).exists() for name in OWN_FILES)
+
+
+def runs_in(path: Path) -> list[Path]:
+    """The run directories `path` names: itself, or (a folder of runs, e.g. one per
+    cross-validation fold) every run directory directly inside it, sorted."""
+    path = Path(path)
+    if (path / CONFIG).is_file():  # a run (whose checkpoints the loading checks)
+        return [path]
+    runs = sorted(p for p in path.iterdir() if is_run_dir(p)) if path.is_dir() else []
+    if not runs:
+        raise CtsegError(
+            f"{path} is not a ctseg run directory (no {CONFIG}), nor a folder of run directories"
+        )
+    return runs
+
+
+def member_runs(paths: Sequence[Path]) -> list[Path]:
+    """The run directories several paths name (`runs_in` each), each once: a run named
+    twice would silently weigh twice in an ensemble's mean."""
+    runs = [run for path in paths for run in runs_in(path)]
+    seen: dict[Path, Path] = {}
+    for run in runs:
+        same = seen.setdefault(run.resolve(), run)
+        if same is not run:
+            also = f" (also as {same})" if str(same) != str(run) else ""
+            raise CtsegError(f"{run} is named twice{also}: name each run once")
+    return runs
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir).absolute() / CHECKPOINTS
+
+
+def evaluation_dir(run_dir: Path, out: Path | None = None) -> Path:
+    """Where `ctseg evaluate RUN_DIR` writes: `out`, else RUN_DIR/eval."""
+    return Path(run_dir) / EVALUATION if out is None else Path(out)
+
+
+class MetricsLog:
+    """RUN_DIR/metrics.jsonl; on resume, entries after the restored step are dropped.
+
+    Only the writing process (process 0 of a multi-host job) touches the file;
+    the others keep the entries in memory.
+    """
+
+    def __init__(self, run_dir: Path, resume_step: int, write: bool = True):
+        self.path = Path(run_dir) / METRICS
+        self.write = write
+        kept = [e for e in self.read(run_dir) if e["step"] <= resume_step]
+        if write:
+            atomic.write_text(self.path, "".join(json.dumps(e) + "\n" for e in kept))
+        self.entries = kept
+
+    @staticmethod
+    def read(run_dir: Path) -> list[dict[str, Any]]:
+        """The entries of RUN_DIR/metrics.jsonl, old runs' keys spelled as today's."""
+        path = Path(run_dir) / METRICS
+        if not path.exists():
+            return []
+        entries = []
+        for line in path.read_text().splitlines():
+            try:
+                entries.append(_current_keys(json.loads(line)))
+            except json.JSONDecodeError:
+                break  # a line cut by a kill: everything after it is lost anyway
+        return entries
+
+    def append(self, entry: dict[str, Any]) -> None:
+        self.entries.append(entry)
+        if not self.write:
+            return
+        # A full disk is the user's to fix: one line, not a traceback. A line cut short
+        # here is no harm: `read` stops at it, and a resume drops it with the later steps.
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(entry) + "\n")
+        except OSError as exc:
+            raise CtsegError(f"could not write {self.path}: {exc.strerror or exc}") from exc
+
+    def validations(self) -> dict[int, dict[str, float]]:
+        """Step → {step, liver, tumour} of every validation entry."""
+        return {
+            e["step"]: {
+                "step": e["step"],
+                "liver": e["val_dice_liver"],
+                "tumour": e["val_dice_tumour"],
+            }
+            for e in self.entries
+            if "val_dice_liver" in e
+        }
+
+
+def _current_keys(entry: dict[str, Any]) -> dict[str, Any]:
+    # Runs written before the outputs settled on one spelling logged `val_dice_tumor`.
+    if "val_dice_tumor" in entry:
+        entry["val_dice_tumour"] = entry.pop("val_dice_tumor")
+    return entry
+
+
+def record_layout(run_dir: Path, step: int, config: cfg.Config, where: str) -> None:
+    """Append to RUN_DIR/layouts.jsonl which layout and devices train from `step` on."""
+    entry = {"from_step": step, "mesh": cfg.to_dict(config)["mesh"], "devices": where}
+    path = Path(run_dir) / LAYOUTS
+    previous = path.read_text() if path.exists() else ""
+    atomic.write_text(path, previous + json.dumps(entry) + "\n")
+
+
+def last_layout(run_dir: Path) -> dict[str, Any] | None:
+    """The latest entry of RUN_DIR/layouts.jsonl (the layout the run last trained on)."""
+    path = Path(run_dir) / LAYOUTS
+    if not path.exists():
+        return None
+    last = None
+    for line in path.read_text().splitlines():
+        try:
+            last = json.loads(line)
+        except json.JSONDecodeError:
+            break
+    return last if isinstance(last, dict) else None
+
+
+def write_fingerprint(run_dir: Path, fingerprint: dict[str, Any]) -> None:
+    """Write RUN_DIR/fingerprint.json (`ctseg.fingerprint.compute`'s JSON)."""
+    atomic.write_json(Path(run_dir) / FINGERPRINT, fingerprint)
+
+
+def read_fingerprint(run_dir: Path) -> dict[str, Any] | None:
+    """RUN_DIR/fingerprint.json; None for a run trained before fingerprints were recorded.
+
+    CtsegError if the file is there but is no JSON object (`ctseg.fingerprint.load`
+    checks its fields)."""
+    path = Path(run_dir) / FINGERPRINT
+    if not path.exists():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CtsegError(
+            f"cannot read {path} ({exc}); delete it to predict without comparing scans "
+            "with the training data"
+        ) from None
+    if not isinstance(raw, dict):
+        raise CtsegError(f"{path} is not the fingerprint `ctseg train` writes (no JSON object)")
+    return raw
