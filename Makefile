@@ -1,4 +1,4 @@
-# The README's commands. `make demo` and `make test` create the virtual
+# The commands the README and docs/ show. `make demo` and `make test` create the virtual
 # environment themselves, so each is one command on a fresh machine.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -27,8 +27,8 @@ bench: $(STAMP)
 	$(CTSEG) bench --config configs/demo.toml --partitions 1,2,4,8,16 --partitioner halo,gspmd --peak --json bench/bench.json
 
 # One 512×512 scan through `ctseg predict` with the lits512 model on ONNX Runtime, on
-# the CPU: wall time and peak memory (about 9 minutes on 2 cores). On a GPU, see the
-# README's GPU section.
+# the CPU: wall time and peak memory (about 9 minutes on 2 cores). On a GPU, see
+# docs/guides/gpu-tpu.md.
 bench-predict512: $(STAMP)
 	$(PY) scripts/bench_predict512.py bench/predict512 --device cpu --backend onnx --cold-only
 

@@ -2,7 +2,7 @@
 
 One process, one input: base 16, depth 4, 128³, float32, batch 1, 2 threads,
 inference mode; best of a few runs after warm-up. ONNX Runtime runs our exported
-graph (`ctseg.onnx_export`) of the same weights as the JAX run. PyTorch is not a
+graph (`ctseg.inference.onnx_export`) of the same weights as the JAX run. PyTorch is not a
 ctseg dependency; install it and the onnx extra into the virtualenv first:
 
     pip install torch==2.13.0 'ctseg[onnx]'
@@ -11,7 +11,7 @@ ctseg dependency; install it and the onnx extra into the virtualenv first:
 
 (The GLIBC_TUNABLES setting keeps freed activation buffers in the process instead of
 handing them back to the system; run once with and once without it to see its effect,
-as the README's "CPU speed" section does.)
+as docs/experiments/cpu-speed.md does.)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Usage: python scripts/geometry_table.py EXPERIMENT_DIR GRID1 GRID2 ...
 Reads EXPERIMENT_DIR/heldout-<GRID>.json (`ctseg evaluate --pred --ref --json`) and
 the kind of each held-out and training scan from the synth.json files that
-`ctseg synth` writes (for real scans, `data_prep.synth.extent_group` of the z-extent).
+`ctseg synth` writes (for real scans, `ctseg.synth.cases.extent_group` of the z-extent).
 """
 
 import json

@@ -1,7 +1,7 @@
 """The PyTorch / MONAI anchor for ctseg's GPU figures: the same 3-D U-Net in PyTorch.
 
 Depth 4, two conv-BN-ReLU per level, 2× max-pool, 2×2×2 stride-2 transposed conv up,
-concatenation [skip, up], 1×1×1 head to 3 classes: ctseg's U-Net (`ctseg.unet`), so
+concatenation [skip, up], 1×1×1 head to 3 classes: ctseg's U-Net (`ctseg.model.unet`), so
 that a step or a prediction can be put against a widely used implementation measured
 on the same GPU. Needs a CUDA GPU and the `bench` extra (`pip install -e '.[bench]'`):
 

@@ -23,6 +23,7 @@ from ctseg.cli.options import (
 )
 from ctseg.cli.progress import counting
 from ctseg.errors import CtsegError
+from ctseg.memory import human_bytes
 from ctseg.model.bench import (
     BenchResult,
     Peak,
@@ -31,7 +32,7 @@ from ctseg.model.bench import (
     measure_peak,
     ratio_to_one_partition,
 )
-from ctseg.parallel.devices import auto_spatial, human_bytes
+from ctseg.parallel.layouts import auto_spatial
 
 console = Console(highlight=False)
 

@@ -16,9 +16,10 @@ from ctseg.cli.predict import BackendOption, TtaOption
 from ctseg.cli.progress import counting
 from ctseg.config import InferenceOptions
 from ctseg.errors import CtsegError
-from ctseg.evaluation.runs import evaluate_cross_validation, evaluate_run
+from ctseg.evaluation.cross_validation import evaluate_cross_validation
+from ctseg.evaluation.runs import evaluate_run
 from ctseg.evaluation.scoring import claim_reports, evaluate_folders, write_reports
-from ctseg.run import rundir
+from ctseg.run import evaluations, rundir
 
 console = Console(highlight=False)
 
@@ -94,7 +95,7 @@ def _evaluate_run(
     configs = [rundir.load_config(run_dir) for run_dir in run_dirs]
     start_jax(configs[0], devices=1, device=options.device, compile_cache=compile_cache)
     if len(run_dirs) == 1:
-        out = rundir.evaluation_dir(run_dirs[0], out)
+        out = evaluations.evaluation_dir(run_dirs[0], out)
     run = partial(
         evaluate_run, run_dirs, data, split, out, options, configs, force=force, warn=warn
     )

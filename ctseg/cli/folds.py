@@ -10,8 +10,9 @@ from rich.table import Table
 
 from ctseg.cli.app import app
 from ctseg.cli.options import warn
-from ctseg.data.build import write_folds
-from ctseg.data.store import MANIFEST, Store
+from ctseg.data.manifest import MANIFEST
+from ctseg.data.splits import write_folds
+from ctseg.data.store import Store
 
 
 @app.command()

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ctseg import config as cfg
+from ctseg.parallel.compile_cache import compile_cache_dir, use_compile_cache
 
 _stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -45,7 +46,7 @@ ProcessIdOption = Annotated[
 
 
 class DeviceChoice(StrEnum):
-    """`ctseg.devices.DEVICE_CHOICES`, as a choice for the command line."""
+    """`ctseg.parallel.devices.DEVICE_CHOICES`, as a choice for the command line."""
 
     auto = "auto"
     cpu = "cpu"
@@ -100,7 +101,7 @@ def start_jax(
     from ctseg.parallel import partition  # imports JAX; keep `ctseg --help` fast
 
     dev.restrict_backends(device)
-    cache_problem = dev.use_compile_cache(dev.compile_cache_dir(compile_cache))
+    cache_problem = use_compile_cache(compile_cache_dir(compile_cache))
     partition.initialize_distributed(coordinator, num_processes, process_id)
     # Each process contributes its share of the mesh's devices.
     processes = num_processes or 1

@@ -22,9 +22,10 @@ from ctseg.cli.options import (
     start_jax,
 )
 from ctseg.config import Config
+from ctseg.memory import human_bytes
 from ctseg.model import unet
 from ctseg.model.plan import LayoutPlan, plan, plan_layout
-from ctseg.parallel.devices import human_bytes
+from ctseg.parallel.layouts import fit_training
 
 console = Console(highlight=False)
 
@@ -123,7 +124,7 @@ def _this_machine(config: Config, found: list, progress) -> dict:
     """Which layout `ctseg train` would choose here and, on accelerators, whether it fits."""
     from ctseg.parallel import devices as dev
 
-    layout = dev.fit_training(config, found)
+    layout = fit_training(config, found)
     here = {
         "devices": dev.describe(found, simulated=True),
         "spatial": list(layout.config.mesh.spatial),

@@ -37,14 +37,14 @@ TileOption = Annotated[
 
 
 class OutputType(StrEnum):
-    """`ctseg.predict_files.OUTPUT_TYPES`, as a choice for the command line."""
+    """`ctseg.inference.files.OUTPUT_TYPES`, as a choice for the command line."""
 
     nifti = "nifti"
     dicom_seg = "dicom-seg"
 
 
 class Backend(StrEnum):
-    """`ctseg.infer.BACKENDS`, as a choice for the command line."""
+    """`ctseg.inference.backends.BACKENDS`, as a choice for the command line."""
 
     jax = "jax"
     onnx = "onnx"
@@ -84,7 +84,7 @@ def _stats_table(outcomes: list) -> Table:
             continue
         s = o.stats
         status = "[yellow]warning[/]" if o.warnings else "[green]ok[/]"
-        if o.checks:  # far outside the run's training data (ctseg.fingerprint)
+        if o.checks:  # far outside the run's training data (ctseg.run.fingerprint)
             status = f"[yellow]{'warning' if o.warnings else 'ok'}, check: outside training data[/]"
         status = "[green]done earlier[/]" if o.done_earlier else status
         table.add_row(

@@ -10,7 +10,8 @@ from ctseg import lock
 from ctseg.cli.app import app
 from ctseg.cli.options import warn
 from ctseg.cli.progress import counting
-from ctseg.synth.phantoms import MAX_SLICES_PER_SIZE, write_dataset
+from ctseg.synth.cases import MAX_SLICES_PER_SIZE
+from ctseg.synth.dataset import write_dataset
 
 
 @app.command()

@@ -23,6 +23,7 @@ from ctseg.cli.options import (
     start_jax,
     warn,
 )
+from ctseg.parallel.layouts import fit_training
 
 
 def _dice(entry: dict) -> str:
@@ -86,7 +87,7 @@ def train(
     from ctseg.training.loop import train_and_evaluate
 
     found = dev.choose(device.value, dev.visible(local=False))
-    layout = dev.fit_training(config, found, exact_mesh)
+    layout = fit_training(config, found, exact_mesh)
     console = Console(highlight=False)
     console.print(layout.line)
     columns = (

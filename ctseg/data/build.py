@@ -1,50 +1,45 @@
 """Building a prepared store (`ctseg preprocess`): every case of a raw data set resampled
-to the R³ grid, in worker processes, resumable. The store's layout is `ctseg.store`'s.
+to its grid, in worker processes, resumable. The store's layout is `ctseg.data.store`'s.
 
 Every write is atomic and a case counts as done only once its ``case.json`` is
 written (after its arrays), so a killed run is simply run again: finished cases are
 skipped. The manifest is written last and lists only the cases that were prepared.
 
 Which cases validate (the train/val split, cross-validation folds) is
-`ctseg.splits`'s to decide; `write_folds` (``ctseg folds``) assigns folds to an
-existing store by rewriting its manifest alone.
+`ctseg.data.splits`'s to decide.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import errno
+import functools
 import json
-import multiprocessing
-import os
 import shutil
-import signal
 import tempfile
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, as_completed
-from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
-from ctseg import lock
+from ctseg import compat, lock
 from ctseg.atomic import claim_folder, write_json, write_npy
 from ctseg.config import Config
-from ctseg.data import grids as preprocess
-from ctseg.data import splits, store
+from ctseg.data import grids, splits, store
 from ctseg.data.grids import GridSpec
-from ctseg.data.store import CaseEntry, Layout, RawCase, Store
+from ctseg.data.manifest import MANIFEST, grid_keys, manifest_file, read_manifest, write_manifest
+from ctseg.data.raw import RawCase, RawLayout
+from ctseg.data.store import CaseEntry, Store
+from ctseg.data.workers import each_in_workers, usable_workers
 from ctseg.errors import CtsegError
 from ctseg.io.scans import Scan, geometry_difference, read_scan
+from ctseg.labels import LABEL_VALUES, check_labels
+from ctseg.progress import Progress
 
-Progress = Callable[[int, int, str], None]
 Status = Literal["prepared", "resumed", "failed"]
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_WORKER_DIED = "the worker process died (out of memory?); re-run with fewer --workers"
 
 
 @dataclass(frozen=True)
@@ -68,7 +63,7 @@ class PrepareResult:
 
 
 def write_store(
-    layout: Layout,
+    layout: RawLayout,
     out_dir: str | Path,
     config: Config,
     progress: Progress | None = None,
@@ -95,7 +90,7 @@ def write_store(
 
 
 def _write(
-    layout: Layout,
+    layout: RawLayout,
     out_dir: Path,
     config: Config,
     progress: Progress | None,
@@ -108,7 +103,7 @@ def _write(
     earlier = splits.earlier_folds(out_dir)
     folds, fold_seed = splits.fold_plan(layout, out_dir, config, earlier, force)
     # A manifest must never describe arrays that are being rewritten.
-    (out_dir / store.MANIFEST).unlink(missing_ok=True)
+    (out_dir / MANIFEST).unlink(missing_ok=True)
 
     split_of = splits.of_layout(layout, config)
     entries: dict[str, CaseEntry] = {}
@@ -135,7 +130,8 @@ def _write(
             record(case, f"training case without its label: no label file for {case.image}")
         else:
             todo.append(case)
-    for case, result in _prepare_all(todo, out_dir, grid, workers):
+    prepare = functools.partial(_prepare_or_reason, out_dir, grid=grid)
+    for case, result in each_in_workers(prepare, todo, workers, died=_WORKER_DIED):
         record(case, result)
 
     ordered = [c.case_id for c in layout.cases]
@@ -143,125 +139,22 @@ def _write(
     if not good:
         return PrepareResult(store=None, outcomes=[outcomes[i] for i in ordered])
     good, folds = splits.with_folds(out_dir, good, folds, fold_seed, earlier, warn)
-    written = _write_manifest(out_dir, grid, good, folds, fold_seed if folds else None)
-    return PrepareResult(store=written, outcomes=[outcomes[i] for i in ordered])
-
-
-@dataclass(frozen=True)
-class FoldsResult:
-    """What `write_folds` did: the store as it is now, and whether its manifest changed."""
-
-    store: Store
-    changed: bool
-    earlier: int  # the folds the store had before
-
-
-def write_folds(
-    store_dir: str | Path,
-    folds: int,
-    seed: int = 0,
-    force: bool = False,
-    warn: Callable[[str], None] | None = None,
-) -> FoldsResult:
-    """Assign `folds` cross-validation folds (0: none) to an existing store (`ctseg folds`).
-
-    Rewrites manifest.json alone, atomically, under the store's lock; the arrays and
-    case.json files are not touched. Folds equal to the store's are left as they are;
-    other folds over a store that has some need `force`, because runs trained on the
-    old ones could no longer be resumed or evaluated together (their fold.json
-    records the cases they validated on, and both refuse the mismatch).
-    """
-    store_dir = Path(store_dir)
-    if folds < 0 or folds == 1:
-        raise CtsegError(f"--k must be 0 (no folds) or at least 2, got {folds}")
-    if seed < 0:
-        raise CtsegError(f"--seed must not be negative, got {seed}")
-    if store.manifest_file(store_dir) is None:
-        raise CtsegError(
-            f"no prepared store at {store_dir} ({store.MANIFEST} missing); run "
-            "`ctseg preprocess` first"
-        )
-    with lock.hold(store_dir, warn):
-        current = Store.open(store_dir)
-        labelled = [case.id for case in current.cases if case.labelled]
-        if folds > len(labelled):
-            raise CtsegError(
-                f"--k {folds} needs at least {folds} labelled cases; the store at {store_dir} "
-                f"has {len(labelled)}"
-            )
-        of_case = splits.assign_folds(labelled, folds, seed) if folds else {}
-        now = {case.id: case.fold for case in current.cases if case.labelled}
-        same_assignment = now == {i: of_case.get(i) for i in labelled}
-        if same_assignment and (current.folds, current.fold_seed) == (
-            folds,
-            seed if folds else None,
-        ):
-            return FoldsResult(current, changed=False, earlier=current.folds)
-        if current.folds and not force:
-            raise CtsegError(
-                f"{store_dir} already has {current.folds} folds (seed {current.fold_seed}); "
-                "runs trained on them could no longer be resumed or evaluated together: "
-                "give --force to re-assign them"
-            )
-        entries = [dataclasses.replace(case, fold=of_case.get(case.id)) for case in current.cases]
-        written = _write_manifest(
-            store_dir, current.grid_spec, entries, folds, seed if folds else None
-        )
-        return FoldsResult(written, changed=True, earlier=current.folds)
-
-
-def usable_workers(requested: int) -> int:
-    """`requested` worker processes, but at most one per CPU this process may run on.
-
-    More would only share the CPUs (and multiply the memory): 1000 workers on 2 cores
-    were 20× slower than 2. CtsegError below 1.
-    """
-    if requested < 1:
-        raise CtsegError(f"--workers must be at least 1, got {requested}")
-    try:
-        cpus = len(os.sched_getaffinity(0))  # what taskset or a container's cpuset leaves
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return min(requested, cpus)
-
-
-def _grid_keys(grid: GridSpec) -> dict[str, Any]:
-    """The manifest's description of the grid: resolution, grid and (spacing grid) spacing."""
-    keys: dict[str, Any] = {"resolution": grid.resolution, "grid": grid.kind}
-    if grid.kind == "spacing":
-        keys["spacing"] = list(grid.spacing)
-    return keys
-
-
-def _write_manifest(
-    out_dir: Path, grid: GridSpec, entries: list[CaseEntry], folds: int, fold_seed: int | None
-) -> Store:
-    write_json(
-        out_dir / store.MANIFEST,
-        {
-            "format": store.FORMAT,
-            "version": store.VERSION,
-            **_grid_keys(grid),
-            "folds": folds,
-            "fold_seed": fold_seed,
-            "cases": [e.to_json() for e in entries],
-        },
-    )
-    return Store.open(out_dir)
+    write_manifest(out_dir, grid, [e.to_json() for e in good], folds, fold_seed if folds else None)
+    return PrepareResult(store=Store.open(out_dir), outcomes=[outcomes[i] for i in ordered])
 
 
 def _check_existing_store(out_dir: Path, grid: GridSpec, force: bool) -> None:
     """Refuse a folder that is not a store (unless `force`), or a store of another grid."""
     # A killed first run leaves cases/ without a manifest: the folder is still the store's.
-    claim_folder(out_dir, (store.MANIFEST, "cases"), force)
+    claim_folder(out_dir, (MANIFEST, "cases"), force)
     _check_writable(out_dir)
-    store.manifest_file(out_dir)
-    manifest = None if force else store.read_manifest(out_dir)
+    manifest_file(out_dir)
+    manifest = None if force else read_manifest(out_dir)
     if manifest is None:
         return
+    manifest = compat.store_manifest(manifest)
     written = {key: manifest[key] for key in ("resolution", "grid", "spacing") if key in manifest}
-    written.setdefault("grid", "cube")  # a store written before the spacing grid
-    if written != _grid_keys(grid):
+    if written != grid_keys(grid):
         raise CtsegError(
             f"{out_dir} holds a store of {_described(written)}, not {grid.describe()}; use "
             "another folder or --force to rebuild it"
@@ -318,7 +211,8 @@ def _finished_entry(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry |
         return None
     kinds = ("image",) if case.label is None else ("image", "label")
     try:
-        entry = CaseEntry.from_json(json.loads(case_json.read_text()))
+        raw = json.loads(case_json.read_text())
+        entry = CaseEntry.from_json(compat.case_entry(raw, grid.resolution))
         shapes = [
             np.load(store.array_path(out_dir, case.case_id, kind), mmap_mode="r").shape
             for kind in kinds
@@ -327,8 +221,7 @@ def _finished_entry(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry |
         return None  # damaged or from an older layout: prepare the case again
     same_sources = (entry.image_source, entry.label_source) == _sources(case)
     expected = grid.grid_of(entry.canonical_shape, entry.spacing)
-    # A case written before grids were recorded is its R³ grid.
-    same_grid = tuple(entry.grid_shape or (grid.resolution,) * 3) == expected
+    same_grid = tuple(entry.grid_shape) == expected
     if same_sources and same_grid and shapes == [expected] * len(kinds):
         return entry
     return None
@@ -337,57 +230,6 @@ def _finished_entry(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry |
 def _sources(case: RawCase) -> tuple[str, str | None]:
     label = None if case.label is None else str(case.label.resolve())
     return str(case.image.resolve()), label
-
-
-def _prepare_all(
-    cases: list[RawCase], out_dir: Path, grid: GridSpec, workers: int
-) -> Iterator[tuple[RawCase, CaseEntry | str]]:
-    """Prepare `cases`, in this process or in a pool; yield each with its entry or error."""
-    if workers == 1 or len(cases) <= 1:
-        for case in cases:
-            yield case, _prepare_or_reason(out_dir, case, grid)
-        return
-    # 'spawn': forking a parent that may have started JAX's threads can deadlock the child.
-    pool = ProcessPoolExecutor(
-        max_workers=min(workers, len(cases)),
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_end_with_parent,
-        initargs=(os.getpid(),),
-    )
-    try:
-        futures = {pool.submit(_prepare_or_reason, out_dir, case, grid): case for case in cases}
-        for future in as_completed(futures):
-            yield futures[future], _worker_result(future)
-    finally:
-        # On Ctrl-C, start no further case; those running finish (their writes are atomic).
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _end_with_parent(parent: int) -> None:
-    """Pool initializer: this worker ends when `parent` does, even killed by SIGKILL.
-
-    A worker busy with a case outlives a killed parent otherwise, and keeps the
-    multiprocessing resource tracker (which waits for every holder of its pipe) alive.
-    """
-    try:  # Linux: the kernel sends the signal, whatever the worker is doing
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (AttributeError, OSError):  # elsewhere: a thread watches for the parent
-        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    if os.getppid() != parent:  # it died before the signal was asked for
-        os._exit(1)
-
-
-def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(1)
-
-
-def _worker_result(future: Future) -> CaseEntry | str:
-    try:
-        return future.result()
-    except BrokenProcessPool:
-        return "the worker process died (out of memory?); re-run with fewer --workers"
 
 
 def _prepare_or_reason(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry | str:
@@ -407,27 +249,25 @@ def _prepare_case(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry:
     labels = None if case.label is None else _labels(image, case.label)
     # The whole grid is stored; the case's box is where validation looks: on the cube the
     # grid itself, on the spacing grid an R³ box around the liver (training draws others).
-    offset = preprocess.training_offset(
+    offset = grids.training_offset(
         grid_shape, grid.resolution, None if labels is None else _liver_on_grid(labels, grid_shape)
     )
     if grid.kind == "cube":
         offset = (0, 0, 0)
     if labels is not None:
-        label_grid = preprocess.to_grid(labels, grid_shape, order=0)
+        label_grid = grids.to_grid(labels, grid_shape, order=0)
         _write_array(store.array_path(out_dir, case.case_id, "label"), label_grid)
         # Not np.bincount: it would first copy a 512³ grid into 1 GiB of int64.
-        label_counts = tuple(
-            int(np.count_nonzero(label_grid == v)) for v in preprocess.LABEL_VALUES
-        )
+        label_counts = tuple(int(np.count_nonzero(label_grid == v)) for v in LABEL_VALUES)
         del label_grid
     _write_array(
         store.array_path(out_dir, case.case_id, "image"),
-        preprocess.image_to_grid(image.array, grid_shape),
+        grids.image_to_grid(image.array, grid_shape),
     )
     image_source, label_source = _sources(case)
     entry = CaseEntry(
         id=case.case_id,
-        split="",  # assigned over all cases in `prepare`; the fold too (`_with_folds`)
+        split="",  # assigned over all cases by `_write`; the fold too (`splits.with_folds`)
         image_source=image_source,
         label_source=label_source,
         original_shape=image.original_shape,
@@ -447,7 +287,7 @@ def _labels(image: Scan, label_path: Path) -> np.ndarray:
     """The case's label map (canonical voxels), after checking it against the image."""
     label = read_scan(label_path)
     _check_same_geometry(image, label)
-    return preprocess.check_labels(label.array, label_path.name)
+    return check_labels(label.array, label_path.name)
 
 
 def _liver_on_grid(

@@ -1,5 +1,5 @@
 """Pure array functions: resampling to the grid and back, the box the network sees, the
-HU window, label checks.
+HU window.
 
 A scan's *grid* covers its whole field of view: every canonical axis of n voxels is
 resampled onto g grid voxels, with the voxel-centre convention
@@ -31,13 +31,11 @@ import numpy as np
 from scipy import ndimage
 
 from ctseg.config import DataConfig
-from ctseg.errors import CtsegError
 
-LABEL_VALUES = (0, 1, 2)  # background, liver, tumour
 AIR_HU = -1024  # what a box holds beyond the scan: the air around the patient
 _INT16 = np.iinfo(np.int16)
 Shape = tuple[int, int, int]
-# Slices of the first axis handled at a time by `image_to_grid` and `check_labels`: at
+# Slices of the first axis handled at a time by `image_to_grid`: at
 # 512 voxels a side, a slab's temporaries take tens of MiB instead of 512 MiB each.
 _SLAB = 32
 
@@ -231,22 +229,3 @@ def hu_to_unit(hu: np.ndarray, window: Sequence[float]) -> np.ndarray:
     low, high = float(window[0]), float(window[1])
     clipped = np.clip(np.asarray(hu, dtype=np.float32), low, high)
     return (clipped - low) * np.float32(2.0 / (high - low)) - np.float32(1.0)
-
-
-def check_labels(labels: np.ndarray, name: str) -> np.ndarray:
-    """Return the label map as uint8, or raise if it holds values other than 0, 1, 2."""
-    # Comparisons, not np.unique: a full sort of a 512×512×500 map takes seconds. Slab by
-    # slab, so the boolean temporaries stay small next to the label map itself.
-    outside: set[float] = set()
-    for start in range(0, labels.shape[0], _SLAB):
-        slab = labels[start : start + _SLAB]
-        bad = np.ones(slab.shape, dtype=bool)
-        for value in LABEL_VALUES:
-            bad &= slab != value
-        outside.update(np.unique(slab[bad]).tolist())
-    if outside:
-        shown = ", ".join(f"{v:g}" for v in sorted(outside)[:10])
-        raise CtsegError(
-            f"{name} has label values outside 0 (background), 1 (liver), 2 (tumour): {shown}"
-        )
-    return labels.astype(np.uint8, copy=False)

@@ -16,7 +16,7 @@ training folder are not cases of it.
 A folder without any label file is a *predict-only* folder: every scan file below
 it (any name, e.g. LiTS ``test-volume-N.nii``) and every DICOM series folder below it
 (or the folder itself, if it is one) is a case without a label, with its file or
-folder name (`volume.scan_name`) as case id (letters of other scripts spelled as their
+folder name (`ctseg.io.scans.scan_name`) as case id (letters of other scripts spelled as their
 code points: ``肝臓_01`` is ``u809d-u81d3-01``). Two scans that would get the same case
 id (also when the ids differ only in letter case) are an error, never an overwrite.
 
@@ -28,11 +28,12 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
-from ctseg.data.store import Layout, RawCase
 from ctseg.errors import CtsegError
-from ctseg.io.scans import SCAN_SUFFIXES, is_dicom_folder, scan_name
+from ctseg.io.dicom import is_dicom_folder
+from ctseg.io.scans import SCAN_SUFFIXES, scan_name
 
 _LITS_IMAGE = re.compile(r"^volume-(\d+)\.nii(\.gz)?$")
 _LITS_LABEL = re.compile(r"^segmentation-(\d+)\.nii(\.gz)?$")
@@ -40,7 +41,24 @@ _MSD_FILE = re.compile(r"^[A-Za-z]+_(\d+)\.nii(\.gz)?$")
 _NOT_IN_ID = re.compile(r"[^A-Za-z0-9-]+")
 
 
-def find_cases(raw_dir: str | Path) -> Layout:
+@dataclass(frozen=True)
+class RawCase:
+    """A case of a raw data set, as a store is built from it."""
+
+    case_id: str
+    image: Path
+    label: Path | None  # None: a predict-only case, or a training image whose label is missing
+
+
+@dataclass(frozen=True)
+class RawLayout:
+    """The cases a raw data-set folder holds."""
+
+    cases: list[RawCase]
+    predict_only: bool  # the folder holds no labels at all: every case is label-free
+
+
+def find_cases(raw_dir: str | Path) -> RawLayout:
     """The cases under `raw_dir`: LiTS and MSD training cases, or else plain scans."""
     raw_dir = Path(raw_dir)
     if raw_dir.exists() and not raw_dir.is_dir():
@@ -54,7 +72,7 @@ def find_cases(raw_dir: str | Path) -> Layout:
     lits_labels = _numbered(files, _LITS_LABEL)
     msd_labels = _numbered(_in_folder(files, "labelsTr"), _MSD_FILE)
     if not lits_labels and not msd_labels:
-        return Layout(cases=_plain_scans(raw_dir, files, folders), predict_only=True)
+        return RawLayout(cases=_plain_scans(raw_dir, files, folders), predict_only=True)
     cases = _pair_up("lits", _numbered(files, _LITS_IMAGE), lits_labels) + _pair_up(
         "msd", _numbered(_in_folder(files, "imagesTr"), _MSD_FILE), msd_labels
     )
@@ -62,7 +80,7 @@ def find_cases(raw_dir: str | Path) -> Layout:
         raise CtsegError(
             f"{raw_dir} holds labels but no LiTS volume-N or MSD imagesTr/ images to go with them"
         )
-    return Layout(cases=cases, predict_only=False)
+    return RawLayout(cases=cases, predict_only=False)
 
 
 def _tree(raw_dir: Path) -> tuple[list[Path], list[Path]]:
@@ -153,8 +171,8 @@ def _case_id_of(name: str) -> str:
 def _dicom_series(raw_dir: Path, folders: list[Path]) -> list[Path]:
     """`raw_dir` and the `folders` below it that hold a DICOM series.
 
-    Each such folder is one scan: `volume.read_scan` reads the series directly in it
-    (and refuses several), as `ctseg predict` does with the folders `volume.find_scans` gives.
+    Each such folder is one scan: `read_scan` reads the series directly in it (and refuses
+    several), as `ctseg predict` does with the folders `find_scans` gives.
     Hidden folders (and what is below them) and unreadable ones (``lost+found``) are skipped.
     """
     below = (

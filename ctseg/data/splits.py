@@ -3,7 +3,7 @@ cross-validation folds, drawn deterministically by seed (no I/O but the earlier
 manifest's folds).
 
 Folds (`assign_folds`) are drawn over the labelled cases, at preprocess time
-(`data.folds`) or later over an existing store (`store_writer.write_folds`,
+(`data.folds`) or later over an existing store (`write_folds`,
 ``ctseg folds``). Once a store has folds they are kept: a re-run of preprocess
 draws them again with their recorded count and seed (the same folds for the same
 cases), and assigning others needs ``force``, since fold runs may have trained on
@@ -19,9 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ctseg import lock
 from ctseg.config import Config
-from ctseg.data import store
-from ctseg.data.store import CaseEntry, Layout
+from ctseg.data.manifest import MANIFEST, manifest_file, read_manifest, write_manifest
+from ctseg.data.raw import RawLayout
+from ctseg.data.store import CaseEntry, Store
 from ctseg.errors import CtsegError
 
 
@@ -52,7 +54,7 @@ def assign_folds(case_ids: list[str], folds: int, seed: int) -> dict[str, int]:
 _FOLD_STREAM = 1
 
 
-def of_layout(layout: Layout, config: Config) -> dict[str, str]:
+def of_layout(layout: RawLayout, config: Config) -> dict[str, str]:
     """Case id -> split: "test" in a predict-only store, else a train/val split.
 
     The split is drawn over all training cases found, failed ones included, so that
@@ -76,7 +78,7 @@ class FoldHistory:
 def earlier_folds(out_dir: Path) -> FoldHistory | None:
     """The folds of the store at `out_dir`, None if it has none (or no readable manifest)."""
     try:
-        manifest = store.read_manifest(out_dir)
+        manifest = read_manifest(out_dir)
         if manifest is None or not manifest.get("folds"):
             return None
         of_case = {
@@ -88,7 +90,7 @@ def earlier_folds(out_dir: Path) -> FoldHistory | None:
 
 
 def fold_plan(
-    layout: Layout, out_dir: Path, config: Config, earlier: FoldHistory | None, force: bool
+    layout: RawLayout, out_dir: Path, config: Config, earlier: FoldHistory | None, force: bool
 ) -> tuple[int, int]:
     """(folds, seed) this run assigns, checked before any case is prepared.
 
@@ -158,3 +160,64 @@ def with_folds(
             "evaluated together"
         )
     return [dataclasses.replace(e, fold=of_case.get(e.id)) for e in entries], folds
+
+
+@dataclass(frozen=True)
+class FoldsResult:
+    """What `write_folds` did: the store as it is now, and whether its manifest changed."""
+
+    store: Store
+    changed: bool
+    earlier: int  # the folds the store had before
+
+
+def write_folds(
+    store_dir: str | Path,
+    folds: int,
+    seed: int = 0,
+    force: bool = False,
+    warn: Callable[[str], None] | None = None,
+) -> FoldsResult:
+    """Assign `folds` cross-validation folds (0: none) to an existing store (`ctseg folds`).
+
+    Rewrites manifest.json alone, atomically, under the store's lock; the arrays and
+    case.json files are not touched. Folds equal to the store's are left as they are;
+    other folds over a store that has some need `force`, because runs trained on the
+    old ones could no longer be resumed or evaluated together (their fold.json
+    records the cases they validated on, and both refuse the mismatch).
+    """
+    store_dir = Path(store_dir)
+    if folds < 0 or folds == 1:
+        raise CtsegError(f"--k must be 0 (no folds) or at least 2, got {folds}")
+    if seed < 0:
+        raise CtsegError(f"--seed must not be negative, got {seed}")
+    if manifest_file(store_dir) is None:
+        raise CtsegError(
+            f"no prepared store at {store_dir} ({MANIFEST} missing); run `ctseg preprocess` first"
+        )
+    with lock.hold(store_dir, warn):
+        current = Store.open(store_dir)
+        labelled = [case.id for case in current.cases if case.labelled]
+        if folds > len(labelled):
+            raise CtsegError(
+                f"--k {folds} needs at least {folds} labelled cases; the store at {store_dir} "
+                f"has {len(labelled)}"
+            )
+        of_case = assign_folds(labelled, folds, seed) if folds else {}
+        now = {case.id: case.fold for case in current.cases if case.labelled}
+        same_assignment = now == {i: of_case.get(i) for i in labelled}
+        if same_assignment and (current.folds, current.fold_seed) == (
+            folds,
+            seed if folds else None,
+        ):
+            return FoldsResult(current, changed=False, earlier=current.folds)
+        if current.folds and not force:
+            raise CtsegError(
+                f"{store_dir} already has {current.folds} folds (seed {current.fold_seed}); "
+                "runs trained on them could no longer be resumed or evaluated together: "
+                "give --force to re-assign them"
+            )
+        entries = [dataclasses.replace(case, fold=of_case.get(case.id)) for case in current.cases]
+        cases = [entry.to_json() for entry in entries]
+        write_manifest(store_dir, current.grid_spec, cases, folds, seed if folds else None)
+        return FoldsResult(Store.open(store_dir), changed=True, earlier=current.folds)

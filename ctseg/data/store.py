@@ -30,32 +30,28 @@ from a scan without a label (a predict-only store) has split "test" and
 only the cases that were prepared successfully. `grid_shape` is the scan's whole
 grid, the arrays' shape (R³ on the cube; the scan at the store's spacing on the
 spacing grid), and `box_offset` where the case's own R³ box lies on it (the grid
-itself on the cube, around the liver on the spacing grid; `ctseg.preprocess`):
+itself on the cube, around the liver on the spacing grid; `ctseg.data.grids`):
 validation looks there, and training draws boxes around it and elsewhere
-(`Store.box`, `pipeline.draw_box_offset`). `CaseEntry.box_affine()` is that box's
-affine. A manifest without "grid" is a cube store, and cases without
-`grid_shape`/`box_offset` are their whole R³ grid.
+(`Store.box`, `ctseg.training.pipeline.draw_box_offset`). `CaseEntry.box_affine()`
+is that box's affine. Manifests of earlier versions (no grid, no folds) are read
+through `ctseg.compat`.
 
 Cross-validation folds (`folds` = k ≥ 2; 0 = none) split the labelled cases (splits
 train and val, never test) into k folds whose sizes differ by at most one, drawn
-from the seed `fold_seed` (`splits.assign_folds`); each labelled case names
-its `fold`, every other case null. They are independent of the train/val split:
-`Store.for_fold(i)` is the store seen by a run of fold i (fold i validates, the
-other folds train). A manifest without these keys (written before folds existed)
-reads as a store without folds, so the format's version is still 1; a reader that
-predates them ignores them.
+from the seed `fold_seed` (`ctseg.data.splits.assign_folds`); each labelled case
+names its `fold`, every other case null. They are independent of the train/val
+split: `Store.for_fold(i)` is the store seen by a run of fold i (fold i validates,
+the other folds train).
 
-`ctseg.store_writer` builds a store from the `RawCase`s that a raw data set's
-layout names (`data_prep.layouts` finds them); this module reads it.
+`ctseg.data.build` builds a store from the `RawCase`s that a raw data set's
+layout names (`ctseg.data.raw` finds them) and `ctseg.data.manifest` writes its
+manifest; this module reads it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,37 +59,11 @@ from typing import Any
 
 import numpy as np
 
+from ctseg import compat
+from ctseg.config import DataConfig
 from ctseg.data import grids
+from ctseg.data.manifest import GRIDS, MANIFEST, SPLITS, check_entries, check_folds, read_manifest
 from ctseg.errors import CtsegError
-
-FORMAT = "ctseg-store"
-VERSION = 1
-SPLITS = ("train", "val", "test")
-GRIDS = ("cube", "spacing")
-MANIFEST = "manifest.json"
-_CASE_ID = re.compile(r"[A-Za-z0-9-]+")
-
-
-def is_case_id(value: object) -> bool:
-    """Whether `value` is a case id (letters, digits and '-': safe as a folder name)."""
-    return isinstance(value, str) and _CASE_ID.fullmatch(value) is not None
-
-
-@dataclass(frozen=True)
-class RawCase:
-    """A case of a raw data set, as a store is built from it."""
-
-    case_id: str
-    image: Path
-    label: Path | None  # None: a predict-only case, or a training image whose label is missing
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The cases a raw data-set folder holds."""
-
-    cases: list[RawCase]
-    predict_only: bool  # the folder holds no labels at all: every case is label-free
 
 
 @dataclass(frozen=True)
@@ -110,11 +80,11 @@ class CaseEntry:
     canonical_affine: tuple[tuple[float, ...], ...]
     spacing: tuple[float, ...]
     label_counts: tuple[int, ...] | None
-    # The scan's grid (`preprocess`: R³ on the cube, the scan at data.spacing on the
+    # The scan's grid (`ctseg.data.grids`: R³ on the cube, the scan at data.spacing on the
     # spacing grid) and where the stored R³ box lies on it (box voxel b = grid voxel
-    # b + box_offset). Absent from stores written before the spacing grid: R³ and 0.
-    grid_shape: tuple[int, ...] | None = None
-    box_offset: tuple[int, ...] | None = None
+    # b + box_offset).
+    grid_shape: tuple[int, ...]
+    box_offset: tuple[int, ...]
     fold: int | None = None  # the cross-validation fold of a labelled case, if the store has folds
 
     @property
@@ -127,8 +97,6 @@ class CaseEntry:
             return tuple(nested(v) for v in value) if isinstance(value, list) else value
 
         fields = dataclasses.fields(cls)
-        # Keys with a default (`fold`, `grid_shape`, `box_offset`) are absent from
-        # manifests written before them.
         return cls(
             **{
                 f.name: nested(raw[f.name])
@@ -164,17 +132,18 @@ class Store:
 
     @classmethod
     def open(cls, path: str | Path) -> Store:
-        """Open and check a store written by `ctseg.store_writer.write_store`."""
+        """Open and check a store written by `ctseg.data.build.write_store`."""
         path = Path(path)
         manifest = read_manifest(path)
         if manifest is None:
             raise CtsegError(
                 f"no prepared store at {path} ({MANIFEST} missing); run `ctseg preprocess` first"
             )
+        manifest = compat.store_manifest(manifest)
         try:
             cases = [CaseEntry.from_json(c) for c in manifest["cases"]]
             resolution = int(manifest["resolution"])
-            grid = manifest.get("grid", "cube")
+            grid = manifest["grid"]
             spacing = manifest.get("spacing")
             spacing = None if spacing is None else tuple(float(v) for v in spacing)
         except (KeyError, TypeError, ValueError) as exc:
@@ -185,17 +154,9 @@ class Store:
             raise CtsegError(f"the store at {path} holds no cases")
         if grid not in GRIDS or (grid == "spacing") != (spacing is not None):
             raise CtsegError(f"{path / MANIFEST} names no valid grid ({grid!r}, spacing {spacing})")
-        cases = [
-            dataclasses.replace(
-                case,
-                grid_shape=case.grid_shape or (resolution,) * 3,
-                box_offset=case.box_offset or (0, 0, 0),
-            )
-            for case in cases
-        ]
-        _check_entries(path / MANIFEST, cases)
-        folds, fold_seed = manifest.get("folds", 0), manifest.get("fold_seed")
-        _check_folds(path, folds, fold_seed, cases)
+        check_entries(path / MANIFEST, cases)
+        folds, fold_seed = manifest["folds"], manifest.get("fold_seed")
+        check_folds(path, folds, fold_seed, cases)
         for case in cases:
             for kind in ("image", "label") if case.labelled else ("image",):
                 _check_array(path, case.id, kind, case.grid_shape)
@@ -214,6 +175,17 @@ class Store:
         """How this store's scans went onto its grid."""
         spacing = tuple(self.spacing) if self.spacing else (0.0, 0.0, 0.0)
         return grids.GridSpec(self.grid, self.resolution, spacing)
+
+    def check_grid(self, data: DataConfig) -> None:
+        """CtsegError unless the store holds the grid that a config's `data` section asks
+        for (a run trains, validates and is evaluated on its own grid's boxes)."""
+        wanted = grids.GridSpec.of(data)
+        if self.grid_spec != wanted:
+            raise CtsegError(
+                f"{self.path} holds a store of {self.grid_spec.describe()} but the run's config "
+                f"asks for {wanted.describe()} (data.grid, data.resolution, data.spacing); "
+                "preprocess again with this config"
+            )
 
     def split(self, name: str) -> list[CaseEntry]:
         if name not in SPLITS:
@@ -314,106 +286,6 @@ class Box:
         return whole if dtype is None else whole.astype(dtype)
 
 
-def _check_entries(manifest: Path, cases: list[CaseEntry]) -> None:
-    """CtsegError naming the key of the first entry that could lead outside the store.
-
-    Ids become paths below the store (and output names of `ctseg evaluate`); sources
-    are read by `ctseg evaluate`, which checks that each is still the scan prepared.
-    """
-    seen: set[str] = set()
-    for index, case in enumerate(cases):
-        where = f"{manifest}: cases[{index}]"
-        if not is_case_id(case.id):
-            raise CtsegError(
-                f"{where}.id = {case.id!r} is not a case id (letters, digits and '-' only)"
-            )
-        if case.id.lower() in seen:
-            raise CtsegError(f"{where}.id = {case.id!r} appears twice")
-        seen.add(case.id.lower())
-        if case.split not in SPLITS:
-            raise CtsegError(f"{where}.split = {case.split!r} is not one of {list(SPLITS)}")
-        sources = {"image_source": case.image_source, "label_source": case.label_source}
-        for key, source in sources.items():
-            if not (source is None and key == "label_source") and not _is_source(source):
-                raise CtsegError(
-                    f"{where}.{key} = {source!r} is not an absolute, normalised path of a scan"
-                )
-        _check_numbers(where, case)
-
-
-def _check_folds(path: Path, folds: Any, seed: Any, cases: list[CaseEntry]) -> None:
-    """CtsegError naming the first fold key of the manifest that is not what it must be.
-
-    With k folds every labelled case is in one of 0 … k-1 and no fold is empty; a
-    label-free case, or any case of a store without folds, is in none.
-    """
-    where = path / MANIFEST
-    redo = f"re-assign them with `ctseg folds {path} --k K --force`"
-
-    def whole(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    if not whole(folds) or folds < 0 or folds == 1:
-        raise CtsegError(f"{where}: folds = {folds!r} is not 0 (none) or a count ≥ 2; {redo}")
-    if not (seed is None or (whole(seed) and seed >= 0)):
-        raise CtsegError(f"{where}: fold_seed = {seed!r} is not a seed; {redo}")
-    for index, case in enumerate(cases):
-        allowed = folds > 0 and case.labelled
-        if (case.fold is not None or allowed) and not (
-            allowed and whole(case.fold) and 0 <= case.fold < folds
-        ):
-            should = f"one of 0–{folds - 1}" if allowed else "null"
-            raise CtsegError(
-                f"{where}: cases[{index}].fold = {json.dumps(case.fold)} should be {should}; "
-                + redo
-            )
-    empty = sorted(set(range(folds)) - {case.fold for case in cases})
-    if empty:
-        raise CtsegError(f"{where}: fold {empty[0]} holds no case; {redo}")
-
-
-# Numeric fields of an entry: (shape, whole numbers, lowest allowed value, in words).
-_NUMBERS = {
-    "original_shape": ((3,), True, 1, "3 voxel counts"),
-    "canonical_shape": ((3,), True, 1, "3 voxel counts"),
-    "original_affine": ((4, 4), False, -math.inf, "a 4×4 matrix of finite numbers"),
-    "canonical_affine": ((4, 4), False, -math.inf, "a 4×4 matrix of finite numbers"),
-    "spacing": ((3,), False, math.ulp(0.0), "3 positive numbers (mm)"),
-    "label_counts": ((3,), True, 0, "3 voxel counts"),
-    "grid_shape": ((3,), True, 1, "3 voxel counts"),
-    "box_offset": ((3,), True, -math.inf, "3 whole numbers"),
-}
-
-
-def _check_numbers(where: str, case: CaseEntry) -> None:
-    """CtsegError naming the first numeric field of an entry that is not what it must be.
-
-    `ctseg evaluate` compares shapes and affines with the scan's own header: a field
-    edited into something else would fail there with a traceback, or match nothing.
-    """
-    for key, (shape, whole, lowest, words) in _NUMBERS.items():
-        value = getattr(case, key)
-        if key == "label_counts" and value is None and not case.labelled:
-            continue
-        array = np.array(value, dtype=object)
-        items = array.ravel().tolist()
-        kind = int if whole else (int, float)
-        if not (
-            array.shape == shape
-            and all(isinstance(v, kind) and not isinstance(v, bool) for v in items)
-            and all(math.isfinite(v) and v >= lowest for v in items)
-        ):
-            shown = json.dumps(value)
-            shown = shown if len(shown) <= 60 else shown[:57] + "..."
-            raise CtsegError(
-                f"{where}.{key} = {shown} is not {words}; re-run `ctseg preprocess --force`"
-            )
-
-
-def _is_source(value: object) -> bool:
-    return isinstance(value, str) and os.path.isabs(value) and os.path.normpath(value) == value
-
-
 def _check_array(root: Path, case_id: str, kind: str, grid: tuple[int, ...]) -> None:
     """CtsegError unless the case's array is a readable array of its grid and dtype."""
     path = array_path(root, case_id, kind)
@@ -442,32 +314,3 @@ def array_path(root: Path, case_id: str, kind: str) -> Path:
 
 def case_json_path(root: Path, case_id: str) -> Path:
     return root / "cases" / case_id / "case.json"
-
-
-def manifest_file(path: Path) -> Path | None:
-    """PATH/manifest.json, None if there is none; CtsegError if something else stands there."""
-    file = path / MANIFEST
-    if not file.exists():
-        return None
-    if not file.is_file():
-        raise CtsegError(f"{file} is not a file; move it away (it is where the manifest goes)")
-    return file
-
-
-def read_manifest(path: Path) -> dict[str, Any] | None:
-    """The manifest's content, None if there is none; CtsegError if it is not a store's."""
-    file = manifest_file(path)
-    if file is None:
-        return None
-    try:
-        manifest = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CtsegError(f"cannot read {file}: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CtsegError(f"{file} is not a ctseg store manifest")
-    if manifest.get("version") != VERSION:
-        raise CtsegError(
-            f"{file} has store version {manifest.get('version')}; this ctseg reads version "
-            f"{VERSION}; re-run `ctseg preprocess --force`"
-        )
-    return manifest

@@ -50,7 +50,8 @@ from typing import Any
 import numpy as np
 from scipy import ndimage
 
-LIVER, TUMOUR = 1, 2
+from ctseg.labels import bounding_box, liver_mask, tumour_burden, tumour_mask
+
 DETECTION_IOU = 0.5  # the LiTS detection threshold
 SURFACE_DISTANCE_KEYS = ("assd", "hd95", "mssd")
 OVERLAP_KEYS = ("dice", "jaccard", "voe", "rvd")
@@ -85,18 +86,6 @@ def rvd_from_counts(n_pred: float, n_ref: float) -> float | None:
 
 
 # ---------------------------------------------------------------- surface distances
-
-
-def bounding_box(mask: np.ndarray, pad: int = 0) -> tuple[slice, ...] | None:
-    """The smallest box holding every True voxel, grown by `pad` (clipped); None if empty."""
-    box = []
-    for axis in range(mask.ndim):
-        other_axes = tuple(a for a in range(mask.ndim) if a != axis)
-        present = np.flatnonzero(np.any(mask, axis=other_axes))
-        if present.size == 0:
-            return None
-        box.append(slice(max(present[0] - pad, 0), min(present[-1] + 1 + pad, mask.shape[axis])))
-    return tuple(box)
 
 
 def surface(mask: np.ndarray) -> np.ndarray:
@@ -213,12 +202,6 @@ def lesion_detection(pred_tumour: np.ndarray, ref_tumour: np.ndarray) -> dict:
 # ---------------------------------------------------------------- per case
 
 
-def tumour_burden(labels: np.ndarray) -> float | None:
-    """Tumour volume / liver volume (liver including tumour); None without liver."""
-    n_liver = np.count_nonzero(labels >= LIVER)
-    return None if n_liver == 0 else float(np.count_nonzero(labels == TUMOUR)) / float(n_liver)
-
-
 def burden_metrics(pred_labels: np.ndarray, ref_labels: np.ndarray) -> dict:
     ref, pred = tumour_burden(ref_labels), tumour_burden(pred_labels)
     error = None if ref is None or pred is None else abs(pred - ref)
@@ -229,9 +212,9 @@ def case_metrics(pred_labels: np.ndarray, ref_labels: np.ndarray, spacing: Spaci
     """All metrics of one case from two label maps on the same grid (spacing in mm per axis)."""
     if pred_labels.shape != ref_labels.shape:
         raise ValueError(f"label map shapes differ: {pred_labels.shape} vs {ref_labels.shape}")
-    pred_tumour, ref_tumour = pred_labels == TUMOUR, ref_labels == TUMOUR
+    pred_tumour, ref_tumour = tumour_mask(pred_labels), tumour_mask(ref_labels)
     return {
-        "liver": structure_metrics(pred_labels >= LIVER, ref_labels >= LIVER, spacing),
+        "liver": structure_metrics(liver_mask(pred_labels), liver_mask(ref_labels), spacing),
         "tumour": structure_metrics(pred_tumour, ref_tumour, spacing),
         "detection": lesion_detection(pred_tumour, ref_tumour),
         "burden": burden_metrics(pred_labels, ref_labels),
@@ -246,8 +229,8 @@ def grid_dice(pred_labels: np.ndarray, ref_labels: np.ndarray) -> dict[str, floa
         return dice_from_counts(*counts)
 
     return {
-        "liver": dice(pred_labels >= LIVER, ref_labels >= LIVER),
-        "tumour": dice(pred_labels == TUMOUR, ref_labels == TUMOUR),
+        "liver": dice(liver_mask(pred_labels), liver_mask(ref_labels)),
+        "tumour": dice(tumour_mask(pred_labels), tumour_mask(ref_labels)),
     }
 
 

@@ -1,10 +1,11 @@
 """Evaluation: scoring predicted label maps against references, and the reports.
 
 `evaluate_folders` (``ctseg evaluate --pred P --ref R``) pairs NIfTI label maps by
-name and compares them in their own file geometry: a prediction must have its
-reference's shape and affine, so no resampling or reorientation happens here. The
+name and compares them in their own geometry: a prediction must have its
+reference's shape and affine, so no resampling happens here; both are read by
+`ctseg.io.scans.read_scan`, with the checks every scan read gets. The
 evaluations that predict with trained runs (a run, an ensemble, a cross-validation)
-are `ctseg.evaluate_runs`'s, and go through the same per-case loop (`score_cases`):
+are `ctseg.evaluation.runs`'s, and go through the same per-case loop (`score_cases`):
 a case that fails (unreadable file, other geometry, labels outside 0–2) is listed
 under ``errors`` and the other cases still count. `evaluate_arrays` is the
 in-memory core of them all; `write_reports` writes summary.json and metrics.csv.
@@ -16,24 +17,23 @@ import csv
 import io
 import json
 import re
-import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-import nibabel as nib
 import numpy as np
 
+from ctseg import compat
 from ctseg.atomic import claim_report, is_json_with, write_text
 from ctseg.errors import CtsegError
 from ctseg.evaluation import metrics
 from ctseg.io import scans
+from ctseg.labels import check_labels
+from ctseg.progress import Progress
 
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
 CSV_SECTIONS = ("liver", "tumour", "detection", "burden")
 Case = TypeVar("Case")
-
-Progress = Callable[[int, int, str], None]  # (cases done, cases in total, current case name)
 
 
 class CasePair(NamedTuple):
@@ -122,16 +122,6 @@ def pair_files(pred_dir: Path, ref_dir: Path) -> tuple[list[CasePair], list[str]
 # ---------------------------------------------------------------- one case
 
 
-def check_labels(labels: np.ndarray, role: str) -> np.ndarray:
-    """The label map as uint8, or CtsegError if it holds anything but 0, 1, 2."""
-    if labels.size and (labels.min() < 0 or labels.max() > metrics.TUMOUR):
-        raise CtsegError(f"{role} has labels outside 0–2 (min {labels.min()}, max {labels.max()})")
-    # LiTS stores some segmentations as floats; only whole numbers are labels.
-    if not np.issubdtype(labels.dtype, np.integer) and not np.array_equal(labels, np.rint(labels)):
-        raise CtsegError(f"{role} has non-integer label values")
-    return labels.astype(np.uint8)
-
-
 def evaluate_arrays(
     name: str, pred_labels: np.ndarray, ref_labels: np.ndarray, spacing: Sequence[float]
 ) -> dict:
@@ -140,40 +130,23 @@ def evaluate_arrays(
         raise CtsegError(
             f"prediction shape {pred_labels.shape} differs from reference shape {ref_labels.shape}"
         )
-    pred = check_labels(pred_labels, "prediction")
-    ref = check_labels(ref_labels, "reference")
+    pred = check_labels(pred_labels, "the prediction")
+    ref = check_labels(ref_labels, "the reference")
     return {"case": name, **metrics.case_metrics(pred, ref, spacing)}
 
 
-def _load_nifti(path: Path) -> nib.Nifti1Image:
-    try:
-        image = nib.load(path)
-    except (OSError, EOFError, ValueError, nib.filebasedimages.ImageFileError) as exc:
-        raise CtsegError(f"could not read {path.name}: {exc}") from exc
-    if len(image.shape) != 3:
-        raise CtsegError(f"{path.name} is not a 3-D image (shape {image.shape})")
-    return image
-
-
-def _read_labels(image: nib.Nifti1Image, path: Path) -> np.ndarray:
-    try:
-        return np.asanyarray(image.dataobj)
-    except (OSError, EOFError, ValueError, zlib.error) as exc:  # truncated or corrupt voxel data
-        raise CtsegError(f"could not read the voxels of {path.name}: {exc}") from exc
-
-
 def evaluate_pair(pair: CasePair) -> dict:
-    """Read one prediction/reference pair, check their geometry, and evaluate it."""
-    pred_image, ref_image = _load_nifti(pair.pred), _load_nifti(pair.ref)
+    """Read one prediction/reference pair (`read_scan`, with its checks), check that they
+    share one geometry, and evaluate it."""
+    pred, ref = scans.read_scan(pair.pred), scans.read_scan(pair.ref)
     difference = scans.geometry_difference(
-        pred_image.shape, pred_image.affine, ref_image.shape, ref_image.affine
+        pred.original_shape, pred.original_affine, ref.original_shape, ref.original_affine
     )
     if difference:
         raise CtsegError(f"the prediction's geometry is not the reference's: {difference}")
-    spacing = tuple(float(z) for z in ref_image.header.get_zooms()[:3])
-    return evaluate_arrays(
-        pair.case, _read_labels(pred_image, pair.pred), _read_labels(ref_image, pair.ref), spacing
-    )
+    # Both are in canonical order, a flip or permutation of the files' own, and the spacing
+    # is the canonical voxel's (from the affine): the metrics equal those in file order.
+    return evaluate_arrays(pair.case, pred.array, ref.array, ref.spacing)
 
 
 # ---------------------------------------------------------------- many cases
@@ -296,8 +269,7 @@ def is_cases_csv(path: Path) -> bool:
     except OSError:
         return False
     columns = header.split(",")
-    # "tumor_…": the spelling of reports written before the outputs settled on one.
-    sections = (*CSV_SECTIONS, "tumor")
+    sections = (*CSV_SECTIONS, *compat.OLD_REPORT_SECTIONS)
     return columns[0] == "case" and all(c.split("_")[0] in sections for c in columns[1:])
 
 

@@ -32,10 +32,11 @@ import numpy as np
 from ctseg import atomic
 from ctseg.config import InferenceOptions
 from ctseg.inference import postprocess
-from ctseg.inference.predictor import Predictor, volume_warnings
-from ctseg.io import scans as volume
-from ctseg.parallel import devices as dev
-from ctseg.run.rundir import runs_in
+from ctseg.inference.predictor import Predictor
+from ctseg.inference.scan_checks import volume_warnings
+from ctseg.io.scans import Scan, nifti_image, read_scan, scan_from_image, to_original_order
+from ctseg.parallel.compile_cache import compile_cache_dir, use_compile_cache
+from ctseg.run.rundir import member_runs
 
 _log = logging.getLogger(__name__)
 
@@ -50,11 +51,11 @@ class Segmentation:
     warnings: list[str] = field(default_factory=list)
     checks: list[str] = field(default_factory=list)  # far outside the training data
     probabilities: np.ndarray | None = None  # [..., 3] float32, when asked for
-    scan: volume.Scan | None = field(default=None, repr=False)  # the input, as read
+    scan: Scan | None = field(default=None, repr=False)  # the input, as read
 
     def to_nifti(self) -> nib.Nifti1Image:
         """The labels as a NIfTI image of the input's geometry (its header, for NIfTI)."""
-        return volume.nifti_image(self.scan, self.labels, np.uint8)
+        return nifti_image(self.scan, self.labels, np.uint8)
 
     def save(self, path: str | Path) -> None:
         """Write the labels as NIfTI at `path`, atomically (ITK-SNAP, 3D Slicer overlay it)."""
@@ -82,8 +83,8 @@ class Segmenter:
         device (auto, cpu, gpu or tpu) and mirrored TTA (None: the run's config);
         `compile_cache` a folder or "off" (default: ctseg's cache folder)."""
         paths = [runs] if isinstance(runs, str | Path) else list(runs)
-        run_dirs = [run for path in paths for run in runs_in(Path(path))]
-        problem = dev.use_compile_cache(dev.compile_cache_dir(compile_cache))
+        run_dirs = member_runs([Path(path) for path in paths])  # each run once, as the CLI
+        problem = use_compile_cache(compile_cache_dir(compile_cache))
         if problem is not None:
             _log.warning("%s", problem)
         options = InferenceOptions(checkpoint, tile, backend, device, tta)
@@ -105,21 +106,19 @@ class Segmenter:
         """Segment one scan: a file or DICOM series folder, a nibabel image, a SimpleITK
         image, or a 3-D array with its 4×4 voxel → RAS `affine` (mm)."""
         if isinstance(image, str | Path):
-            scan = volume.read_scan(image)
+            scan = read_scan(image)
         else:
-            scan = volume.scan_from_image(image, affine, name)
+            scan = scan_from_image(image, affine, name)
         prediction = self.predictor.predict(scan, with_probabilities)
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
         probabilities = prediction.probabilities
         return Segmentation(
-            labels=volume.to_original_order(scan, prediction.labels),
+            labels=to_original_order(scan, prediction.labels),
             affine=np.array(scan.original_affine),
             stats=stats,
             warnings=prediction.warnings + volume_warnings(stats),
             checks=prediction.checks,
-            probabilities=None
-            if probabilities is None
-            else volume.to_original_order(scan, probabilities),
+            probabilities=None if probabilities is None else to_original_order(scan, probabilities),
             scan=scan,
         )
 

@@ -1,16 +1,14 @@
-"""The inference engine: logits and class probabilities of whole R³ grids, and the way
-back to a scan's own voxels.
+"""The inference engine: logits and class probabilities of whole boxes of the grid.
 
-An `Engine` runs a trained model on one backend: ``jax`` (`ctseg.jax_backend`: the
+An `Engine` runs a trained model on one backend: ``jax`` (`ctseg.inference.jax_backend`: the
 whole volume partitioned over the devices, or exact level-wise tiles, all on the
-devices) or ``onnx`` (`ctseg.onnx_backend`: ONNX Runtime on the host's CPU cores).
-Level-wise tiles are cut as `ctseg.tiling` plans them; stitched, they equal one
+devices) or ``onnx`` (`ctseg.inference.onnx_backend`: ONNX Runtime on the host's CPU cores).
+Level-wise tiles are cut as `ctseg.inference.tiling` plans them; stitched, they equal one
 whole-volume pass.
 
-Softmax, the mean of the mirrored passes (test-time augmentation), the resampling
-back to the scan's own voxels and the argmax run where the backend runs
-(`probabilities`, `scan_labels`): under JAX what comes back to the host is the uint8
-label map, and probabilities only where a caller asks for them.
+Softmax and the mean of the mirrored passes (test-time augmentation) run where the
+backend runs (`class_probabilities`), and so does the way back to the scan's voxels
+(`ctseg.inference.scan_space`).
 """
 
 from __future__ import annotations
@@ -25,16 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from ctseg.config import Config
-from ctseg.data import grids as preprocess
 from ctseg.errors import CtsegError
 from ctseg.inference import tiling
+from ctseg.inference.backends import BACKENDS
 from ctseg.inference.jax_backend import COMPILED_SHARE, JaxBackend
 from ctseg.inference.onnx_backend import OnnxBackend
 from ctseg.inference.tiling import Shape, Stage, TileProgress
+from ctseg.memory import host_memory
 from ctseg.parallel import devices as dev
-from ctseg.run.checkpoints import TrainedModel
+from ctseg.run.trained import TrainedModel
 
-BACKENDS = ("jax", "onnx")
 _SOFTMAX_SLAB = 32
 # nnU-Net's test-time augmentation: every subset of the three axes, the identity first.
 MIRRORINGS = tuple(axes for n in range(4) for axes in itertools.combinations((0, 1, 2), n))
@@ -56,7 +54,7 @@ class Engine:
 
         `backend`: "jax" or "onnx" (ONNX Runtime on the host's CPU cores).
         `devices` (JAX): where the network runs, by default this process's first
-        device (`ctseg.devices` chooses them for commands). A whole-volume pass
+        device (`ctseg.parallel.devices` chooses them for commands). A whole-volume pass
         is partitioned over them; a stage's windows are dealt out over them.
         `memory`: bytes per device to plan for; default, the devices' free memory
         (the host's available memory under ONNX Runtime). `shape`: the grids it takes
@@ -83,7 +81,7 @@ class Engine:
         fixed = plan_stages_for(config, tile, self.shape) if tile >= 0 else None
         if backend == "onnx":
             self.devices: list[Any] = []  # the host's CPU cores
-            self.memory = dev.host_memory() if memory is None else memory
+            self.memory = host_memory() if memory is None else memory
             onnx = OnnxBackend(model, self.shape, fixed, self.memory)
             self._backend: JaxBackend | OnnxBackend = onnx
             self.needed, self.spatial, self.spills = 0, (1, 1, 1), False
@@ -170,7 +168,7 @@ def _mean_of_mirrorings(total: jax.Array) -> jax.Array:
     return total / len(MIRRORINGS)
 
 
-def probabilities(
+def class_probabilities(
     engine: Engine,
     image: np.ndarray | jax.Array,
     mirrored: bool,
@@ -230,118 +228,3 @@ def softmax_(logits: np.ndarray) -> np.ndarray:
         np.exp(slab, out=slab)
         slab /= slab.sum(axis=-1, keepdims=True)
     return logits
-
-
-# --------------------------------------------------------------------------- back to the scan
-
-
-def _linear_weights(size: int, out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Linear interpolation from `size` to `out` voxels covering one field of view, as
-    `preprocess.from_grid` does it (voxel centres, edge values beyond the last centre)."""
-    coordinate = (np.arange(out) + 0.5) * (size / out) - 0.5
-    lower = np.floor(coordinate)
-    weight = (coordinate - lower).astype(np.float32)
-    first = np.clip(lower, 0, size - 1).astype(np.int32)
-    second = np.clip(lower + 1, 0, size - 1).astype(np.int32)
-    return first, second, weight
-
-
-@partial(jax.jit, static_argnums=1)
-def _resampled(probabilities: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Grid probabilities [x, y, z, C] resampled linearly onto `shape` (the scan's voxels)."""
-    x = probabilities
-    # Shrinking axes first keeps the intermediates small (a 512³ grid onto 63 slices).
-    for axis in sorted(range(3), key=lambda a: shape[a] / x.shape[a]):
-        if shape[axis] == x.shape[axis]:
-            continue
-        first, second, weight = _linear_weights(x.shape[axis], shape[axis])
-        weight = weight.reshape([-1 if a == axis else 1 for a in range(x.ndim)])
-        x = jnp.take(x, first, axis=axis) * (1 - weight) + jnp.take(x, second, axis=axis) * weight
-    return x
-
-
-@partial(jax.jit, static_argnums=(1, 2))
-def _on_scan(
-    probabilities: jax.Array, shape: tuple[int, ...], with_probabilities: bool
-) -> tuple[jax.Array, jax.Array | None]:
-    """Grid probabilities [x, y, z, C] resampled linearly onto `shape`, and their argmax."""
-    x = _resampled(probabilities, shape)
-    labels = jnp.argmax(x, axis=-1).astype(jnp.uint8)
-    return labels, (x if with_probabilities else None)
-
-
-def scan_labels(
-    probabilities: np.ndarray | jax.Array, shape: Sequence[int], with_probabilities: bool = False
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """Labels (uint8) on the scan's canonical voxels from grid probabilities [x, y, z, 3]:
-    linear on the probabilities, then the argmax (smoother borders than resampling
-    labels). With `with_probabilities`, the resampled probabilities too."""
-    shape = tuple(int(n) for n in shape)
-    if isinstance(probabilities, np.ndarray):
-        on_scan = preprocess.from_grid(probabilities, shape, order=1)
-        return on_scan.argmax(-1).astype(np.uint8), on_scan if with_probabilities else None
-    labels, on_scan = jax.device_get(_on_scan(probabilities, shape, with_probabilities))
-    return labels, on_scan
-
-
-def mean_scan_labels(
-    probabilities: Sequence[np.ndarray | jax.Array],
-    shape: Sequence[int],
-    with_probabilities: bool = False,
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """`scan_labels` of the mean of several grids' probabilities (an ensemble's members,
-    each on its own grid), averaged on the scan's voxels, where the backend runs."""
-    shape = tuple(int(n) for n in shape)
-    if all(isinstance(p, np.ndarray) for p in probabilities):
-        total = preprocess.from_grid(probabilities[0], shape, order=1)
-        for member in probabilities[1:]:
-            total += preprocess.from_grid(member, shape, order=1)
-        total /= len(probabilities)
-        return total.argmax(-1).astype(np.uint8), total if with_probabilities else None
-    # Every member's probabilities onto one device (device to device), summed there.
-    device = min(probabilities[0].devices(), key=lambda d: d.id)
-    total = None
-    for member in probabilities:
-        on_scan = _resampled(jax.device_put(member, device), shape)
-        total = on_scan if total is None else _sum(total, on_scan)
-    labels, mean = _mean_labels(total, len(probabilities))
-    return jax.device_get(labels), jax.device_get(mean) if with_probabilities else None
-
-
-@jax.jit
-def _sum(total: jax.Array, more: jax.Array) -> jax.Array:
-    return total + more
-
-
-@partial(jax.jit, static_argnums=1)
-def _mean_labels(total: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
-    mean = total / count
-    return jnp.argmax(mean, axis=-1).astype(jnp.uint8), mean
-
-
-def crop(probabilities: np.ndarray | jax.Array, shape: Sequence[int]) -> np.ndarray | jax.Array:
-    """The first `shape` voxels of a box's probabilities: the grid a padded box holds."""
-    shape = tuple(int(n) for n in shape)
-    if tuple(probabilities.shape[:3]) == shape:
-        return probabilities
-    if isinstance(probabilities, np.ndarray):
-        return probabilities[: shape[0], : shape[1], : shape[2]]
-    return _crop(probabilities, shape)
-
-
-@partial(jax.jit, static_argnums=1)
-def _crop(probabilities: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    # Jitted: an eager index of a sharded array would send the index from the host.
-    return probabilities[: shape[0], : shape[1], : shape[2]]
-
-
-def grid_labels(probabilities: np.ndarray | jax.Array) -> np.ndarray:
-    """The argmax on the grid (uint8), where training's validation Dice is measured."""
-    if isinstance(probabilities, np.ndarray):
-        return probabilities.argmax(-1).astype(np.uint8)
-    return jax.device_get(_grid_argmax(probabilities))
-
-
-@jax.jit
-def _grid_argmax(probabilities: jax.Array) -> jax.Array:
-    return jnp.argmax(probabilities, axis=-1).astype(jnp.uint8)

@@ -24,22 +24,16 @@ from typing import Any
 import numpy as np
 
 from ctseg import atomic
-from ctseg.data import store
+from ctseg.data.manifest import MANIFEST
 from ctseg.errors import CtsegError
 from ctseg.inference import postprocess
 from ctseg.inference.jax_backend import is_out_of_memory
-from ctseg.inference.predictor import (
-    PHASES,
-    OnGrid,
-    Predictor,
-    Seconds,
-    StageProgress,
-    timed,
-    volume_warnings,
-)
+from ctseg.inference.member import OnGrid
+from ctseg.inference.predictor import PHASES, Predictor, Seconds, StageProgress, timed
+from ctseg.inference.scan_checks import volume_warnings
 from ctseg.io import dicom_seg, pictures
-from ctseg.io import scans as volume
-from ctseg.run import rundir
+from ctseg.io.scans import Scan, find_scans, read_scan, scan_name, write_labels, write_volume
+from ctseg.run import evaluations, rundir
 
 FileProgress = Callable[[str, str, int, int], None]  # (scan name, stage, done, total)
 OUTPUT_TYPES = ("nifti", "dicom-seg")
@@ -49,7 +43,7 @@ OUTPUT_TYPES = ("nifti", "dicom-seg")
 class Prepared:
     """A scan read and brought to each member's grid, ready for the network."""
 
-    scan: volume.Scan
+    scan: Scan
     on_grids: list[OnGrid]
 
     def free_units(self) -> None:
@@ -81,9 +75,9 @@ def check_output_folder(out_dir: Path) -> None:
     out_dir = Path(out_dir)
     if rundir.is_run_dir(out_dir):
         what = "a run directory of `ctseg train`"
-    elif (out_dir / store.MANIFEST).exists():
+    elif (out_dir / MANIFEST).exists():
         what = "a prepared store of `ctseg preprocess`"
-    elif (out_dir / rundir.EVALUATED).exists():
+    elif (out_dir / evaluations.EVALUATED).exists():
         what = "the folder of a `ctseg evaluate RUN_DIR`"
     else:
         return
@@ -102,16 +96,16 @@ def expand_inputs(
     failed: list[ScanOutcome] = []
     for item in inputs:
         try:
-            scans.extend(s for s in volume.find_scans([Path(item)]) if not is_earlier_output(s))
+            scans.extend(s for s in find_scans([Path(item)]) if not is_earlier_output(s))
         except CtsegError as exc:
-            failed.append(ScanOutcome(Path(item), volume.scan_name(Path(item)), error=str(exc)))
+            failed.append(ScanOutcome(Path(item), scan_name(Path(item)), error=str(exc)))
     # Outputs are named after the scan, so two scans of one name (a/volume-0.nii and
     # b/volume-0.nii) would write the same files: the first keeps the name.
     first_of: dict[str, Path] = {}
     unique = []
     input_paths = {scan.resolve() for scan in scans}
     for scan in dict.fromkeys(scans):
-        name = volume.scan_name(scan)
+        name = scan_name(scan)
         if name in first_of:
             reason = f"its outputs would overwrite those of {first_of[name]} (both are {name!r}); "
             failed.append(ScanOutcome(scan, name, error=reason + "predict it into another --out"))
@@ -175,7 +169,7 @@ def predict_files(
 
     `output_type`: the label map as NIfTI (`<name>_seg.nii.gz`), or as a DICOM
     Segmentation object referencing its source series (`<name>_seg.dcm`, `dicom-seg`:
-    DICOM inputs only, `ctseg.dicom_seg`).
+    DICOM inputs only, `ctseg.io.dicom_seg`).
     """
     if output_type not in OUTPUT_TYPES:
         raise CtsegError(f"unknown output type {output_type!r}; choose {' or '.join(OUTPUT_TYPES)}")
@@ -281,7 +275,7 @@ def _read(
     model: dict[str, Any],
     output_type: str,
 ) -> tuple[ScanOutcome, Prepared | None]:
-    outcome = ScanOutcome(source, volume.scan_name(source))
+    outcome = ScanOutcome(source, scan_name(source))
 
     def read() -> Prepared | None:
         with_probabilities = predictor.config.predict.save_probabilities
@@ -294,7 +288,7 @@ def _read(
                 outcome.stats, outcome.outputs = earlier, list(paths.values())
                 return None
         with timed(outcome.seconds, "read"):
-            scan = volume.read_scan(source)
+            scan = read_scan(source)
         return Prepared(scan, predictor.to_grid(scan, outcome.seconds))
 
     return outcome, _guarded(outcome, read)
@@ -353,9 +347,9 @@ def _write_outputs(
             if output_type == "dicom-seg":
                 dicom_seg.write_dicom_seg(scan, prediction.labels, tmp["seg"])
             else:
-                volume.write_labels(scan, prediction.labels, tmp["seg"])
+                write_labels(scan, prediction.labels, tmp["seg"])
             if prediction.probabilities is not None:
-                volume.write_volume(scan, prediction.probabilities, tmp["probs"], np.float32)
+                write_volume(scan, prediction.probabilities, tmp["probs"], np.float32)
             pictures.plot_preview(
                 scan.array,
                 prediction.labels,

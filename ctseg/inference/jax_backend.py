@@ -1,10 +1,10 @@
 """Inference on JAX devices: the whole volume partitioned over them, or level-wise tiles.
 
 Whole volume (no stages): one pass over the devices, the grid split over them when
-they are several (`devices.fit_layout`: halo exchange, exactly as in training),
+they are several (`ctseg.parallel.layouts.fit_split`: halo exchange, exactly as in training),
 whatever mesh trained the model.
 
-Level-wise tiles (the geometry in `ctseg.tiling`): everything stays on the devices.
+Level-wise tiles (the geometry in `ctseg.inference.tiling`): everything stays on the devices.
 Each stage is one program that takes its whole input level(s), cuts its windows,
 runs them and stitches their cores into its whole output level, a loop over the
 windows inside the program (`_stage_program`). With several devices the windows are
@@ -13,7 +13,7 @@ the level, and a sum over the devices (the cores are disjoint) gives every devic
 whole level for the next stage. The levels kept for the up stages stay on the devices
 while they fit, and are moved to the host whole (never per window) when they do not.
 
-Planning (no stages given): the hand formula of `ctseg.tiling` proposes candidates
+Planning (no stages given): the hand formula of `ctseg.inference.tiling` proposes candidates
 (the whole volume, then tiles); the candidates' programs are compiled, all of a plan
 at once (XLA compiles them in parallel threads), and the compiler's own memory
 analysis of each, with the levels alive beside it, decides against the devices' free
@@ -39,10 +39,13 @@ from ctseg.config import Config
 from ctseg.errors import CtsegError
 from ctseg.inference import tiling
 from ctseg.inference.tiling import Shape, Stage, TileProgress
+from ctseg.labels import NUM_CLASSES
+from ctseg.memory import human_bytes
 from ctseg.model import plan, unet
 from ctseg.model.step import make_predict
-from ctseg.model.unet import BOTTOM, DOWN, NUM_CLASSES, UP
+from ctseg.model.unet import BOTTOM, DOWN, UP
 from ctseg.parallel import devices as dev
+from ctseg.parallel.layouts import fit_split
 from ctseg.parallel.partition import (
     REPLICATED,
     Comm,
@@ -51,7 +54,7 @@ from ctseg.parallel.partition import (
     partitioned,
     replicated_shapes,
 )
-from ctseg.run.checkpoints import TrainedModel
+from ctseg.run.trained import TrainedModel
 
 # Share of the devices' free memory a plan's compiled programs, with the levels alive
 # beside them, may take. The compiler's figures are the programs' own, so the share
@@ -196,7 +199,7 @@ class _Plan:
 
 
 def _compile_whole(model: TrainedModel, devices: Sequence[Any], shape: Shape) -> _Plan:
-    spatial = dev.fit_split(model.config, shape, len(devices))
+    spatial = fit_split(model.config, shape, len(devices))
     config = model.config  # its partitioner; the mesh below is the split that counts
     mesh = make_mesh(spatial, 1, devices)
     image = jax.ShapeDtypeStruct((1, *shape, 1), jnp.float32, sharding=activation_sharding(mesh))
@@ -324,8 +327,8 @@ class JaxBackend:
             if chosen.needed > memory:
                 raise CtsegError(
                     f"{what} of the {tiling.shape_text(self.shape)} grid needs "
-                    f"{dev.human_bytes(chosen.needed)} per device, more than the "
-                    f"{dev.human_bytes(memory)} free on {dev.describe(devices)}; "
+                    f"{human_bytes(chosen.needed)} per device, more than the "
+                    f"{human_bytes(memory)} free on {dev.describe(devices)}; "
                     f"{advice} (--tile -1 chooses them, or e.g. --tile 64)"
                 )
             return chosen

@@ -1,7 +1,7 @@
 """Inference in ONNX Runtime on the host's CPU cores (several times faster than XLA:CPU).
 
-The same inference-mode network as under JAX, exported by `ctseg.onnx_export`:
-whole, or one ONNX graph per level-wise stage (the geometry in `ctseg.tiling`),
+The same inference-mode network as under JAX, exported by `ctseg.inference.onnx_export`:
+whole, or one ONNX graph per level-wise stage (the geometry in `ctseg.inference.tiling`),
 run one window at a time on host arrays and stitched on the host (host memory is
 this backend's device). The logits equal the JAX pass's to float32 rounding.
 """
@@ -18,7 +18,7 @@ from ctseg.errors import CtsegError
 from ctseg.inference import tiling
 from ctseg.inference.tiling import Shape, Stage, TileProgress
 from ctseg.model.unet import BOTTOM, DOWN, UP
-from ctseg.run.checkpoints import TrainedModel
+from ctseg.run.trained import TrainedModel
 
 
 def _halve(slices: tuple[slice, ...]) -> tuple[slice, ...]:

@@ -9,7 +9,7 @@ convolution. Inference-mode batch norm is an affine map per channel, so folding
 it into the preceding bias-free convolution is exact up to float32 rounding.
 
 `export` builds the whole network; `export_stage` one stage of level-wise tiled
-inference (`ctseg.infer`: a down, bottom or up stage of one level), from the same
+inference (`ctseg.inference.engine`: a down, bottom or up stage of one level), from the same
 weights and the same layer builders. Graphs take and return the JAX layout,
 channels last (image [batch, x, y, z, 1] → logits [batch, x, y, z, 3], a stage's
 level activations [batch, x, y, z, C]); inside they run NCDHW, the layout ONNX
@@ -28,6 +28,7 @@ import onnx
 from flax import nnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ctseg.labels import NUM_CLASSES
 from ctseg.model import unet
 from ctseg.model.unet import BOTTOM, DOWN, UP
 
@@ -146,7 +147,7 @@ def export(graphdef: nnx.GraphDef, params: nnx.State, stats: nnx.State) -> onnx.
         skips.append(h)
     for level in reversed(range(model.cfg.depth - 1)):
         h = _decode(g, model, level, skips[level], h)
-    return g.model("ctseg_unet", _head(g, model.head, h), {INPUT: 1}, (OUTPUT, unet.NUM_CLASSES))
+    return g.model("ctseg_unet", _head(g, model.head, h), {INPUT: 1}, (OUTPUT, NUM_CLASSES))
 
 
 def export_stage(
@@ -176,5 +177,5 @@ def export_stage(
         inputs[STAGE_BELOW] = widths[level + 1]
         h = _decode(g, model, level, h, g.channels_first(STAGE_BELOW))
     if kind != DOWN and level == 0:
-        h, channels = _head(g, model.head, h), unet.NUM_CLASSES
+        h, channels = _head(g, model.head, h), NUM_CLASSES
     return g.model(f"ctseg_unet_{kind}{level}", h, inputs, (STAGE_OUTPUT, channels))

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from scipy import ndimage, spatial
 
-from ctseg.evaluation.metrics import LIVER, TUMOUR, bounding_box, tumour_burden
+from ctseg.labels import LIVER, bounding_box, liver_mask, tumour_burden, tumour_mask
 
 _CONNECTIVITY = ndimage.generate_binary_structure(3, 3)
 # Tumours (the largest by volume) whose largest diameter `scan_stats` measures: RECIST
@@ -48,9 +48,9 @@ def clean_labels(
     """
     labels = np.array(labels, dtype=np.uint8)
     if keep_largest_liver:
-        labels[~largest_component(labels >= LIVER)] = 0
+        labels[~largest_component(liver_mask(labels))] = 0
     if tumour_inside_liver:
-        box = bounding_box(labels >= LIVER)
+        box = bounding_box(liver_mask(labels))
         if box is not None:
             pieces, count = ndimage.label(labels[box] >= LIVER, structure=_CONNECTIVITY)
             has_liver = np.zeros(count + 1, dtype=bool)
@@ -86,8 +86,8 @@ def scan_stats(labels: np.ndarray, affine: np.ndarray) -> dict[str, Any]:
     convex hull each), and `largest_tumour_diameter_mm` is the longest of those.
     """
     voxel_ml = abs(float(np.linalg.det(affine[:3, :3]))) / 1000.0
-    liver_voxels = int(np.count_nonzero(labels >= LIVER))
-    tumour = labels == TUMOUR
+    liver_voxels = int(np.count_nonzero(liver_mask(labels)))
+    tumour = tumour_mask(labels)
     tumour_voxels = int(np.count_nonzero(tumour))
     tumours: list[dict[str, Any]] = []
     box = bounding_box(tumour)

@@ -1,12 +1,13 @@
 """The per-scan prediction pipeline in memory: a run's model predicting one scan at a time.
 
-One scan goes: read (canonical RAS, `ctseg.volume`) → the training preprocessing
-(resampling to the run's R³ grid as int16 HU, the HU window: `Predictor.to_grid`) →
-the inference engine (whole or exactly tiled, `Predictor.infer`) → class
-probabilities on the grid → resampled linearly back to the scan's own voxels →
-argmax → post-processing (`Predictor.to_scan`). `Predictor.predict` does all of it;
-`ctseg.predict_files` writes the outputs of many scans, and `ctseg.evaluate`
-scores a store's split with the same pipeline.
+One scan goes: read (canonical RAS, `ctseg.io.scans`) → the training preprocessing
+(resampling to the run's grid as int16 HU, the HU window: `Predictor.to_grid`) → the
+inference engine (whole or exactly tiled, `Predictor.infer`) → class probabilities on
+the grid → resampled linearly back to the scan's own voxels and argmax
+(`ctseg.inference.scan_space`) → post-processing and the scan's checks
+(`Predictor.to_scan`). `Predictor.predict` does all of it; `ctseg.inference.files`
+writes the outputs of many scans, and `ctseg.evaluation.runs` scores a store's split
+with the same pipeline.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,18 +24,18 @@ import jax
 import numpy as np
 
 from ctseg.config import Config, InferenceOptions
-from ctseg.data import grids as preprocess
-from ctseg.data.grids import GridSpec
 from ctseg.errors import CtsegError
-from ctseg.inference import engine as infer
-from ctseg.inference import postprocess, tiling
+from ctseg.inference import postprocess, scan_checks, scan_space
+from ctseg.inference.backends import choose_backend, onnx_available
 from ctseg.inference.engine import Engine
-from ctseg.inference.jax_backend import COMPILED_SHARE, is_out_of_memory
-from ctseg.inference.tiling import Shape
-from ctseg.io import scans as volume
+from ctseg.inference.jax_backend import COMPILED_SHARE
+from ctseg.inference.member import Member, OnGrid
+from ctseg.io.scans import Scan
+from ctseg.memory import human_bytes
 from ctseg.parallel import devices as dev
+from ctseg.parallel.compile_cache import compile_clock
 from ctseg.run import fingerprint, rundir
-from ctseg.run.checkpoints import TrainedModel, load_model
+from ctseg.run.trained import TrainedModel, load_model
 
 # (stage, done, total): stages "read", "infer" (windows done of total), "postprocess", "write".
 StageProgress = Callable[[str, int, int], None]
@@ -44,23 +44,6 @@ Seconds = dict[str, float]  # seconds per phase, `PHASES`
 # are the call's one-off costs (the plan is compiled before the first scan); a scan
 # that finds a program missing (an out-of-memory retry) compiles it under its own name.
 PHASES = ("load", "compile", "read", "resample", "infer", "postprocess", "write")
-
-# Percentiles of a CT scan in Hounsfield units lie within air (−1000) and dense bone or
-# contrast (~3000); a little slack for noise. Outside, the image is probably not in HU.
-_HU_RANGE = (-1100.0, 3100.0)
-_HU_SAMPLE_STEP = 4  # every 4th voxel along each axis is plenty for percentiles
-# CT voxels are 0.2–1 mm in-plane and 0.5–10 mm between slices; a scan of the
-# abdomen is a few cm to 2 m long (a whole body) and has more than a handful of slices.
-_SPACING_MM = (0.1, 10.0)
-_EXTENT_MM = (20.0, 2000.0)
-_MIN_VOXELS = 8
-# Adult livers measure 1–3 L; the largest ever (polycystic) about 10 L.
-_MAX_LIVER_ML = 12_000.0
-# Spacing-grid boxes are rounded up to this many voxels (or the alignment, if larger):
-# scans of similar extent share one compiled program, at ≤ 15 voxels of air per side.
-_BOX_MULTIPLE = 16
-# Engines (compiled programs, weights on the devices) kept for boxes of other shapes.
-_ENGINES_KEPT = 4
 
 
 @dataclass
@@ -73,7 +56,7 @@ class Prediction:
     probabilities: np.ndarray | None  # [..., 3] float32 on the scan's voxels, when asked for
     warnings: list[str] = field(default_factory=list)
     seconds: Seconds = field(default_factory=dict)  # this scan's own phases
-    # Where the scan or its liver lie far outside the run's training data (`ctseg.fingerprint`).
+    # Where the scan or its liver lie far outside the run's training data (`ctseg.run.fingerprint`).
     checks: list[str] = field(default_factory=list)
 
     @property
@@ -82,15 +65,7 @@ class Prediction:
         None for an ensemble (its members' grids differ)."""
         if self.grid_probabilities is None:
             return None
-        return infer.grid_labels(self.grid_probabilities)
-
-
-@dataclass
-class OnGrid:
-    """A scan brought to the run's grid, ready for the network."""
-
-    unit: np.ndarray  # the HU-windowed box [x, y, z], float32: the grid, padded on the spacing grid
-    grid: Shape  # the scan's grid, the box's first voxels
+        return scan_space.grid_labels(self.grid_probabilities)
 
 
 @contextlib.contextmanager
@@ -101,157 +76,6 @@ def timed(seconds: Seconds, phase: str) -> Iterator[None]:
         yield
     finally:
         seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
-
-
-def hu_warnings(hu: np.ndarray) -> list[str]:
-    """Warnings when the intensities do not look like CT in Hounsfield units."""
-    sample = hu[::_HU_SAMPLE_STEP, ::_HU_SAMPLE_STEP, ::_HU_SAMPLE_STEP]
-    low, high = (float(v) for v in np.percentile(sample, (1, 99)))
-    if float(sample.min()) >= 0:
-        return [
-            f"all intensities are ≥ 0 (1st–99th percentile {low:g}…{high:g}); the image may "
-            "not be in Hounsfield units (missing rescale slope/intercept?)"
-        ]
-    if low < _HU_RANGE[0] or high > _HU_RANGE[1]:
-        return [
-            f"the 1st–99th intensity percentiles {low:g}…{high:g} lie outside "
-            f"[{_HU_RANGE[0]:g}, {_HU_RANGE[1]:g}]; the image may not be CT in Hounsfield units"
-        ]
-    return []
-
-
-def geometry_warnings(scan: volume.Scan) -> list[str]:
-    """Warnings when a scan's voxels or extent are outside what a CT scan can be."""
-    spacing = np.array(scan.spacing)
-    extent = spacing * np.array(scan.array.shape)
-    warnings = []
-    if spacing.min() < _SPACING_MM[0] or spacing.max() > _SPACING_MM[1]:
-        warnings.append(
-            f"voxel spacing {' × '.join(f'{v:g}' for v in spacing)} mm is outside "
-            f"{_SPACING_MM[0]:g}–{_SPACING_MM[1]:g} mm: the header's geometry is probably wrong"
-        )
-    if min(scan.array.shape) < _MIN_VOXELS or not (
-        _EXTENT_MM[0] <= extent.min() and extent.max() <= _EXTENT_MM[1]
-    ):
-        warnings.append(
-            f"the scan is {' × '.join(str(n) for n in scan.array.shape)} voxels, "
-            f"{' × '.join(f'{v:.4g}' for v in extent)} mm: not the volume of an abdominal CT"
-        )
-    return warnings
-
-
-def volume_warnings(stats: dict[str, Any]) -> list[str]:
-    """Warnings when the predicted liver volume is not that of a human liver."""
-    liver = stats["liver_volume_ml"]
-    if liver == 0:
-        return ["no liver was found"]
-    if liver > _MAX_LIVER_ML:
-        return [f"a liver of {liver:,.0f} mL is larger than any human liver: check the geometry"]
-    return []
-
-
-class Member:
-    """One run's model on the devices: its grid, and one inference engine per box shape."""
-
-    def __init__(
-        self,
-        model: TrainedModel,
-        tile: int,
-        backend: str,
-        devices: list[Any],
-        run_dir: Path | None = None,
-    ):
-        self.model = model
-        self.config = model.config
-        self.run_dir = run_dir
-        self.grid = GridSpec.of(self.config.data)
-        self.tile, self.backend, self.devices = tile, backend, devices
-        # One engine per box shape (scans of one grid share one). The cube's one box is
-        # planned and compiled here, before the first scan; a spacing grid's boxes follow
-        # the scans' extents, and each new one is planned when a scan first needs it.
-        self._engines: OrderedDict[Shape, Engine] = OrderedDict()
-        self.engine: Engine | None = None  # the one that ran (or will run) the latest scan
-        if self.grid.kind == "cube":
-            self.engine_for(tiling.grid_shape(self.config))
-
-    def engine_for(self, box: Shape) -> Engine:
-        """The engine for boxes of `box` voxels, planned (and compiled) when first asked for."""
-        if box in self._engines:
-            self._engines.move_to_end(box)
-        else:
-            self._engines[box] = Engine(
-                self.model, self.tile, self.backend, self.devices, shape=box
-            )
-            # Each engine holds its programs and a copy of the weights on the devices: a
-            # batch of scans of many extents keeps only the latest few.
-            while len(self._engines) > _ENGINES_KEPT:
-                self._engines.popitem(last=False)
-        self.engine = self._engines[box]
-        return self.engine
-
-    @property
-    def name(self) -> str:
-        """`runs/fold0 (step 600)`, as the first line of an ensemble names its members."""
-        where = "a model" if self.run_dir is None else str(self.run_dir)
-        return f"{where} (step {self.model.step})"
-
-    @property
-    def plan(self) -> str:
-        """The plan in words: the cube's one, or the latest box's on the spacing grid."""
-        if self.engine is not None:
-            return self.engine.description
-        return f"the scan at {self.grid.voxel_size}, boxes of its extent"
-
-    def to_grid(self, scan: volume.Scan) -> OnGrid:
-        """The scan on the run's grid, HU-windowed: exactly the training preprocessing. On
-        the spacing grid the box holds the scan's whole grid, padded with air to the
-        model's alignment."""
-        grid = self.grid.grid_of(scan.array.shape, scan.spacing)
-        box = grid
-        if self.grid.kind == "spacing":
-            box = preprocess.inference_box(grid, max(self.config.alignment, _BOX_MULTIPLE))
-        hu = preprocess.to_box(scan.array, grid, (0, 0, 0), box, order=1)  # int16, as stored
-        return OnGrid(preprocess.hu_to_unit(hu, self.config.data.hu_window), grid)
-
-    def infer(
-        self,
-        unit: np.ndarray,
-        tta: bool,
-        progress: infer.TileProgress,
-        warnings: list[str] | None,
-    ) -> Any:
-        """Class probabilities [x, y, z, 3] of a box (`OnGrid.unit`), on the devices.
-
-        An accelerator that runs out of memory is tried once more with smaller tiles
-        (the engine is replaced for the scans after too), which `warnings` records;
-        a second failure is this scan's `CtsegError`.
-        """
-        box = tuple(unit.shape)
-        try:
-            return self._probabilities(self.engine_for(box), unit, tta, progress)
-        except Exception as exc:
-            if not is_out_of_memory(exc):
-                raise
-        before = self.engine.description
-        self.engine = self._engines[box] = self.engine.smaller()
-        if warnings is not None:
-            warnings.append(f"out of memory with {before}; retried with {self.engine.description}")
-        try:
-            return self._probabilities(self.engine, unit, tta, progress)
-        except Exception as again:
-            if not is_out_of_memory(again):
-                raise
-            raise CtsegError(
-                f"out of memory on {dev.describe(self.engine.devices)}, also with "
-                f"{self.engine.description}; try a smaller --tile"
-            ) from None
-
-    @staticmethod
-    def _probabilities(
-        engine: Engine, unit: np.ndarray, tta: bool, progress: infer.TileProgress
-    ) -> Any:
-        """The engine's probabilities, waited for: a device's failure surfaces here."""
-        return jax.block_until_ready(infer.probabilities(engine, unit, tta, progress))
 
 
 class Predictor:
@@ -287,7 +111,7 @@ class Predictor:
                     "flips (train.flip = false) and has never seen mirrored anatomy; leave "
                     "out --tta"
                 )
-        self.clock = dev.compile_clock()
+        self.clock = compile_clock()
         self.backend = options.backend or "jax"
         # ONNX Runtime runs on the host's cores (no JAX device); JAX on `devices`.
         jax_devices = list(devices or jax.local_devices()[:1])
@@ -314,7 +138,7 @@ class Predictor:
         options: InferenceOptions | None = None,
         configs: Config | Sequence[Config] | None = None,
     ) -> Predictor:
-        """The runs' models on the devices `options.device` asks for (`ctseg.devices`),
+        """The runs' models on the devices `options.device` asks for (`ctseg.parallel.devices`),
         whatever layout trained them: one run, or several (an ensemble). `configs`: the
         runs' config.toml if already read."""
         options = options or InferenceOptions()
@@ -323,9 +147,7 @@ class Predictor:
             configs = [configs]
         configs = list(configs or [None] * len(run_dirs))
         found = dev.choose(options.device, dev.visible())
-        backend = dev.inference_backend(
-            options.backend, options.device, found, dev.onnx_available()
-        )
+        backend = choose_backend(options.backend, options.device, found, onnx_available())
         if backend == "jax" and not dev.is_accelerator(found):
             # Simulated CPU devices share the host's cores: one window at a time, with all
             # the memory (16 side by side ran 4 % faster but cut 512³ cores from 128 to 48).
@@ -387,16 +209,16 @@ class Predictor:
         if engine is None:
             return "a plan for each box shape, made when a scan first needs it"
         if engine.backend == "onnx":
-            free = dev.human_bytes(engine.memory)
+            free = human_bytes(engine.memory)
             return f"{engine.description} in ONNX Runtime, {free} of RAM free"
         share = f"plans take {COMPILED_SHARE:.0%}"
         spill = "; levels wait on the host" if engine.spills else ""
         return (
-            f"{engine.description}: {dev.human_bytes(engine.needed)} per device of "
-            f"{dev.human_bytes(engine.memory)} free (compiled; {share}){spill}"
+            f"{engine.description}: {human_bytes(engine.needed)} per device of "
+            f"{human_bytes(engine.memory)} free (compiled; {share}){spill}"
         )
 
-    def to_grid(self, scan: volume.Scan, seconds: Seconds) -> list[OnGrid]:
+    def to_grid(self, scan: Scan, seconds: Seconds) -> list[OnGrid]:
         """The scan on each member's grid, HU-windowed: exactly its training preprocessing."""
         with timed(seconds, "resample"):
             return [member.to_grid(scan) for member in self.members]
@@ -431,7 +253,7 @@ class Predictor:
 
     def to_scan(
         self,
-        scan: volume.Scan,
+        scan: Scan,
         probabilities: Sequence[Any],
         on_grids: Sequence[OnGrid],
         seconds: Seconds,
@@ -442,30 +264,32 @@ class Predictor:
         options = self.config.predict
         with timed(seconds, "resample"):
             # On the engine's devices: only the labels (and asked-for probabilities) come back.
-            grids = [infer.crop(p, g.grid) for p, g in zip(probabilities, on_grids, strict=True)]
+            cropped = [
+                scan_space.crop(p, g.grid) for p, g in zip(probabilities, on_grids, strict=True)
+            ]
             shape = scan.array.shape
-            if len(grids) == 1:
-                labels, on_scan = infer.scan_labels(grids[0], shape, with_probabilities)
+            if len(cropped) == 1:
+                labels, on_scan = scan_space.scan_labels(cropped[0], shape, with_probabilities)
             else:
-                labels, on_scan = infer.mean_scan_labels(grids, shape, with_probabilities)
+                labels, on_scan = scan_space.mean_scan_labels(cropped, shape, with_probabilities)
         with timed(seconds, "postprocess"):
             labels = postprocess.clean_labels(
                 labels, options.keep_largest_liver, options.tumour_inside_liver
             )
-            checks = fingerprint.checks(self.fingerprint, scan, labels)
+            checks = scan_checks.checks(self.fingerprint, scan, labels)
         return Prediction(
             labels=labels,
             # On the grid: a lone run's (training validates there); an ensemble has none.
-            grid_probabilities=grids[0] if len(grids) == 1 else None,
+            grid_probabilities=cropped[0] if len(cropped) == 1 else None,
             probabilities=on_scan,
-            warnings=hu_warnings(scan.array) + geometry_warnings(scan),
+            warnings=scan_checks.hu_warnings(scan.array) + scan_checks.geometry_warnings(scan),
             seconds=seconds,
             checks=checks,
         )
 
     def predict(
         self,
-        scan: volume.Scan,
+        scan: Scan,
         with_probabilities: bool = False,
         progress: StageProgress | None = None,
     ) -> Prediction:

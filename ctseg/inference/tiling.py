@@ -1,7 +1,7 @@
 """Geometry of exact level-wise tiled inference, and the first-guess memory model.
 
 Pure functions of a config and a grid's shape (x, y, z voxels): no device is
-touched here. `ctseg.infer` runs what this module plans.
+touched here. `ctseg.inference.engine` runs what this module plans.
 
 Tiling the whole network would give every window a margin of the receptive-field
 radius (56 voxels for depth 4), so at 512³ the windows would hold 6–15× the grid's
@@ -33,7 +33,7 @@ whole pass: 512³, base 32, depth 4, cores of 128 — 147 windows in 7 stages, 1
 whole pass (1.28× from recomputing the skips, the rest from the margins).
 
 The memory model here is a hand formula: the first guess that picks the candidate
-programs. `ctseg.infer` then decides from the compiled programs' own memory analysis.
+programs. `ctseg.inference.engine` then decides from the compiled programs' own memory analysis.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ctseg.config import Config
-from ctseg.model.unet import BOTTOM, DOWN, NUM_CLASSES, UP, level_widths
+from ctseg.labels import NUM_CLASSES
+from ctseg.model.unet import BOTTOM, DOWN, UP, level_widths
 
 TileProgress = Callable[[int, int], None]  # (windows done, windows in total)
 Shape = tuple[int, int, int]  # voxels along x, y, z

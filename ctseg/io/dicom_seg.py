@@ -29,7 +29,9 @@ import numpy as np
 import ctseg
 from ctseg.atomic import atomic_path
 from ctseg.errors import CtsegError
-from ctseg.io import scans
+from ctseg.io import dicom, scans
+from ctseg.io.readers import LPS_TO_RAS, one_line
+from ctseg.labels import LIVER, TUMOUR
 
 if TYPE_CHECKING:
     from pydicom import Dataset
@@ -42,7 +44,8 @@ SERIES_NUMBER = 900
 SERIES_DESCRIPTION = "ctseg liver segmentation"
 MANUFACTURER = "ctseg"
 ALGORITHM_NAME = "ctseg"
-LIVER, TUMOUR = 1, 2  # segment numbers, as the label values of ctseg's label maps
+
+# Segment numbers are the label values of ctseg's label maps.
 SEGMENT_LABELS = {LIVER: "Liver", TUMOUR: "Liver tumour"}
 # Display colours (sRGB): 3D Slicer's liver colour, and yellow for tumour.
 _COLOURS = {LIVER: (221, 130, 101), TUMOUR: (255, 255, 0)}
@@ -79,7 +82,7 @@ def check_dicom_source(path: str | Path) -> None:
             "a file, not a folder of DICOM files",
         )
         raise CtsegError(f"{OPTION} needs DICOM series as inputs; {path} is {kind}")
-    if not scans.is_dicom_folder(path):
+    if not dicom.is_dicom_folder(path):
         raise CtsegError(f"{OPTION} needs DICOM series as inputs; {path} holds no DICOM files")
     _libraries()
 
@@ -97,7 +100,7 @@ def write_dicom_seg(
     `scan` is what `scans.read_scan` read from a DICOM series folder (its `source`);
     `labels` are the uint8 0/1/2 label map in the scan's canonical order, the array
     `scans.write_labels` takes. The series is found again the way the reader found
-    it (`scans.dicom_series_files`: the folder's one series, other files ignored,
+    it (`dicom.dicom_series_files`: the folder's one series, other files ignored,
     several series refused) and its headers read with pydicom (no pixel data). Each
     source instance gets the slice of the label map at its own Image Position
     (Patient), whatever the file names' order. New series and instance UIDs; the
@@ -115,7 +118,7 @@ def write_dicom_seg(
     folder = Path(scan.source)
     check_dicom_source(folder)
     hd, pydicom = _libraries()
-    files = scans.dicom_series_files(folder)
+    files = dicom.dicom_series_files(folder)
     datasets = [_read_header(pydicom, Path(file)) for file in files]
     _check_series(folder, datasets)
     slices = _slice_indices(scan, datasets, files)
@@ -151,7 +154,7 @@ def write_dicom_seg(
             omit_empty_frames=bool(masks.any()),
         )
     except ValueError as exc:  # highdicom's word for sources it cannot derive a SEG from
-        raise CtsegError(f"cannot write a DICOM SEG for {folder}: {scans._one_line(exc)}") from None
+        raise CtsegError(f"cannot write a DICOM SEG for {folder}: {one_line(exc)}") from None
     with atomic_path(out_path) as tmp:
         seg.save_as(tmp, enforce_file_format=True)
 
@@ -175,7 +178,7 @@ def _read_header(pydicom: Any, file: Path) -> Dataset:
     try:
         return pydicom.dcmread(file, stop_before_pixels=True)
     except (OSError, pydicom.errors.InvalidDicomError) as exc:
-        raise CtsegError(f"cannot read {file}: {scans._one_line(exc)}") from None
+        raise CtsegError(f"cannot read {file}: {one_line(exc)}") from None
 
 
 def _check_series(folder: Path, datasets: list[Dataset]) -> None:
@@ -233,7 +236,7 @@ def _slice_indices(scan: scans.Scan, datasets: list[Dataset], files: list[str]) 
                 f"{scan.source} {columns} × {rows}; has the folder changed since?"
             )
         lps = np.array([float(v) for v in position])
-        i, j, k = (to_voxel @ np.append(scans._LPS_TO_RAS @ lps, 1.0))[:3]
+        i, j, k = (to_voxel @ np.append(LPS_TO_RAS @ lps, 1.0))[:3]
         slices[n] = round(k)
         if max(abs(i), abs(j), abs(k - slices[n])) > _POSITION_TOLERANCE or not (
             0 <= slices[n] < depth

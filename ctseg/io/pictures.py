@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib import font_manager  # noqa: E402
 
 from ctseg import atomic  # noqa: E402
+from ctseg.labels import LIVER, TUMOUR, liver_mask  # noqa: E402
 
 
 def plot_curves(entries: Sequence[dict[str, Any]], path: Path) -> None:
@@ -41,7 +42,7 @@ def plot_curves(entries: Sequence[dict[str, Any]], path: Path) -> None:
 
 
 # Overlay colours of liver and tumour (RGBA); background stays transparent.
-_OVERLAY = {1: (0.95, 0.35, 0.2, 0.45), 2: (0.1, 0.9, 0.2, 0.7)}
+_OVERLAY = {LIVER: (0.95, 0.35, 0.2, 0.45), TUMOUR: (0.1, 0.9, 0.2, 0.7)}
 
 
 # The preview's centre is found on every 4th voxel along each axis: 64× fewer voxels
@@ -52,9 +53,9 @@ _CENTRE_STEP = 4
 def preview_centre(labels: np.ndarray) -> tuple[int, int, int]:
     """The voxel the preview's three slices go through: the liver's centre, else the volume's."""
     step = _CENTRE_STEP
-    liver = labels[::step, ::step, ::step] >= 1
+    liver = liver_mask(labels[::step, ::step, ::step])
     if not liver.any():
-        liver = labels >= 1  # a liver smaller than the sampling grid
+        liver = liver_mask(labels)  # a liver smaller than the sampling grid
         step = 1
     if not liver.any():
         return tuple(n // 2 for n in labels.shape)

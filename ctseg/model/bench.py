@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +31,9 @@ from ctseg.parallel.partition import (
     make_global_array,
     make_mesh,
 )
+from ctseg.progress import Progress
 
 # progress(done, total, description)
-Progress = Callable[[int, int, str], None]
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def bench(
 ) -> list[BenchResult]:
     """Time every (partitioner, spatial split) pair on `config`'s grid.
 
-    `splits` come from `devices.auto_spatial` for plain partition counts.
+    `splits` come from `ctseg.parallel.layouts.auto_spatial` for plain partition counts.
     """
     if steps < 1:
         raise CtsegError(f"--steps must be at least 1, got {steps}")

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from ctseg.labels import LIVER, TUMOUR, liver_mask, tumour_mask
 from ctseg.parallel.partition import Comm
 
 # Soft-Dice smoothing, in voxels: keeps the ratio defined when a structure is absent.
@@ -41,8 +42,9 @@ def segmentation_loss(
     cross_entropy = comm.sum(weight * nll) / comm.sum(weight)
 
     prob = jnp.exp(log_prob)
-    dice_liver = soft_dice(prob[..., 1] + prob[..., 2], (labels >= 1).astype(jnp.float32), comm)
-    dice_tumour = soft_dice(prob[..., 2], (labels == 2).astype(jnp.float32), comm)
+    liver = prob[..., LIVER] + prob[..., TUMOUR]  # the whole organ, as the LiTS liver Dice
+    dice_liver = soft_dice(liver, liver_mask(labels).astype(jnp.float32), comm)
+    dice_tumour = soft_dice(prob[..., TUMOUR], tumour_mask(labels).astype(jnp.float32), comm)
     loss = cross_entropy + dice_weight * (1.0 - 0.5 * (dice_liver + dice_tumour))
     parts = {"cross_entropy": cross_entropy, "dice_liver": dice_liver, "dice_tumour": dice_tumour}
     return loss, parts

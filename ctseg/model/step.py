@@ -2,9 +2,9 @@
 the population statistics of batch normalisation.
 
 `make_train_step`, `make_predict` and `make_batch_statistics` return functions
-of plain pytrees that run over a mesh with the config's partitioner; the loop
-(`train.py`), the inference engine (`infer.py`), `ctseg plan` and `ctseg bench`
-use them.
+of plain pytrees that run over a mesh with the config's partitioner; the training
+loop (`ctseg.training`), the inference engine (`ctseg.inference`), `ctseg plan` and
+`ctseg bench` use them.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def make_loss(
     """loss(params, stats, image, label) -> (loss, (parts, new_stats)), partitioned over `mesh`.
 
     `held_norm`: batch norm in inference mode, normalising by `stats` and leaving
-    them as they are (`train.held_norm_steps`).
+    them as they are (`train.held_norm_share`).
     """
     tc = config.train
 
@@ -97,7 +97,7 @@ def make_train_step(
 ) -> Callable[..., Any]:
     """train_step(state, image, label) -> (state, metrics); jit it (plan/bench lower it).
 
-    `held_norm`: the step of `train.held_norm_steps`, see `make_loss`.
+    `held_norm`: the step of `train.held_norm_share`, see `make_loss`.
     """
     loss_fn = make_loss(graphdef, config, mesh, held_norm)
     optimizer = make_optimizer(config.train)

@@ -22,11 +22,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ctseg.config import ModelConfig
+from ctseg.labels import NUM_CLASSES
 from ctseg.parallel.partition import Comm
 
-NUM_CLASSES = 3  # background, liver, tumour
-# The stages of level-wise tiled inference (`ctseg.infer`, `ctseg.onnx_export`): an
-# encoder level with its pooling, the bottom level, a decoder level.
+# The stages of level-wise tiled inference (`ctseg.inference`): an encoder level with its
+# pooling, the bottom level, a decoder level.
 DOWN, BOTTOM, UP = "down", "bottom", "up"
 _DIMS = ("NDHWC", "DHWIO", "NDHWC")
 
@@ -267,7 +267,7 @@ def batch_statistics(
 
     A training-mode forward pass, so each layer sees its input normalised by the
     batch, exactly as in training; the statistics are global over partitions
-    and replicas (invariant 4). `ctseg.step.pool_statistics` averages them over
+    and replicas (invariant 4). `ctseg.model.step.pool_statistics` averages them over
     batches into the population statistics inference uses.
     """
     model = nnx.merge(graphdef, params, stats, copy=True)

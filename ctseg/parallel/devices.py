@@ -5,30 +5,24 @@ Every command takes ``--device auto|cpu|gpu|tpu``; ``auto`` is the accelerators
 this process sees, else the CPU. Simulated CPU devices exist for tests and for
 CPU-only machines, and are never a silent fall-back when an accelerator exists.
 
-The choices are pure functions of device lists (`choose`, `inference_backend`,
-`describe`), so that they are tested with fake devices; `visible` asks JAX.
+The choices are pure functions of device lists (`choose`, `describe`,
+`free_memory`), so that they are tested with fake devices; `visible` asks JAX. What
+runs on the chosen devices is decided elsewhere: the layout of a training run in
+`ctseg.parallel.layouts`, the inference backend in `ctseg.inference.backends`.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import tempfile
-import warnings
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
-from ctseg.config import Config, split_problem, with_mesh
 from ctseg.errors import CtsegError
+from ctseg.memory import host_memory
 
 DEVICE_CHOICES = ("auto", "cpu", "gpu", "tpu")
 ACCELERATORS = ("gpu", "tpu")
-# The persistent XLA compilation cache: `--compile-cache DIR|off`, else this variable,
-# else the user's cache folder.
-COMPILE_CACHE_ENV = "CTSEG_COMPILE_CACHE"
 
 
 class Device(Protocol):
@@ -186,32 +180,6 @@ def is_accelerator(devices: Sequence[Device]) -> bool:
     return bool(devices) and devices[0].platform in ACCELERATORS
 
 
-def onnx_available() -> bool:
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def inference_backend(
-    requested: str | None, device: str, devices: Sequence[Device], have_onnx: bool
-) -> str:
-    """The inference backend: the one asked for, else JAX on accelerators, else ONNX if installed.
-
-    ONNX Runtime runs on the host's CPU cores (several times faster than XLA:CPU
-    there); it is no choice for a run that asked for an accelerator.
-    """
-    if requested == "onnx" and device in ACCELERATORS:
-        raise CtsegError(
-            f"--backend onnx runs on the CPU, not on --device {device}; "
-            "leave --backend out to run JAX on the accelerator"
-        )
-    if requested is not None:
-        return requested
-    return "onnx" if not is_accelerator(devices) and have_onnx else "jax"
-
-
 def describe(devices: Sequence[Device], simulated: bool = False) -> str:
     """`2 × NVIDIA H100 80GB HBM3`, `CPU (2 cores)` or `16 simulated CPU devices (2 cores)`."""
     if not is_accelerator(devices):
@@ -233,187 +201,6 @@ def free_memory(devices: Sequence[Device]) -> int:
         if "bytes_limit" in stats:
             free.append(int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
     return min(free) if free else host_memory()
-
-
-def host_memory() -> int:
-    """Bytes of the host's RAM available to new allocations."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def human_bytes(count: float) -> str:
-    """Binary units, the largest that keeps the number ≥ 1: `512 B`, `3.4 MiB`, `48.0 GiB`."""
-    unit = "B"
-    for bigger in ("KiB", "MiB", "GiB", "TiB"):
-        if count < 1024:
-            break
-        count, unit = count / 1024, bigger
-    return f"{count:.0f} B" if unit == "B" else f"{count:.1f} {unit}"
-
-
-# --------------------------------------------------------------------------- layouts
-
-
-def auto_spatial(partitions: int) -> tuple[int, int, int]:
-    """Split `partitions` over x, y, z: 1→[1,1,1], 2→[2,1,1], 4→[2,2,1], 8→[2,2,2], 16→[4,4,1].
-
-    The largest per-axis split is made as small as possible, which keeps the
-    local blocks thick and the halo a small share of them; among those, the
-    fewest partitions go to z (x and y first, as Google's 4×4 TPU layout
-    splits the in-plane axes), and x gets at least as many as y.
-    """
-    if partitions < 1:
-        raise CtsegError(f"a partition count must be positive, got {partitions}")
-    splits = [
-        (x, y, partitions // (x * y))
-        for x in range(1, partitions + 1)
-        for y in range(1, x + 1)
-        if partitions % (x * y) == 0
-    ]
-    return min(splits, key=lambda s: (max(s), s[2], -s[0]))
-
-
-def fit_layout(config: Config, devices: int, data: int = 1) -> Config:
-    """`config` on as many of `devices` as its grid allows, with `data` replicas.
-
-    The `auto_spatial` split of the most partitions, at most `devices // data`, that
-    passes the config's own mesh check (invariant 3: every level's blocks even,
-    thicker than the halo).
-    """
-    for count in range(devices // data, 1, -1):
-        try:
-            return with_mesh(config, auto_spatial(count), data=data)
-        except CtsegError:
-            continue
-    return with_mesh(config, (1, 1, 1), data=data)
-
-
-def fit_split(config: Config, shape: Sequence[int], devices: int) -> tuple[int, int, int]:
-    """The `auto_spatial` split of a grid of `shape` over the most of `devices` whose blocks
-    every U-Net level can work on (`config.split_problem`); [1, 1, 1] when none can."""
-    for count in range(devices, 1, -1):
-        spatial = auto_spatial(count)
-        if split_problem(config, spatial, shape) is None:
-            return spatial
-    return (1, 1, 1)
-
-
-# --------------------------------------------------------------------------- compilation cache
-
-
-def compile_cache_dir(option: str | None) -> Path | None:
-    """The persistent compilation cache folder: `option`, else $CTSEG_COMPILE_CACHE, else the
-    user's cache folder; None when it is ``off``.
-
-    An empty value counts as unset: ``CTSEG_COMPILE_CACHE=`` would otherwise name the
-    current folder and fill it with cache files.
-    """
-    value = (option or os.environ.get(COMPILE_CACHE_ENV) or "").strip()
-    if not value:
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-        return Path(base) / "ctseg" / "xla"
-    return None if value.lower() == "off" else Path(value).expanduser()
-
-
-def use_compile_cache(directory: Path | None) -> str | None:
-    """Keep every compiled program in `directory` (JAX's persistent cache), so that the
-    next process with the same shapes compiles nothing. Call before the first compile.
-
-    A cache only saves time, so one that cannot be used is no reason to stop: the
-    returned line says why it is not used (the command prints it), and JAX compiles
-    without it. Otherwise None.
-    """
-    if directory is None:
-        return None
-    problem = _cache_problem(directory)
-    if problem is not None:
-        return f"compilation cache {directory} {problem}; compiling without it"
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    # Even the small programs: a stage of a tiny model compiles in under a second, but a
-    # second `ctseg predict` should compile nothing at all.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    # An entry that cannot be read (cut short, from another build) or written (a full
-    # disk) is a cache miss: JAX compiles and goes on, and says so in a library warning
-    # that would come back on every run. The run's outcome is the same; keep it quiet.
-    warnings.filterwarnings(
-        "ignore", message="Error (reading|writing) persistent compilation cache entry"
-    )
-    return None
-
-
-def _cache_problem(directory: Path) -> str | None:
-    """Why `directory` cannot hold the compilation cache, or None where it can."""
-    if directory.exists() and not directory.is_dir():
-        return "is a file, not a folder"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return f"cannot be created ({exc.strerror or exc})"
-    # Permissions alone do not tell (root, read-only mounts): try what JAX will do.
-    try:
-        handle, probe = tempfile.mkstemp(dir=directory, prefix=".ctseg-probe-")
-    except OSError:
-        return "is not writable"
-    os.close(handle)
-    os.unlink(probe)
-    return None
-
-
-# Events JAX records for every program it compiles (`jax.monitoring`): the time of
-# tracing, lowering and the backend compile (a cache hit included), and cache hits.
-_COMPILE_EVENTS = (
-    "/jax/core/compile/jaxpr_trace_duration",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration",
-    "/jax/core/compile/backend_compile_duration",
-)
-_BACKEND_COMPILE = _COMPILE_EVENTS[-1]
-_CACHE_HIT = "/jax/compilation_cache/cache_hits"
-
-
-class CompileClock:
-    """What JAX spent on compiling in this process: seconds, programs, cache hits.
-
-    Compilation happens lazily, inside the first call of each program, so a
-    caller reads the clock before and after a call to tell compiling from running.
-    """
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.programs = 0
-        self.cache_hits = 0
-        self.by_name: Counter[str] = Counter()  # programs by function name, e.g. train_step
-
-    def _duration(self, event: str, duration_secs: float, **kwargs: Any) -> None:
-        if event in _COMPILE_EVENTS:
-            self.seconds += duration_secs
-        if event == _BACKEND_COMPILE:
-            self.programs += 1
-            self.by_name[str(kwargs.get("fun_name", "?"))] += 1
-
-    def _event(self, event: str, **_: Any) -> None:
-        self.cache_hits += event == _CACHE_HIT
-
-
-_clock: CompileClock | None = None
-
-
-def compile_clock() -> CompileClock:
-    """The process's compile clock (listening from the first call on)."""
-    global _clock
-    if _clock is None:
-        import jax
-
-        _clock = CompileClock()
-        jax.monitoring.register_event_duration_secs_listener(_clock._duration)
-        jax.monitoring.register_event_listener(_clock._event)
-    return _clock
 
 
 def plan_devices(
@@ -439,59 +226,4 @@ def plan_devices(
     return cpus[:need], (
         f"planning on {need} simulated CPU devices: the config's mesh needs {need}, "
         f"{here} has {len(chosen)}"
-    )
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where a training run runs: the config with the mesh it gets, its devices, and why."""
-
-    config: Config
-    devices: list[Any]
-    line: str  # the command's first line
-
-
-def _mesh_words(config: Config) -> str:
-    spatial, data = list(config.mesh.spatial), config.mesh.data
-    if config.num_devices == 1:
-        return "unpartitioned"
-    split = f"{spatial} ({config.num_partitions} partitions)"
-    return split if data == 1 else f"{split} × {data} data replicas"
-
-
-def fit_training(config: Config, devices: Sequence[Device], exact: bool = False) -> Layout:
-    """The layout to train `config` on `devices` (invariant 7: the mesh is a request).
-
-    Enough devices: the config's own mesh, on the first of them. Fewer: the grid
-    split over as many as it allows, with data replicas where the batch divides
-    among them and the grid alone cannot use every device (`fit_layout`;
-    partitioned training equals unpartitioned training, so the model is the
-    same), unless `exact`, which makes it an error. Memory is checked when the
-    step is compiled (`ctseg.train`).
-    """
-    need = config.num_devices
-    simulated = not is_accelerator(devices)
-    here = f"{describe(devices, simulated)} here"
-    asked = f"config asks {list(config.mesh.spatial)}"
-    asked += f" × data {config.mesh.data}" if config.mesh.data > 1 else ""
-    asked += f" ({need} device{'s' if need > 1 else ''})"
-    if len(devices) >= need:
-        return Layout(config, list(devices[:need]), f"{here}: training {_mesh_words(config)}")
-    if exact:
-        raise CtsegError(
-            f"{asked} but only {len(devices)} are here ({describe(devices, simulated)}) and "
-            "--exact-mesh keeps the config's mesh; leave --exact-mesh out to fit the layout "
-            "to this machine, or use --device cpu to simulate the devices"
-        )
-    # The most devices the grid and the batch allow: data replicas where the grid alone
-    # cannot use them all (the batch must divide among them); spatial splits first.
-    replicas = [d for d in range(1, len(devices) + 1) if config.train.batch_size % d == 0]
-    fitted = max(
-        (fit_layout(config, len(devices), data) for data in replicas),
-        key=lambda layout: layout.num_devices,
-    )
-    return Layout(
-        fitted,
-        list(devices[: fitted.num_devices]),
-        f"{asked}; {here}: training {_mesh_words(fitted)}",
     )

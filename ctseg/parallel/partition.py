@@ -83,7 +83,7 @@ def make_mesh(spatial: Sequence[int], data: int = 1, devices: Sequence[Any] | No
     """A mesh with axes (data, x, y, z) over the first `data·x·y·z` of `devices`.
 
     `devices`: by default all of JAX's default backend's devices (the
-    accelerators, else the CPU's); `ctseg.devices` chooses them for commands.
+    accelerators, else the CPU's); `ctseg.parallel.devices` chooses them for commands.
     Too few is an error, never a quiet move to other devices.
     """
     shape = (data, *spatial)

@@ -1,4 +1,5 @@
-"""The run directory's checkpoints (orbax) and loading a trained model for inference.
+"""The run directory's checkpoints (orbax): saved while training, restored to resume, and
+read (`ctseg.run.trained` loads a model from them).
 
 ``RUN_DIR/checkpoints/<step>/`` holds the whole `TrainState` (parameters,
 optimiser state, batch-norm statistics, step). Randomness is a function of the
@@ -19,19 +20,15 @@ import os
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
 from orbax.checkpoint import checkpoint_managers as policies
 
-from ctseg import config as cfg
 from ctseg.errors import CtsegError
-from ctseg.model import unet
 from ctseg.model.step import TrainState
 from ctseg.run import rundir
 
@@ -358,47 +355,3 @@ class Checkpoints:
             self.wait()
         finally:
             self.manager.close()
-
-
-@dataclass(frozen=True)
-class TrainedModel:
-    """A run's network ready for inference: its config, architecture, weights and step."""
-
-    config: cfg.Config
-    graphdef: nnx.GraphDef
-    params: nnx.State
-    stats: nnx.State  # the batch-norm statistics inference uses
-    step: int  # the checkpoint's training step
-
-
-def load_model(run_dir: Path, which: str, config: cfg.Config | None = None) -> TrainedModel:
-    """Checkpoint `which` (`best`, `latest` or a step number) of a run, for inference.
-
-    Only the parameters and batch-norm statistics are read, as host arrays, whatever
-    mesh trained them: the model's shapes come from its config (`config`, else the
-    run's config.toml), not from a train state, so no optimiser is built or read.
-    `latest` and `best` take the latest (best) checkpoint that can be read, and log a
-    warning for each skipped; a step number must be readable. A checkpoint that does
-    not match the run's config.toml is an error either way: falling back to an older
-    one would hide that the run directory is not one run's any more.
-    """
-    config = rundir.load_config(run_dir) if config is None else config
-    graphdef, params, stats = unet.abstract(config.model)
-    item = {"params": params, "stats": stats}
-    checkpoints = Checkpoints(run_dir, keep=1, read_only=True)
-    try:
-        candidates = checkpoints.candidates(which)
-        for step in candidates:
-            try:
-                restored = checkpoints.restore_model(step, item)
-            except UnreadableCheckpoint as exc:
-                if which not in ("latest", "best"):
-                    raise
-                _log.warning("%s; skipped", exc)
-                continue
-            return TrainedModel(config, graphdef, restored["params"], restored["stats"], step)
-    finally:
-        checkpoints.close()
-    raise CtsegError(
-        f"no checkpoint in {checkpoints.directory} can be read (steps {sorted(candidates)})"
-    )

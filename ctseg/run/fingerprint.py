@@ -1,11 +1,11 @@
-"""The fingerprint of a run's training data, and the checks that hold new scans against it.
+"""The fingerprint of a run's training data: what new scans and their livers are held against.
 
 A model trained on one kind of scan says nothing useful about another: a model of
 synthetic phantoms put "liver" on a real abdomen's lumbar spine, and nothing said
 so. As nnU-Net records a *dataset fingerprint* of its training data (spacings,
 shapes, foreground intensities), `ctseg train` records this one when it starts a
 run (`record`), from the prepared store's training cases, into
-RUN_DIR/fingerprint.json (`ctseg.rundir.FINGERPRINT`)::
+RUN_DIR/fingerprint.json (`ctseg.run.rundir.FINGERPRINT`)::
 
     {"format": "ctseg-fingerprint", "version": 1, "store": PREP_DIR, "resolution": R,
      "cases": N, "liver_cases": M,           # training cases; those of them with a liver
@@ -23,10 +23,10 @@ strided sample of each case is read (every `sample_step`-th voxel along each axi
 at most `_SAMPLED_GRID` per axis): the liver's bounding box is then good to a
 stride, its volume stays exact (the manifest's `label_counts`).
 
-`ctseg predict` (`checks`) compares each scan and its predicted liver with the
-fingerprint and says, beside the other warnings, where they lie far outside what
-the model was trained on (`TOLERANCE`, `HU_MARGIN`). A run trained before the
-fingerprint existed has none, and its scans are checked as before.
+`ctseg predict` compares each scan and its predicted liver with the fingerprint
+(`ctseg.inference.scan_checks`) and says, beside the other warnings, where they lie
+far outside what the model was trained on. A run trained before the fingerprint
+existed has none, and its scans are not compared.
 
 NumPy only: no JAX.
 """
@@ -43,31 +43,14 @@ import numpy as np
 
 from ctseg.data.store import Store
 from ctseg.errors import CtsegError
+from ctseg.labels import liver_mask
 from ctseg.run import rundir
 
 FORMAT = "ctseg-fingerprint"
 VERSION = 1
 
-# "Far" from the training data: more than 3× below the smallest or above the largest
-# training value (per axis for spacings and extents). Why 3: ctseg stretches a scan's
-# whole field of view onto the R³ grid, so a scan 3× larger or smaller than any it
-# trained on shows the model anatomy at a scale it never learnt; a scan of 10× the
-# training spacing is 10× the extent too, far beyond. And a training set is a small
-# sample of its own distribution: with extents of 160–900 mm (5.6×, as the synthetic
-# phantoms have), a new scan falls outside [min/3, 3·max] of 3 training scans drawn
-# like it with a probability of about 1 % (with 2×, about 5 %). A liver's volume gets
-# the same factor: adult livers measure 1–3 L, and a scan that holds only part of the
-# liver is common, so a small liver alone is weak evidence.
-TOLERANCE = 3.0
-# The median HU inside a predicted liver is unlike the training livers' when it lies
-# outside their [0.5th, 99.5th] percentiles (nnU-Net's clipping range for CT) widened
-# by 50 HU on each side: the median averages the noise away, so a liver like those
-# trained on lies well inside; 50 HU is about what contrast adds to a liver in the
-# portal-venous phase; beyond it lie fat (-100), air and bone (> 200): no liver.
-HU_MARGIN = 50.0
 
 _SAMPLED_GRID = 64  # the fingerprint reads at most this many voxels per axis of a case
-_SAMPLED_SCAN = 128  # the checks look at this many voxels per axis of a prediction
 _HU_PER_CASE = 10_000  # liver voxels per case in the intensity sample (nnU-Net's number)
 _PERCENTILES = {"min": 0, "p5": 5, "median": 50, "p95": 95, "max": 100}
 
@@ -93,8 +76,8 @@ def compute(store: Store) -> dict[str, Any]:
         affine = case.box_affine()  # the grid's voxels: the cube's, or data.spacing's
         volumes.append(liver_voxels * abs(float(np.linalg.det(affine[:3, :3]))) / 1000.0)
         step = sample_step(case.grid_shape, _SAMPLED_GRID)
-        liver = np.asarray(store.label(case.id)[::step, ::step, ::step]) >= 1
-        box = _box_voxels(liver, step)
+        liver = liver_mask(np.asarray(store.label(case.id)[::step, ::step, ::step]))
+        box = box_voxels(liver, step)
         if box is None:
             continue  # a liver too small for the sample
         extents.append(box * np.linalg.norm(affine[:3, :3], axis=0))
@@ -123,7 +106,7 @@ def record(run_dir: Path, store: Store) -> None:
         rundir.write_fingerprint(run_dir, compute(store))
 
 
-def _box_voxels(mask: np.ndarray, step: int) -> np.ndarray | None:
+def box_voxels(mask: np.ndarray, step: int) -> np.ndarray | None:
     """Voxels spanned by the bounding box of a (strided) mask, per axis, on the full grid."""
     if not mask.any():
         return None
@@ -214,95 +197,3 @@ def load(run_dir: Path) -> Fingerprint | None:
             f"{path} is not the fingerprint `ctseg train` writes ({exc}); "
             "delete it to predict without comparing scans with the training data"
         ) from None
-
-
-def checks(fingerprint: Fingerprint | None, scan: Any, labels: np.ndarray) -> list[str]:
-    """Where a scan (a `ctseg.volume.Scan`) and its predicted canonical labels lie far
-    outside the training data; [] without a fingerprint."""
-    if fingerprint is None:
-        return []
-    return geometry_checks(fingerprint, scan.spacing, scan.array.shape) + liver_checks(
-        fingerprint, labels, scan.array, scan.affine
-    )
-
-
-def geometry_checks(
-    fingerprint: Fingerprint, spacing: Sequence[float], shape: Sequence[int]
-) -> list[str]:
-    """A scan's voxel spacing and field of view (mm per canonical axis) against the training
-    scans'."""
-    spacing = np.array(spacing, dtype=float)
-    extent = spacing * np.array(shape, dtype=float)
-    found = []
-    if _far(spacing, fingerprint.spacing):
-        found.append(
-            f"voxel spacing {_each(spacing)} mm lies more than {TOLERANCE:g}× outside the "
-            f"training scans' ({_ranges(fingerprint.spacing)} mm)"
-        )
-    if _far(extent, fingerprint.extent):
-        found.append(
-            f"field of view {_each(extent)} mm lies more than {TOLERANCE:g}× outside the "
-            f"training scans' ({_ranges(fingerprint.extent)} mm)"
-        )
-    return found
-
-
-def liver_checks(
-    fingerprint: Fingerprint, labels: np.ndarray, hu: np.ndarray, affine: np.ndarray
-) -> list[str]:
-    """A predicted liver (labels ≥ 1, canonical, voxel → mm `affine`) against the training
-    livers: its volume, its extent, the median HU inside it. No liver: nothing here
-    (`ctseg.predict.volume_warnings` says so)."""
-    liver_voxels = int(np.count_nonzero(labels))  # labels 0/1/2: liver is label ≥ 1
-    if not liver_voxels:
-        return []
-    found = []
-    volume = liver_voxels * abs(float(np.linalg.det(affine[:3, :3]))) / 1000.0
-    if fingerprint.liver_volume is not None and _far(volume, fingerprint.liver_volume):
-        low, high = fingerprint.liver_volume
-        found.append(
-            f"the predicted liver's volume, {_number(volume)} mL, lies more than {TOLERANCE:g}× "
-            f"outside the training livers' ({_number(low)}–{_number(high)} mL)"
-        )
-    step = sample_step(labels.shape, _SAMPLED_SCAN)
-    liver = labels[::step, ::step, ::step] >= 1
-    box = _box_voxels(liver, step)
-    if box is None:
-        return found  # a liver too small for the sample
-    extent = np.minimum(box, labels.shape) * np.linalg.norm(affine[:3, :3], axis=0)
-    if fingerprint.liver_extent is not None and _far(extent, fingerprint.liver_extent):
-        found.append(
-            f"the predicted liver's extent, {_each(extent)} mm, lies more than {TOLERANCE:g}× "
-            f"outside the training livers' ({_ranges(fingerprint.liver_extent)} mm)"
-        )
-    if fingerprint.liver_hu is not None:
-        low, high = fingerprint.liver_hu
-        median = float(np.median(np.asarray(hu[::step, ::step, ::step])[liver]))
-        if not low - HU_MARGIN <= median <= high + HU_MARGIN:
-            found.append(
-                f"the median intensity inside the predicted liver, {median:.0f} HU, is unlike "
-                f"the training livers' (0.5th–99.5th percentile {low:.0f}…{high:.0f} HU, "
-                f"± {HU_MARGIN:g})"
-            )
-    return found
-
-
-def _far(value: Any, span: tuple[Any, Any]) -> bool:
-    """Whether `value` lies (on any axis) more than `TOLERANCE`× below or above `span`."""
-    low, high = span
-    value = np.asarray(value, dtype=float)
-    return bool(np.any(value < np.asarray(low) / TOLERANCE) or np.any(value > high * TOLERANCE))
-
-
-def _number(value: float) -> str:
-    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
-
-
-def _each(values: np.ndarray) -> str:
-    return " × ".join(_number(float(v)) for v in values)
-
-
-def _ranges(span: tuple[np.ndarray, np.ndarray]) -> str:
-    return " × ".join(
-        f"{_number(float(a))}–{_number(float(b))}" for a, b in zip(*span, strict=True)
-    )

@@ -3,12 +3,12 @@
 Layout (the contract between `ctseg train` and the commands after it)::
 
     RUN_DIR/config.toml      the fully resolved config; a resumed run must match it (mesh aside)
-    RUN_DIR/checkpoints/     orbax checkpoints (`ctseg.checkpoints`): the latest K plus the best
+    RUN_DIR/checkpoints/     orbax checkpoints (`ctseg.run.checkpoints`): the latest K plus the best
     RUN_DIR/metrics.jsonl    one JSON object per logged step; validation entries carry Dice
     RUN_DIR/curves.png       loss and validation Dice over steps, redrawn at each validation
     RUN_DIR/layouts.jsonl    one line per start: {"from_step", "mesh", "devices"}
     RUN_DIR/fingerprint.json the training data's fingerprint (spacings, extents, livers' volumes,
-                             extents and HU; `ctseg.fingerprint`), written when a run starts
+                             extents and HU; `ctseg.run.fingerprint`), written when a run starts
                              (or resumes without one) and kept after; absent in runs trained
                              before fingerprints, whose scans `predict` checks as before
     RUN_DIR/fold.json        a cross-validation fold run's fold (train.fold ≥ 0 only):
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ctseg import atomic
+from ctseg import atomic, compat
 from ctseg import config as cfg
 from ctseg.data.store import Store
 from ctseg.errors import CtsegError
@@ -40,9 +40,6 @@ CURVES = "curves.png"
 LAYOUTS = "layouts.jsonl"
 FINGERPRINT = "fingerprint.json"
 FOLD = "fold.json"
-EVALUATION = "eval"
-# In an evaluation's folder (RUN_DIR/eval, or --out): the run, checkpoint, store and split.
-EVALUATED = "evaluated.json"
 # What makes a folder a run directory's: `ctseg train` claims no folder of others' files.
 OWN_FILES = (CONFIG, CHECKPOINTS)
 
@@ -197,11 +194,6 @@ def checkpoints_dir(run_dir: Path) -> Path:
     return Path(run_dir).absolute() / CHECKPOINTS
 
 
-def evaluation_dir(run_dir: Path, out: Path | None = None) -> Path:
-    """Where `ctseg evaluate RUN_DIR` writes: `out`, else RUN_DIR/eval."""
-    return Path(run_dir) / EVALUATION if out is None else Path(out)
-
-
 class MetricsLog:
     """RUN_DIR/metrics.jsonl; on resume, entries after the restored step are dropped.
 
@@ -219,14 +211,14 @@ class MetricsLog:
 
     @staticmethod
     def read(run_dir: Path) -> list[dict[str, Any]]:
-        """The entries of RUN_DIR/metrics.jsonl, old runs' keys spelled as today's."""
+        """The entries of RUN_DIR/metrics.jsonl, early runs' keys spelled as today's."""
         path = Path(run_dir) / METRICS
         if not path.exists():
             return []
         entries = []
         for line in path.read_text().splitlines():
             try:
-                entries.append(_current_keys(json.loads(line)))
+                entries.append(compat.metrics_entry(json.loads(line)))
             except json.JSONDecodeError:
                 break  # a line cut by a kill: everything after it is lost anyway
         return entries
@@ -256,13 +248,6 @@ class MetricsLog:
         }
 
 
-def _current_keys(entry: dict[str, Any]) -> dict[str, Any]:
-    # Runs written before the outputs settled on one spelling logged `val_dice_tumor`.
-    if "val_dice_tumor" in entry:
-        entry["val_dice_tumour"] = entry.pop("val_dice_tumor")
-    return entry
-
-
 def record_layout(run_dir: Path, step: int, config: cfg.Config, where: str) -> None:
     """Append to RUN_DIR/layouts.jsonl which layout and devices train from `step` on."""
     entry = {"from_step": step, "mesh": cfg.to_dict(config)["mesh"], "devices": where}
@@ -286,14 +271,14 @@ def last_layout(run_dir: Path) -> dict[str, Any] | None:
 
 
 def write_fingerprint(run_dir: Path, fingerprint: dict[str, Any]) -> None:
-    """Write RUN_DIR/fingerprint.json (`ctseg.fingerprint.compute`'s JSON)."""
+    """Write RUN_DIR/fingerprint.json (`ctseg.run.fingerprint.compute`'s JSON)."""
     atomic.write_json(Path(run_dir) / FINGERPRINT, fingerprint)
 
 
 def read_fingerprint(run_dir: Path) -> dict[str, Any] | None:
     """RUN_DIR/fingerprint.json; None for a run trained before fingerprints were recorded.
 
-    CtsegError if the file is there but is no JSON object (`ctseg.fingerprint.load`
+    CtsegError if the file is there but is no JSON object (`ctseg.run.fingerprint.load`
     checks its fields)."""
     path = Path(run_dir) / FINGERPRINT
     if not path.exists():

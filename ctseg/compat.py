@@ -1,0 +1,65 @@
+"""Files that earlier versions of ctseg wrote, read as today's: the one place for such reads.
+
+Each function takes a file's parsed content as it was written and returns it in
+today's form, so that the module owning the format (`ctseg.config`,
+`ctseg.data.store`, `ctseg.run.rundir`, `ctseg.evaluation`) reads one format only.
+CHANGELOG.md names each change of format; removing an upgrade here is such a change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Report columns are "<section>_<metric>"; reports of early runs spelled one section so.
+OLD_REPORT_SECTIONS = ("tumor",)
+
+
+def config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config as TOML gives it. `train.held_norm_steps`, a number of steps, became
+    `train.held_norm_share`, a share of `train.steps` (shortening a run needs no second
+    setting); rounded to 4 places, so that a run that held 200 of 600 steps resumes under
+    a config saying 0.3333, and still holds 200."""
+    train = raw.get("train")
+    if not isinstance(train, dict) or "held_norm_steps" not in train:
+        return raw
+    train = dict(train)
+    held, steps = train.pop("held_norm_steps"), train.get("steps", 2000)
+    if isinstance(held, int) and isinstance(steps, int) and steps > 0:
+        train.setdefault("held_norm_share", round(held / steps, 4))
+    else:  # not numbers: the share's own check names the key
+        train.setdefault("held_norm_share", held)
+    return {**raw, "train": train}
+
+
+def store_manifest(raw: dict[str, Any]) -> dict[str, Any]:
+    """A store's manifest.json. Stores written before the spacing grid name no grid (the
+    cube), and their cases no grid shape or box offset (R³, at 0); stores written
+    before cross-validation folds have none (0)."""
+    upgraded = {"grid": "cube", "folds": 0, **raw}
+    resolution = raw.get("resolution")
+    if isinstance(raw.get("cases"), list):
+        upgraded["cases"] = [case_entry(case, resolution) for case in raw["cases"]]
+    return upgraded
+
+
+def case_entry(raw: Any, resolution: Any) -> Any:
+    """One case of a manifest (or its case JSON), as `store_manifest` says."""
+    if not isinstance(raw, dict) or not isinstance(resolution, int):
+        return raw  # the store's own checks name what is wrong
+    return {"grid_shape": [resolution] * 3, "box_offset": [0, 0, 0], **raw}
+
+
+def metrics_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """One line of a run's metrics.jsonl: early runs logged `val_dice_tumor`."""
+    if "val_dice_tumor" in entry:
+        entry = {**entry}
+        entry["val_dice_tumour"] = entry.pop("val_dice_tumor")
+    return entry
+
+
+def evaluation_of_summary(summary: dict[str, Any]) -> tuple[str, int, str, str]:
+    """What an evaluation folder holds, from its summary.json, for folders written before
+    evaluations recorded it (evaluated.json): (run_dir, checkpoint_step, data, split).
+    KeyError or TypeError when the summary does not say."""
+    run = summary["run"]
+    return run["run_dir"], run["checkpoint_step"], run["data"], run["split"]

@@ -1,0 +1,40 @@
+"""Experiment configuration: TOML files parsed into frozen dataclasses, checked.
+
+A config has the sections ``data``, ``model``, ``mesh``, ``train`` and ``predict``
+(`sections`); `parse` reads TOML and `--set` overrides into a `Config` and writes
+it back; `checks` holds the relations between keys; `reference` generates the
+configuration reference from the fields' docs.
+"""
+
+from ctseg.config.checks import check, split_problem
+from ctseg.config.parse import from_dict, load, to_dict, to_toml, with_mesh
+from ctseg.config.reference import reference_markdown
+from ctseg.config.sections import (
+    SECTIONS,
+    Config,
+    DataConfig,
+    InferenceOptions,
+    MeshConfig,
+    ModelConfig,
+    PredictConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "SECTIONS",
+    "Config",
+    "DataConfig",
+    "InferenceOptions",
+    "MeshConfig",
+    "ModelConfig",
+    "PredictConfig",
+    "TrainConfig",
+    "check",
+    "from_dict",
+    "load",
+    "reference_markdown",
+    "split_problem",
+    "to_dict",
+    "to_toml",
+    "with_mesh",
+]

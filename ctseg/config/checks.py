@@ -1,0 +1,155 @@
+"""The relations between a config's keys, checked before anything runs: one-line errors
+naming the key (a mesh that does not divide the grid, a held share of 1, …)."""
+
+from __future__ import annotations
+
+import math
+import typing
+
+from ctseg.config.sections import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig
+from ctseg.errors import CtsegError
+
+
+def check(config: Config) -> None:
+    """Check the relations between fields; raise CtsegError naming the key."""
+    _validate_data(config.data)
+    _validate_model(config.model)
+    _validate_mesh(config)
+    _validate_train(config.train, config.mesh)
+    _validate_predict(config)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise CtsegError(message)
+
+
+def _validate_data(d: DataConfig) -> None:
+    _require(d.resolution >= 1, f"data.resolution must be positive, got {d.resolution}")
+    _require(
+        all(math.isfinite(v) and v > 0 for v in d.spacing),
+        f"data.spacing = {list(d.spacing)} must be three positive voxel sizes in mm",
+    )
+    _require(
+        d.hu_window[0] < d.hu_window[1],
+        # No "[low, high]": the CLI prints errors as rich markup, which would eat it as a tag.
+        f"data.hu_window = {list(d.hu_window)} must be a low and a high HU with low < high",
+    )
+    _require(
+        0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}"
+    )
+    # numpy's generators, which draw the split and the augmentation, take no negative seeds.
+    _require(d.split_seed >= 0, f"data.split_seed must not be negative, got {d.split_seed}")
+    _require(
+        d.folds == 0 or d.folds >= 2,
+        f"data.folds must be 0 (none) or at least 2, got {d.folds}",
+    )
+
+
+def _validate_model(m: ModelConfig) -> None:
+    _require(m.depth >= 1, f"model.depth must be at least 1, got {m.depth}")
+    _require(m.base_filters >= 1, f"model.base_filters must be positive, got {m.base_filters}")
+    _require(
+        m.kernel_size >= 1 and m.kernel_size % 2 == 1,
+        f"model.kernel_size must be odd and positive, got {m.kernel_size}",
+    )
+    _require(
+        0.0 <= m.bn_momentum < 1.0, f"model.bn_momentum must be in [0, 1), got {m.bn_momentum}"
+    )
+    _require(m.bn_epsilon > 0, f"model.bn_epsilon must be positive, got {m.bn_epsilon}")
+
+
+def _validate_mesh(config: Config) -> None:
+    """The mesh must cut the grid into blocks that every U-Net level can work on locally."""
+    mesh = config.mesh
+    _require(
+        all(p >= 1 for p in mesh.spatial) and mesh.data >= 1,
+        f"mesh.spatial and mesh.data must be positive, got {list(mesh.spatial)} and {mesh.data}",
+    )
+    problem = split_problem(config, mesh.spatial, (config.data.resolution,) * 3)
+    _require(problem is None, f"mesh.spatial = {list(mesh.spatial)} {problem}")
+
+
+def split_problem(
+    config: Config, spatial: typing.Sequence[int], shape: typing.Sequence[int]
+) -> str | None:
+    """Why splitting a grid of `shape` into `spatial` blocks fails the U-Net (invariant 3),
+    in words after "mesh.spatial = [...]"; None when every level's blocks are even and at
+    least as thick as the halo."""
+    halo = config.model.kernel_size // 2
+    cube = len(set(shape)) == 1
+    for axis, parts, size in zip("xyz", spatial, shape, strict=True):
+        step = parts * config.alignment
+        what = f"data.resolution = {size}" if cube else f"a {size}-voxel {axis} side"
+        if size % step:
+            return (
+                f"does not fit {what}: along {axis}, {size} / {parts} partitions must be "
+                f"divisible by 2^(model.depth-1) = {config.alignment} so that every U-Net "
+                f"level pools evenly; use a resolution that is a multiple of {step}"
+            )
+        # The halo exchange reaches only the direct neighbour, so the neighbour's block
+        # must be at least as thick as the halo even at the deepest, smallest level.
+        deepest = size // step
+        if parts > 1 and deepest < halo:
+            return (
+                f"is too fine for {what} and model.depth = {config.model.depth}: at the "
+                f"deepest level a block is {deepest} voxel(s) thick along {axis}, less than "
+                f"the {halo} halo voxels of a {config.model.kernel_size}³ kernel; use fewer "
+                f"partitions along {axis}, a larger resolution or a smaller depth"
+            )
+    return None
+
+
+def _validate_train(t: TrainConfig, mesh: MeshConfig) -> None:
+    _require(t.batch_size >= 1, f"train.batch_size must be at least 1, got {t.batch_size}")
+    _require(
+        t.batch_size % mesh.data == 0,
+        f"train.batch_size = {t.batch_size} must be divisible by mesh.data = {mesh.data}",
+    )
+    for key in ("steps", "checkpoint_every", "eval_every", "keep_checkpoints", "log_every"):
+        value = getattr(t, key)
+        _require(value >= 1, f"train.{key} must be at least 1, got {value}")
+    _require(t.learning_rate > 0, f"train.learning_rate must be positive, got {t.learning_rate}")
+    # A clipping threshold ≤ 0 turns every gradient into zero or reverses it: training uphill.
+    _require(t.grad_clip > 0, f"train.grad_clip must be positive, got {t.grad_clip}")
+    _require(
+        0.0 <= t.liver_boxes <= 1.0, f"train.liver_boxes must be in [0, 1], got {t.liver_boxes}"
+    )
+    for key in (
+        "warmup_steps",
+        "weight_decay",
+        "dice_weight",
+        "intensity_shift",
+        "seed",
+        "bn_population_volumes",
+    ):
+        value = getattr(t, key)
+        _require(value >= 0, f"train.{key} must not be negative, got {value}")
+    # At least one step normalises by its own batch, so the held statistics are pooled
+    # through trained weights, never the initial ones.
+    _require(
+        0.0 <= t.held_norm_share < 1.0 and t.held_norm_steps < t.steps,
+        f"train.held_norm_share = {t.held_norm_share} must be in [0, 1) and leave at least "
+        f"one of train.steps = {t.steps} to train on each box's own statistics",
+    )
+    _require(
+        t.fold >= -1,
+        f"train.fold must be a fold number (0, 1, …) or -1 (the store's split), got {t.fold}",
+    )
+    _require(
+        0 <= t.intensity_scale < 1,
+        f"train.intensity_scale must be in [0, 1), got {t.intensity_scale}",
+    )
+    _require(
+        min(t.class_weights) >= 0 and max(t.class_weights) > 0,
+        f"train.class_weights must be non-negative and not all 0, got {list(t.class_weights)}",
+    )
+
+
+def _validate_predict(config: Config) -> None:
+    tile = config.predict.tile
+    _require(tile >= -1, f"predict.tile must be -1 (auto), 0 (whole volume) or a size, got {tile}")
+    _require(
+        tile <= 0 or tile % 2 == 0,
+        f"predict.tile = {tile} must be even: level-wise tiles are pooled in pairs of voxels",
+    )

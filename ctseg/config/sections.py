@@ -1,0 +1,192 @@
+"""The config's sections as frozen dataclasses: every key, its type, default and meaning.
+
+Every field carries a one-sentence ``doc`` in its metadata, from which the
+configuration reference is generated (`ctseg.config.reference`).
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+def _f(default: Any, doc: str) -> Any:
+    if isinstance(default, (list, dict)):
+        raise TypeError("use tuples for sequence defaults: configs are frozen")
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    resolution: int = _f(
+        128,
+        "Side R of the R³ box the network trains on: the whole scan stretched onto it "
+        "(grid = cube), or a box of the scan at data.spacing (grid = spacing).",
+    )
+    grid: Literal["cube", "spacing"] = _f(
+        "cube",
+        "cube: every scan's field of view stretched onto R³ (the Mesh-TensorFlow LiTS "
+        "model's choice); spacing: every scan resampled to data.spacing and kept whole, "
+        "training on R³ boxes drawn on it (`train.liver_boxes` of them around the liver) "
+        "and predicting over the scan's whole extent; the shipped configs use it.",
+    )
+    spacing: tuple[float, float, float] = _f(
+        (1.5, 1.5, 1.5), "Voxel size [x, y, z] in mm of the spacing grid (grid = spacing)."
+    )
+    hu_window: tuple[float, float] = _f(
+        (-200.0, 250.0),
+        "Hounsfield window [low, high] clipped and scaled to [-1, 1] when a batch is made.",
+    )
+    val_fraction: float = _f(0.2, "Share of cases put in the validation split by `preprocess`.")
+    split_seed: int = _f(
+        0, "Seed of the train/validation split (and of the folds) made by `preprocess`."
+    )
+    folds: int = _f(
+        0,
+        "Cross-validation folds of the labelled cases, assigned by `preprocess` (seed "
+        "data.split_seed); 0 = none, or keep the store's own (`ctseg folds` changes them).",
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    base_filters: int = _f(32, "Filters of the first U-Net level; doubled at every level below.")
+    depth: int = _f(4, "Number of U-Net levels (resolutions), as in the TPU unet3d model.")
+    kernel_size: int = _f(3, "Side of the cubic convolution kernels (odd).")
+    dtype: Literal["float32", "bfloat16"] = _f(
+        "float32", "Compute dtype; parameters and normalisation statistics stay float32."
+    )
+    remat: bool = _f(
+        False, "Recompute each level's activations in the backward pass (saves memory)."
+    )
+    bn_momentum: float = _f(
+        0.9,
+        "Momentum of the batch-norm running averages (inference uses them if "
+        "train.bn_population_volumes = 0).",
+    )
+    bn_epsilon: float = _f(1e-5, "Epsilon added to the batch-norm variance.")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    spatial: tuple[int, int, int] = _f(
+        (1, 1, 1), "Partitions of each volume along x, y and z (e.g. [4, 4, 1] for 16-way)."
+    )
+    data: int = _f(1, "Data-parallel replicas; each holds a share of the batch.")
+    partitioner: Literal["halo", "gspmd"] = _f(
+        "halo",
+        "`halo`: explicit halo exchange in shard_map; `gspmd`: XLA partitions a plain jit.",
+    )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = _f(2000, "Optimiser steps to train for.")
+    batch_size: int = _f(1, "Volumes per step (global, across data replicas).")
+    learning_rate: float = _f(1e-3, "Peak learning rate of AdamW.")
+    warmup_steps: int = _f(50, "Linear warm-up steps before the cosine decay.")
+    weight_decay: float = _f(1e-4, "AdamW weight decay.")
+    grad_clip: float = _f(1.0, "Global gradient-norm clipping threshold.")
+    # 1/8/16 for background/liver/tumour come from the Mesh-TensorFlow LiTS U-Net.
+    class_weights: tuple[float, float, float] = _f(
+        (1.0, 8.0, 16.0), "Cross-entropy weights of background, liver and tumour."
+    )
+    dice_weight: float = _f(1.0, "Weight of the soft Dice term (liver and tumour) in the loss.")
+    flip: bool = _f(True, "Random flips along each axis.")
+    rotate90: bool = _f(False, "Random in-plane 90° rotations.")
+    intensity_scale: float = _f(0.1, "Random intensity scale is drawn from 1 ± this.")
+    intensity_shift: float = _f(0.1, "Random intensity shift is drawn from ± this (after scaling).")
+    # nnU-Net's foreground oversampling: a third of its patches hold foreground.
+    liver_boxes: float = _f(
+        0.33,
+        "On the spacing grid: the share of training boxes centred on the liver (shifted by up "
+        "to a quarter box); the others lie anywhere on the scan.",
+    )
+    bn_population_volumes: int = _f(
+        16,
+        "Training volumes whose batch-norm statistics are pooled for inference at every "
+        "validation and checkpoint; 0 = running averages (model.bn_momentum).",
+    )
+    held_norm_share: float = _f(
+        0.0,
+        "The share of train.steps, at the end, that train with batch norm in inference mode "
+        "(round(share × steps) steps): the population statistics are computed once when "
+        "they begin and held, so that the weights adapt to the statistics inference uses "
+        "instead of each box's own; 0 = none.",
+    )
+    checkpoint_every: int = _f(100, "Save a checkpoint every this many steps.")
+    eval_every: int = _f(100, "Validate every this many steps.")
+    keep_checkpoints: int = _f(3, "Keep this many latest checkpoints, plus the best.")
+    log_every: int = _f(10, "Write a metrics.jsonl entry every this many steps.")
+    seed: int = _f(0, "Seed of initialisation, batch order and augmentation.")
+    fold: int = _f(
+        -1,
+        "Cross-validation fold to train (`ctseg train --fold`): validate on that fold of the "
+        "store, train on its other labelled cases; -1 = the store's train/val split.",
+    )
+
+    @property
+    def held_norm_steps(self) -> int:
+        """The last steps that train on held batch-norm statistics (`held_norm_share`)."""
+        return round(self.held_norm_share * self.steps)
+
+
+@dataclass(frozen=True)
+class PredictConfig:
+    tile: int = _f(
+        -1,
+        "Core size in voxels (even) of level-wise tiles, at every U-Net level; "
+        "0 = whole volume; -1 = choose from available memory.",
+    )
+    keep_largest_liver: bool = _f(True, "Keep only the largest connected liver component.")
+    tumour_inside_liver: bool = _f(True, "Drop tumour voxels outside the (post-processed) liver.")
+    save_probabilities: bool = _f(False, "Also write the class probabilities as a NIfTI.")
+    tta: bool = _f(
+        False,
+        "Test-time augmentation: average the probabilities of the 8 mirrorings of the grid "
+        "(8× the inference time; models trained with train.flip only).",
+    )
+
+
+@dataclass(frozen=True)
+class InferenceOptions:
+    """What a command asks of a trained run's model, built once from its options and passed
+    down whole (`ctseg predict`, `ctseg evaluate RUN_DIR`, the Python API).
+
+    None leaves the choice to the run's config (`tile`, `tta`: its predict section) or to
+    the device policy (`backend`: JAX on accelerators, else ONNX Runtime when installed).
+    """
+
+    checkpoint: str = "best"  # best, latest or a step number
+    tile: int | None = None  # core size of level-wise tiles; 0 whole volume; -1 automatic
+    backend: str | None = None  # "jax" or "onnx"
+    device: str = "auto"  # auto, cpu, gpu or tpu
+    tta: bool | None = None  # mirrored test-time augmentation
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
+
+    @property
+    def num_partitions(self) -> int:
+        x, y, z = self.mesh.spatial
+        return x * y * z
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_partitions * self.mesh.data
+
+    @property
+    def alignment(self) -> int:
+        """Every local block side must be a multiple of this (2^(depth-1))."""
+        return 2 ** (self.model.depth - 1)
+
+
+SECTION_TYPES: dict[str, type] = typing.get_type_hints(Config)
+SECTIONS = tuple(SECTION_TYPES)

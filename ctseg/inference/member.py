@@ -1,0 +1,146 @@
+"""One run's model on the devices, predicting boxes of its grid: a `Member` of a
+`ctseg.inference.predictor.Predictor` (alone, or one of an ensemble).
+
+It brings a scan onto the run's grid exactly as training's preprocessing does, keeps one
+inference engine per box shape (compiled when first needed), and retries a box once
+with smaller tiles when an accelerator runs out of memory.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from ctseg.data import grids
+from ctseg.data.grids import GridSpec
+from ctseg.errors import CtsegError
+from ctseg.inference import tiling
+from ctseg.inference.engine import Engine, class_probabilities
+from ctseg.inference.jax_backend import is_out_of_memory
+from ctseg.inference.tiling import Shape, TileProgress
+from ctseg.io.scans import Scan
+from ctseg.parallel import devices as dev
+from ctseg.run.trained import TrainedModel
+
+# Spacing-grid boxes are rounded up to this many voxels (or the alignment, if larger):
+# scans of similar extent share one compiled program, at ≤ 15 voxels of air per side.
+_BOX_MULTIPLE = 16
+
+
+# Engines (compiled programs, weights on the devices) kept for boxes of other shapes.
+_ENGINES_KEPT = 4
+
+
+@dataclass
+class OnGrid:
+    """A scan brought to the run's grid, ready for the network."""
+
+    unit: np.ndarray  # the HU-windowed box [x, y, z], float32: the grid, padded on the spacing grid
+    grid: Shape  # the scan's grid, the box's first voxels
+
+
+class Member:
+    """One run's model on the devices: its grid, and one inference engine per box shape."""
+
+    def __init__(
+        self,
+        model: TrainedModel,
+        tile: int,
+        backend: str,
+        devices: list[Any],
+        run_dir: Path | None = None,
+    ):
+        self.model = model
+        self.config = model.config
+        self.run_dir = run_dir
+        self.grid = GridSpec.of(self.config.data)
+        self.tile, self.backend, self.devices = tile, backend, devices
+        # One engine per box shape (scans of one grid share one). The cube's one box is
+        # planned and compiled here, before the first scan; a spacing grid's boxes follow
+        # the scans' extents, and each new one is planned when a scan first needs it.
+        self._engines: OrderedDict[Shape, Engine] = OrderedDict()
+        self.engine: Engine | None = None  # the one that ran (or will run) the latest scan
+        if self.grid.kind == "cube":
+            self.engine_for(tiling.grid_shape(self.config))
+
+    def engine_for(self, box: Shape) -> Engine:
+        """The engine for boxes of `box` voxels, planned (and compiled) when first asked for."""
+        if box in self._engines:
+            self._engines.move_to_end(box)
+        else:
+            self._engines[box] = Engine(
+                self.model, self.tile, self.backend, self.devices, shape=box
+            )
+            # Each engine holds its programs and a copy of the weights on the devices: a
+            # batch of scans of many extents keeps only the latest few.
+            while len(self._engines) > _ENGINES_KEPT:
+                self._engines.popitem(last=False)
+        self.engine = self._engines[box]
+        return self.engine
+
+    @property
+    def name(self) -> str:
+        """`runs/fold0 (step 600)`, as the first line of an ensemble names its members."""
+        where = "a model" if self.run_dir is None else str(self.run_dir)
+        return f"{where} (step {self.model.step})"
+
+    @property
+    def plan(self) -> str:
+        """The plan in words: the cube's one, or the latest box's on the spacing grid."""
+        if self.engine is not None:
+            return self.engine.description
+        return f"the scan at {self.grid.voxel_size}, boxes of its extent"
+
+    def to_grid(self, scan: Scan) -> OnGrid:
+        """The scan on the run's grid, HU-windowed: exactly the training preprocessing. On
+        the spacing grid the box holds the scan's whole grid, padded with air to the
+        model's alignment."""
+        grid = self.grid.grid_of(scan.array.shape, scan.spacing)
+        box = grid
+        if self.grid.kind == "spacing":
+            box = grids.inference_box(grid, max(self.config.alignment, _BOX_MULTIPLE))
+        hu = grids.to_box(scan.array, grid, (0, 0, 0), box, order=1)  # int16, as stored
+        return OnGrid(grids.hu_to_unit(hu, self.config.data.hu_window), grid)
+
+    def infer(
+        self,
+        unit: np.ndarray,
+        tta: bool,
+        progress: TileProgress,
+        warnings: list[str] | None,
+    ) -> Any:
+        """Class probabilities [x, y, z, 3] of a box (`OnGrid.unit`), on the devices.
+
+        An accelerator that runs out of memory is tried once more with smaller tiles
+        (the engine is replaced for the scans after too), which `warnings` records;
+        a second failure is this scan's `CtsegError`.
+        """
+        box = tuple(unit.shape)
+        try:
+            return self._probabilities(self.engine_for(box), unit, tta, progress)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+        before = self.engine.description
+        self.engine = self._engines[box] = self.engine.smaller()
+        if warnings is not None:
+            warnings.append(f"out of memory with {before}; retried with {self.engine.description}")
+        try:
+            return self._probabilities(self.engine, unit, tta, progress)
+        except Exception as again:
+            if not is_out_of_memory(again):
+                raise
+            raise CtsegError(
+                f"out of memory on {dev.describe(self.engine.devices)}, also with "
+                f"{self.engine.description}; try a smaller --tile"
+            ) from None
+
+    @staticmethod
+    def _probabilities(engine: Engine, unit: np.ndarray, tta: bool, progress: TileProgress) -> Any:
+        """The engine's probabilities, waited for: a device's failure surfaces here."""
+        return jax.block_until_ready(class_probabilities(engine, unit, tta, progress))
