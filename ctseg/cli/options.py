@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ctseg import config as cfg
+from ctseg.cli.library_output import held
 from ctseg.parallel.compile_cache import compile_cache_dir, use_compile_cache
 
 _stderr = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -86,6 +87,7 @@ def start_jax(
     devices: int | None = None,
     device: str = "auto",
     compile_cache: str | None = None,
+    verbose: bool = False,
 ) -> None:
     """Start JAX for `device`, join a multi-host job if asked, and simulate CPU devices.
 
@@ -95,7 +97,8 @@ def start_jax(
     simulated CPU devices can only be configured before the backend starts.
     Raises the one-line error of a `device` that is not here. Prints, as the
     command's first lines, why `--device auto` runs on the CPU where an accelerator
-    failed to start, and why the compilation cache is not used.
+    failed to start, and why the compilation cache is not used. What XLA and its
+    plugins print on starting is held back (`library_output.held`; shown if `verbose`).
     """
     from ctseg.parallel import devices as dev
     from ctseg.parallel import partition  # imports JAX; keep `ctseg --help` fast
@@ -106,7 +109,8 @@ def start_jax(
     # Each process contributes its share of the mesh's devices.
     processes = num_processes or 1
     partition.configure_cpu_devices(-(-(devices or config.num_devices) // processes))
-    found = dev.visible(local=False)
+    with held(show=verbose):
+        found = dev.visible(local=False)
     # Here, so that every command (bench too) refuses a --device it cannot have, in one
     # line with the reason, before it starts any work.
     dev.choose(device, found)

@@ -11,10 +11,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ctseg import lock
+from ctseg.cli import library_output
 from ctseg.cli.app import app
 from ctseg.cli.options import CompileCacheOption, DeviceChoice, DeviceOption, start_jax, warn
 from ctseg.config import InferenceOptions
-from ctseg.io import dicom_seg
+from ctseg.io import dicom, dicom_seg
 from ctseg.run import rundir
 
 RunDirArgument = Annotated[
@@ -77,10 +78,10 @@ def _stats_table(outcomes: list) -> Table:
     table.add_column("scan")
     for heading in ("liver mL", "tumour mL", "tumours", "largest mm", "burden %"):
         table.add_column(heading, justify="right")
-    table.add_column("status", overflow="fold")  # a failure's reason in full, however narrow
+    table.add_column("status")
     for o in outcomes:
-        if o.error is not None:
-            table.add_row(escape(o.name), "", "", "", "", "", f"[red]failed:[/] {escape(o.error)}")
+        if o.error is not None:  # its reason in full below the table, not folded in a column
+            table.add_row(escape(o.name), "", "", "", "", "", "[red]failed[/]")
             continue
         s = o.stats
         status = "[yellow]warning[/]" if o.warnings else "[green]ok[/]"
@@ -141,8 +142,17 @@ def predict(
         typer.Option(
             "--verbose",
             "-v",
-            help="Print the plan (its memory per device against what is free) and where "
-            "each scan's time went.",
+            help="Print the plan (its memory per device against what is free), where "
+            "each scan's time went, and the libraries' own output (ITK, GDCM, XLA).",
+        ),
+    ] = False,
+    allow_non_ct: Annotated[
+        bool,
+        typer.Option(
+            dicom.ALLOW_NON_CT,
+            help="Segment DICOM series of another modality than CT (MR, PET, X-ray) too; "
+            "refused by default, as the model knows CT only. Objects that are no images "
+            "(SEG, RT dose, secondary captures) and localizers are refused all the same.",
         ),
     ] = False,
     force: Annotated[
@@ -166,9 +176,10 @@ def predict(
     console = Console(highlight=False)  # here, not at import: the terminal's width of now
     run_dirs = rundir.member_runs([run_dir, *(runs or [])])
     configs = [rundir.load_config(path) for path in run_dirs]
-    start_jax(configs[0], devices=1, device=device, compile_cache=compile_cache)
+    start_jax(configs[0], devices=1, device=device, compile_cache=compile_cache, verbose=verbose)
     # After start_jax: importing the pipeline starts JAX.
-    from ctseg.inference.files import check_output_folder, expand_inputs, predict_files
+    from ctseg.inference.files import predict_files
+    from ctseg.inference.inputs import check_output_folder, expand_inputs
     from ctseg.inference.predictor import Predictor
 
     options = InferenceOptions(checkpoint, tile, backend and backend.value, device.value, tta)
@@ -176,49 +187,59 @@ def predict(
     # its place is one error line, not a failure per scan.
     check_output_folder(out)
     with lock.hold(out, warn):
-        scans, outcomes = expand_inputs(inputs, out)
-        if output_type == OutputType.dicom_seg:
-            for scan in scans:  # before any prediction: every input must be a DICOM series
-                dicom_seg.check_dicom_source(scan)
-        predictor = Predictor.from_run(run_dirs, options, configs)
-        steps = ", ".join(str(m.model.step) for m in predictor.members)
-        console.print(
-            f"{escape(predictor.summary)}; checkpoint step{'s' * (len(run_dirs) > 1)} {steps}; "
-            f"{len(scans)} scan(s)"
-        )
-        if verbose:
-            console.print(f"plan: {escape(predictor.plan_line)}")
-            one_off = ", ".join(f"{k} {v:.2f} s" for k, v in predictor.seconds.items())
-            console.print(f"once for all scans: {one_off}")
-        columns = (
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-        )
-        with Progress(*columns, console=console, transient=True) as bar:
-            scan_task = bar.add_task("scans", total=len(scans))
-            tile_task = bar.add_task("", total=None)
+        # Libraries' own lines (ITK, GDCM, XLA) would land among and after ctseg's.
+        with library_output.held(show=verbose):
+            scans, outcomes, skipped = expand_inputs(inputs, out)
+            for line, _ in skipped:  # every file found is a scan, a failed row or named here
+                warn(line)
+            if output_type == OutputType.dicom_seg:
+                for scan in scans:  # before any prediction: every input must be a DICOM series
+                    dicom_seg.check_dicom_source(scan)
+            predictor = Predictor.from_run(run_dirs, options, configs)
+            steps = ", ".join(str(m.model.step) for m in predictor.members)
+            unusable = f", {len(outcomes)} input(s) failed" if outcomes else ""
+            unusable += f", {sum(s.count for s in skipped)} file(s) skipped" if skipped else ""
+            console.print(
+                f"{escape(predictor.summary)}; checkpoint step{'s' * (len(run_dirs) > 1)} {steps}; "
+                f"{len(scans)} scan(s){unusable}"
+            )
+            if verbose:
+                console.print(f"plan: {escape(predictor.plan_line)}")
+                one_off = ", ".join(f"{k} {v:.2f} s" for k, v in predictor.seconds.items())
+                console.print(f"once for all scans: {one_off}")
+            columns = (
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+            )
+            with Progress(*columns, console=console, transient=True) as bar:
+                scan_task = bar.add_task("scans", total=len(scans))
+                tile_task = bar.add_task("", total=None)
 
-            def report(name: str, stage: str, done: int, total: int) -> None:
-                # Reading the next scan and writing the last run beside inference: show
-                # the latter.
-                if stage == "infer":
-                    description = f"{escape(name)}: tiles"
-                    bar.update(tile_task, description=description, completed=done, total=total)
+                def report(name: str, stage: str, done: int, total: int) -> None:
+                    # Reading the next scan and writing the last run beside inference: show
+                    # the latter.
+                    if stage == "infer":
+                        description = f"{escape(name)}: tiles"
+                        bar.update(tile_task, description=description, completed=done, total=total)
 
-            written = predict_files(predictor, scans, out, force, report, output_type.value)
-            for outcome in written:
-                outcomes.append(outcome)
-                name = escape(outcome.name)
-                for warning in outcome.warnings + outcome.checks:
-                    console.print(f"[yellow]warning:[/] {name}: {escape(warning)}")
-                if outcome.error is not None:
-                    console.print(f"[bold red]failed:[/] {name}: {escape(outcome.error)}")
-                elif verbose:
-                    seconds = outcome.seconds.items()
-                    console.print(f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in seconds))
-                bar.advance(scan_task)
+                written = predict_files(
+                    predictor, scans, out, force, report, output_type.value, allow_non_ct
+                )
+                for outcome in written:
+                    outcomes.append(outcome)
+                    name = escape(outcome.name)
+                    for warning in outcome.warnings + outcome.checks:
+                        console.print(f"[yellow]warning:[/] {name}: {escape(warning)}")
+                    if outcome.error is None and verbose:
+                        seconds = outcome.seconds.items()
+                        console.print(f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in seconds))
+                    bar.advance(scan_task)
         console.print(_stats_table(outcomes))
+        for outcome in outcomes:  # in full, one paragraph each, however narrow the terminal
+            if outcome.error is not None:
+                text = f"[bold red]failed:[/] {escape(outcome.name)}: {escape(outcome.error)}"
+                console.print(text, soft_wrap=True)
         if any(o.error is not None for o in outcomes):
             raise typer.Exit(1)

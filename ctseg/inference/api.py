@@ -102,11 +102,13 @@ class Segmenter:
         *,
         with_probabilities: bool = False,
         name: str = "scan",
+        allow_non_ct: bool = False,
     ) -> Segmentation:
         """Segment one scan: a file or DICOM series folder, a nibabel image, a SimpleITK
-        image, or a 3-D array with its 4×4 voxel → RAS `affine` (mm)."""
+        image, or a 3-D array with its 4×4 voxel → RAS `affine` (mm). `allow_non_ct`: a
+        DICOM series of another modality (refused otherwise, as `ctseg predict` does)."""
         if isinstance(image, str | Path):
-            scan = read_scan(image)
+            scan = read_scan(image, allow_non_ct)
         else:
             scan = scan_from_image(image, affine, name)
         prediction = self.predictor.predict(scan, with_probabilities)

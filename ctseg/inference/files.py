@@ -13,27 +13,33 @@ without its stats file is unfinished and is predicted again.
 
 from __future__ import annotations
 
+import functools
 import json
-import re
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ctseg import atomic
-from ctseg.data.manifest import MANIFEST
 from ctseg.errors import CtsegError
 from ctseg.inference import postprocess
+from ctseg.inference.inputs import ScanOutcome, output_paths
 from ctseg.inference.jax_backend import is_out_of_memory
 from ctseg.inference.member import OnGrid
-from ctseg.inference.predictor import PHASES, Predictor, Seconds, StageProgress, timed
+from ctseg.inference.predictor import PHASES, Predictor, StageProgress, timed
 from ctseg.inference.scan_checks import volume_warnings
 from ctseg.io import dicom_seg, pictures
-from ctseg.io.scans import Scan, find_scans, read_scan, scan_name, write_labels, write_volume
-from ctseg.run import evaluations, rundir
+from ctseg.io.readers import one_line
+from ctseg.io.scans import (
+    Scan,
+    read_scan,
+    scan_name,
+    write_labels,
+    write_volume,
+)
 
 FileProgress = Callable[[str, str, int, int], None]  # (scan name, stage, done, total)
 OUTPUT_TYPES = ("nifti", "dicom-seg")
@@ -51,101 +57,6 @@ class Prepared:
         self.on_grids = [OnGrid(None, g.grid) for g in self.on_grids]
 
 
-@dataclass
-class ScanOutcome:
-    """What `predict_files` did with one input."""
-
-    source: Path
-    name: str
-    stats: dict[str, Any] | None = None
-    outputs: list[Path] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    error: str | None = None  # the one-line reason the scan failed
-    # This scan's own seconds per phase (`PHASES`); the call's one-off costs (loading,
-    # compiling ahead) are the predictor's, added to them in the stats file.
-    seconds: Seconds = field(default_factory=dict)
-    done_earlier: bool = False  # its outputs, by this model, were all there: left as they were
-    checks: list[str] = field(default_factory=list)  # far outside the training data
-
-
-def check_output_folder(out_dir: Path) -> None:
-    """CtsegError if `out_dir` is another command's folder: a run directory, a prepared
-    store or an evaluation's folder. Predictions written there would be mixed with what
-    that command reads back (and `ctseg preprocess` would take the store for foreign)."""
-    out_dir = Path(out_dir)
-    if rundir.is_run_dir(out_dir):
-        what = "a run directory of `ctseg train`"
-    elif (out_dir / MANIFEST).exists():
-        what = "a prepared store of `ctseg preprocess`"
-    elif (out_dir / evaluations.EVALUATED).exists():
-        what = "the folder of a `ctseg evaluate RUN_DIR`"
-    else:
-        return
-    raise CtsegError(f"--out {out_dir} is {what}; give a folder for the predictions")
-
-
-def expand_inputs(
-    inputs: Sequence[Path], out_dir: Path | None = None
-) -> tuple[list[Path], list[ScanOutcome]]:
-    """Scans named by files, folders and DICOM series folders; inputs that fail, as outcomes.
-
-    Earlier outputs of `ctseg predict` are not scans and are left out; a scan whose
-    outputs in `out_dir` would overwrite an input of this call fails, even with --force.
-    """
-    scans: list[Path] = []
-    failed: list[ScanOutcome] = []
-    for item in inputs:
-        try:
-            scans.extend(s for s in find_scans([Path(item)]) if not is_earlier_output(s))
-        except CtsegError as exc:
-            failed.append(ScanOutcome(Path(item), scan_name(Path(item)), error=str(exc)))
-    # Outputs are named after the scan, so two scans of one name (a/volume-0.nii and
-    # b/volume-0.nii) would write the same files: the first keeps the name.
-    first_of: dict[str, Path] = {}
-    unique = []
-    input_paths = {scan.resolve() for scan in scans}
-    for scan in dict.fromkeys(scans):
-        name = scan_name(scan)
-        if name in first_of:
-            reason = f"its outputs would overwrite those of {first_of[name]} (both are {name!r}); "
-            failed.append(ScanOutcome(scan, name, error=reason + "predict it into another --out"))
-        elif clash := _inputs_overwritten(name, out_dir, input_paths):
-            reason = f"its output {clash} would overwrite an input of this call; use another --out"
-            failed.append(ScanOutcome(scan, name, error=reason))
-        else:
-            first_of[name] = scan
-            unique.append(scan)
-    return unique, failed
-
-
-def is_earlier_output(path: Path) -> bool:
-    """A label or probability map that `predict_files` wrote: its stats file lies beside it."""
-    match = re.fullmatch(r"(.+)_(seg|probs)\.nii\.gz", path.name)
-    return match is not None and (path.parent / f"{match[1]}_stats.json").is_file()
-
-
-def _inputs_overwritten(name: str, out_dir: Path | None, inputs: set[Path]) -> Path | None:
-    """The first output of scan `name` in `out_dir` that is one of the (resolved) `inputs`."""
-    if out_dir is None:
-        return None
-    outputs = output_paths(Path(out_dir), name, with_probabilities=True).values()
-    return next((path for path in outputs if path.resolve() in inputs), None)
-
-
-def output_paths(
-    out_dir: Path, name: str, with_probabilities: bool, output_type: str = "nifti"
-) -> dict[str, Path]:
-    seg = f"{name}_seg.dcm" if output_type == "dicom-seg" else f"{name}_seg.nii.gz"
-    paths = {
-        "seg": out_dir / seg,
-        "stats": out_dir / f"{name}_stats.json",
-        "preview": out_dir / f"{name}_preview.png",
-    }
-    if with_probabilities:
-        paths["probs"] = out_dir / f"{name}_probs.nii.gz"
-    return paths
-
-
 def predict_files(
     predictor: Predictor,
     sources: Sequence[Path],
@@ -153,6 +64,7 @@ def predict_files(
     force: bool = False,
     progress: FileProgress | None = None,
     output_type: str = "nifti",
+    allow_non_ct: bool = False,
 ) -> Iterator[ScanOutcome]:
     """Predict scans one after another and write their outputs; yields each scan's outcome.
 
@@ -169,18 +81,20 @@ def predict_files(
 
     `output_type`: the label map as NIfTI (`<name>_seg.nii.gz`), or as a DICOM
     Segmentation object referencing its source series (`<name>_seg.dcm`, `dicom-seg`:
-    DICOM inputs only, `ctseg.io.dicom_seg`).
+    DICOM inputs only, `ctseg.io.dicom_seg`). `allow_non_ct`: segment DICOM series of
+    another modality than CT too (refused otherwise, `ctseg.io.dicom`).
     """
     if output_type not in OUTPUT_TYPES:
         raise CtsegError(f"unknown output type {output_type!r}; choose {' or '.join(OUTPUT_TYPES)}")
     out_dir = Path(out_dir)
     model = _model_of(predictor)
+    read = functools.partial(_read, predictor)
     with (
         ThreadPoolExecutor(1, thread_name_prefix="ctseg-read") as reader,
         ThreadPoolExecutor(1, thread_name_prefix="ctseg-write") as writer,
     ):
         reads = [
-            reader.submit(_read, predictor, Path(s), out_dir, force, model, output_type)
+            reader.submit(read, Path(s), out_dir, force, model, output_type, allow_non_ct)
             for s in sources[:1]
         ]
         written: Future | None = None
@@ -189,13 +103,14 @@ def predict_files(
             if index + 1 < len(sources):
                 source = Path(sources[index + 1])
                 reads.append(
-                    reader.submit(_read, predictor, source, out_dir, force, model, output_type)
+                    reader.submit(read, source, out_dir, force, model, output_type, allow_non_ct)
                 )
             reads[index] = None  # done with: `prepared` holds what is left of it
             probabilities = None
             if prepared is not None:
                 probabilities = _guarded(
                     outcome,
+                    _INFERENCE,
                     predictor.infer,
                     prepared.on_grids,
                     outcome.seconds,
@@ -218,18 +133,27 @@ def _stage_progress(progress: FileProgress | None, name: str) -> StageProgress |
     return lambda stage, done, total: progress(name, stage, done, total)
 
 
-def _guarded(outcome: ScanOutcome, fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)`, or None with the scan's one-line error on `outcome`."""
+# What `_guarded` was doing when a scan failed, said in its error; only the network's
+# inference is tiled, so only there does a smaller --tile help against running out of memory.
+_READING, _INFERENCE, _WRITING = "reading", "inference", "post-processing and writing"
+
+
+def _guarded(outcome: ScanOutcome, doing: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, or None with the scan's one-line error on `outcome`: whatever `fn`
+    raises (a library's bug on a strange file too) fails this scan, never the batch."""
     try:
         return fn(*args)
     except CtsegError as exc:
         outcome.error = str(exc)
-    except MemoryError:
-        outcome.error = "out of memory; try a smaller --tile"
-    except Exception as exc:  # an accelerator's out-of-memory fails the scan, not the batch
-        if not is_out_of_memory(exc):
-            raise
-        outcome.error = "the accelerator ran out of memory; try a smaller --tile"
+    except Exception as exc:
+        out_of_memory = isinstance(exc, MemoryError) or is_out_of_memory(exc)
+        if out_of_memory and doing == _INFERENCE:
+            outcome.error = f"{doing} ran out of memory; try a smaller --tile"
+        elif out_of_memory:
+            outcome.error = f"{doing} ran out of memory ({type(exc).__name__})"
+        else:
+            cause = one_line(exc) if str(exc).strip() else "no message"
+            outcome.error = f"{doing} failed on {outcome.source}: {type(exc).__name__}: {cause}"
     return None
 
 
@@ -274,6 +198,7 @@ def _read(
     force: bool,
     model: dict[str, Any],
     output_type: str,
+    allow_non_ct: bool,
 ) -> tuple[ScanOutcome, Prepared | None]:
     outcome = ScanOutcome(source, scan_name(source))
 
@@ -288,10 +213,10 @@ def _read(
                 outcome.stats, outcome.outputs = earlier, list(paths.values())
                 return None
         with timed(outcome.seconds, "read"):
-            scan = read_scan(source)
+            scan = read_scan(source, allow_non_ct)
         return Prepared(scan, predictor.to_grid(scan, outcome.seconds))
 
-    return outcome, _guarded(outcome, read)
+    return outcome, _guarded(outcome, _READING, read)
 
 
 def _write(
@@ -306,6 +231,7 @@ def _write(
     if prepared is not None and probabilities is not None:
         _guarded(
             outcome,
+            _WRITING,
             _write_outputs,
             predictor,
             outcome,

@@ -18,6 +18,10 @@ _CONNECTIVITY = ndimage.generate_binary_structure(3, 3)
 # Tumours (the largest by volume) whose largest diameter `scan_stats` measures: RECIST
 # follows at most 5 target lesions, and a noisy prediction can have tens of thousands.
 MEASURED_TUMOURS = 20
+# Tumours of more voxels than this are measured on their surface voxels only.
+_SURFACE_FROM = 1000
+# Rows of the distance matrix between hull vertices computed at once: 8 kB per vertex.
+_CHUNK = 1024
 
 
 def largest_component(mask: np.ndarray) -> np.ndarray:
@@ -63,17 +67,59 @@ def clean_labels(
 def max_diameter_mm(voxels: np.ndarray, affine: np.ndarray) -> float:
     """Largest distance in mm between the centres of the given voxel indices [n, 3].
 
-    The farthest pair lies on the convex hull, so only its vertices are compared.
+    The farthest pair lies on the convex hull, so only its vertices are compared. In
+    bounded time and memory on any shape: a solid tumour is reduced to its surface
+    first, and a flat or straight one (one slice thick, say, where a 3-D hull does not
+    exist) is measured in its plane or along its line.
     """
+    voxels = np.asarray(voxels)
+    if len(voxels) > _SURFACE_FROM:
+        voxels = _surface(voxels.astype(np.int64))
     points = voxels @ affine[:3, :3].T  # the translation cancels in differences
-    if len(points) > 4:
-        try:
-            points = points[spatial.ConvexHull(points).vertices]
-        except spatial.QhullError:
-            pass  # flat or collinear pieces: compare all points (they are few)
     if len(points) < 2:
         return 0.0
-    return float(spatial.distance.pdist(points).max())
+    return _farthest_pair(_hull_vertices(points))
+
+
+def _surface(voxels: np.ndarray) -> np.ndarray:
+    """The voxels [n, 3] with a 6-neighbour outside the set: every hull vertex is one."""
+    corner = voxels.min(axis=0)
+    mask = np.zeros(tuple(voxels.max(axis=0) - corner + 1), dtype=bool)
+    mask[tuple((voxels - corner).T)] = True
+    inner = ndimage.binary_erosion(mask, border_value=0)
+    return np.argwhere(mask & ~inner) + corner
+
+
+def _hull_vertices(points: np.ndarray) -> np.ndarray:
+    """The points on the convex hull, found in the points' own dimension (3-D, a plane
+    or a line): Qhull refuses a 3-D hull of coplanar points."""
+    centred = points - points.mean(axis=0)
+    # Principal axes from the 3×3 scatter matrix (an SVD would hold n × 3 more numbers).
+    variances, axes = np.linalg.eigh(centred.T @ centred)
+    spread = np.sqrt(np.clip(variances[::-1], 0.0, None))
+    axes = axes[:, ::-1].T  # rows, largest spread first
+    # Flatter than this, the points are measured in their plane: what is lost (a voxel
+    # or so off it, among a million in it) changes the diameter by far less than a voxel.
+    rank = int(np.count_nonzero(spread > 1e-6 * max(float(spread[0]), 1e-300)))
+    if rank <= 1:  # a line (or one point): its two ends
+        along = centred @ axes[0]
+        return points[[int(along.argmin()), int(along.argmax())]]
+    if len(points) <= rank + 1:
+        return points
+    flat = centred @ axes[:rank].T  # the points in their own plane or space
+    try:
+        return points[spatial.ConvexHull(flat).vertices]
+    except spatial.QhullError:  # nearly degenerate beyond the rank's tolerance: joggled
+        return points[spatial.ConvexHull(flat, qhull_options="QJ").vertices]
+
+
+def _farthest_pair(points: np.ndarray) -> float:
+    """The largest distance between two of the points, a block of rows at a time."""
+    best = 0.0
+    for start in range(0, len(points), _CHUNK):
+        block = spatial.distance.cdist(points[start : start + _CHUNK], points[start:])
+        best = max(best, float(block.max()))
+    return best
 
 
 def scan_stats(labels: np.ndarray, affine: np.ndarray) -> dict[str, Any]:

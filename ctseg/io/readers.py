@@ -44,8 +44,12 @@ def read_nifti(path: Path) -> tuple[np.ndarray, np.ndarray, nib.Nifti1Header]:
         image = nib.load(path)  # reads the header only
     except Exception as exc:  # nibabel raises many types for corrupt files
         raise CtsegError(f"cannot read {path}: {one_line(exc)}") from None
+    if isinstance(image, nib.Cifti2Image):  # a NIfTI-2 file, but of surfaces, not voxels
+        raise CtsegError(
+            f"{path} is a CIFTI-2 file (brain surface and grayordinate data), not a CT volume"
+        )
     if not isinstance(image, (nib.Nifti1Image, nib.Nifti2Image)):
-        raise CtsegError(f"cannot read {path}: not a NIfTI image")
+        raise CtsegError(f"cannot read {path}: not a NIfTI image ({type(image).__name__})")
     dtype = image.get_data_dtype()
     if dtype.kind not in "biuf":  # complex, RGB (a record of three bytes), ...
         raise CtsegError(

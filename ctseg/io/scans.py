@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import nibabel as nib
 import numpy as np
@@ -23,7 +24,7 @@ from nibabel import orientations as ornt_lib
 
 from ctseg.atomic import atomic_path
 from ctseg.errors import CtsegError
-from ctseg.io.dicom import is_dicom_folder, read_dicom_series
+from ctseg.io.dicom import is_dicom_file, is_dicom_folder, read_dicom_series
 from ctseg.io.readers import (
     nifti_affine,
     read_itk_file,
@@ -42,6 +43,11 @@ _CANONICAL_ORNT = ornt_lib.axcodes2ornt(("R", "A", "S"))
 # Two grids are one geometry when their affines agree to this (mm): headers written by
 # different tools round the same geometry differently.
 GEOMETRY_TOLERANCE_MM = 1e-3
+
+# Fewest voxels along each axis of a scan, in every format: one or two slices are a
+# picture or localizer views, not a volume (and the even spacing of a DICOM series takes
+# three slices to tell).
+MIN_SLICES = 3
 
 
 @dataclass
@@ -91,8 +97,11 @@ def _has_suffix(path: Path, suffixes: tuple[str, ...]) -> bool:
 # --- reading -----------------------------------------------------------------------------
 
 
-def read_scan(path: str | Path) -> Scan:
-    """Read a NIfTI file, an NRRD/MHA file or a DICOM series folder into a canonical Scan."""
+def read_scan(path: str | Path, allow_non_ct: bool = False) -> Scan:
+    """Read a NIfTI file, an NRRD/MHA file or a DICOM series folder into a canonical Scan.
+
+    `allow_non_ct`: read a DICOM series of another modality than CT (refused otherwise).
+    """
     path = Path(path)
     if not path.exists():
         raise CtsegError(f"scan not found: {path}")
@@ -100,16 +109,14 @@ def read_scan(path: str | Path) -> Scan:
         # A FIFO would block the reader for ever, a device (/dev/zero) never ends.
         raise CtsegError(f"{path} is not a regular file (a pipe, device or socket); give a scan")
     if path.is_dir():
-        array, affine, header = read_dicom_series(path)
+        array, affine, header = read_dicom_series(path, allow_non_ct)
     elif _has_suffix(path, NIFTI_SUFFIXES):
         array, affine, header = read_nifti(path)
     elif _has_suffix(path, ITK_SUFFIXES):
         array, affine = read_itk_image(path, read_itk_file(path))
         header = None
     else:
-        raise CtsegError(
-            f"{path} is not a supported scan; use {', '.join(SCAN_SUFFIXES)} or a DICOM folder"
-        )
+        raise CtsegError(_unsupported(path))
     array = _squeeze_to_3d(array, path)
     _check_finite(array, path)
     _check_affine(affine, path)
@@ -160,6 +167,16 @@ def _check_affine(affine: np.ndarray, path: Path) -> None:
         )
 
 
+def _unsupported(path: Path) -> str:
+    """Why a file is no scan ctseg reads, in words."""
+    if is_dicom_file(path):
+        return (
+            f"{path} is one DICOM file; give the folder of its series ({path.parent}), "
+            "which ctseg reads as one volume"
+        )
+    return f"{path} is not a supported scan; use {', '.join(SCAN_SUFFIXES)} or a DICOM folder"
+
+
 def _squeeze_to_3d(array: np.ndarray, path: Path) -> np.ndarray:
     if array.size == 0:
         raise CtsegError(f"{path} holds no voxels (shape {array.shape})")
@@ -167,8 +184,14 @@ def _squeeze_to_3d(array: np.ndarray, path: Path) -> np.ndarray:
         array = array.reshape(array.shape[:3])
     if array.ndim == 4:
         raise CtsegError(f"{path} is 4-D (shape {array.shape}); ctseg expects one 3-D CT volume")
+    volume = f"one 3-D CT volume, of at least {MIN_SLICES} slices along each axis"
     if array.ndim != 3:
-        raise CtsegError(f"{path} has {array.ndim} dimensions; ctseg expects one 3-D CT volume")
+        raise CtsegError(f"{path} has {array.ndim} dimensions; ctseg expects {volume}")
+    if min(array.shape) < MIN_SLICES:
+        raise CtsegError(
+            f"{path} has {min(array.shape)} slice(s) along an axis (shape {array.shape}); "
+            f"ctseg expects {volume}"
+        )
     return array
 
 
@@ -244,29 +267,79 @@ def _output_header(scan: Scan, dtype: np.dtype) -> nib.Nifti1Header:
 # --- finding scans -----------------------------------------------------------------------
 
 
-def find_scans(inputs: list[Path]) -> list[Path]:
-    """Expand files, folders of scan files and DICOM series folders into a list of scans."""
+class Skipped(NamedTuple):
+    """Files or subfolders of one folder that `find_scans` left out, and why, in a line."""
+
+    line: str
+    count: int
+
+
+@dataclass
+class FoundScans:
+    """What `find_scans` found: the scans, and what it skipped, each named."""
+
+    scans: list[Path]
+    skipped: list[Skipped]
+
+
+def find_scans(inputs: list[Path]) -> FoundScans:
+    """Expand files, folders of scan files and DICOM series folders into a list of scans.
+
+    A folder is one DICOM series when its files are DICOM files; beside NIfTI/NRRD/MHA
+    scans, its DICOM files are skipped with a word (a series needs a folder of its own).
+    DICOM series in its subfolders are scans too. Every other file or subfolder found is
+    named in `skipped`: nothing is left out without a word.
+    """
     found: list[Path] = []
+    skipped: list[Skipped] = []
     for item in inputs:
         item = Path(item)
         if not item.exists():
             raise CtsegError(f"input not found: {item}")
         if item.is_dir():
-            found.extend(_scans_in_folder(item))
+            found.extend(_scans_in_folder(item, skipped))
         else:  # a pipe or device too: `read_scan` refuses it as that scan's failure
             if not _has_suffix(item, SCAN_SUFFIXES):
-                raise CtsegError(f"{item} is not a supported scan ({', '.join(SCAN_SUFFIXES)})")
+                raise CtsegError(_unsupported(item))
             found.append(item)
     unique = list(dict.fromkeys(found))
     if not unique:
-        raise CtsegError(f"no scans found in {', '.join(str(p) for p in inputs)}")
-    return unique
+        raise CtsegError(
+            f"no scans found in {', '.join(str(p) for p in inputs)}"
+            + (f" ({'; '.join(s.line for s in skipped)})" if skipped else "")
+        )
+    return FoundScans(unique, skipped)
 
 
-def _scans_in_folder(folder: Path) -> list[Path]:
-    if is_dicom_folder(folder):
-        return [folder]
-    entries = sorted(folder.iterdir())
-    files = [p for p in entries if not p.is_dir() and _has_suffix(p, SCAN_SUFFIXES)]
-    series = [p for p in entries if p.is_dir() and is_dicom_folder(p)]
-    return [p for p in files if not p.name.startswith(".")] + series
+def _scans_in_folder(folder: Path, skipped: list[Skipped]) -> list[Path]:
+    # Hidden files (.DS_Store, a copy's temporaries) are nobody's scans, and not named.
+    entries = [p for p in sorted(folder.iterdir()) if not p.name.startswith(".")]
+    folders = [p for p in entries if p.is_dir()]
+    files = [p for p in entries if not p.is_dir()]
+    scans = [p for p in files if _has_suffix(p, SCAN_SUFFIXES)]
+    dicom = [p for p in files if p not in scans and is_dicom_file(p)]
+    others = [p for p in files if p not in scans and p not in dicom]
+    series = [p for p in folders if is_dicom_folder(p)]
+    if dicom and scans:
+        line = (
+            f"{folder}: skipped {_names(dicom, 'DICOM file')} beside {len(scans)} "
+            "NIfTI/NRRD/MHA scan(s): a DICOM series needs a folder of its own"
+        )
+        skipped.append(Skipped(line, len(dicom)))
+    if others:
+        line = f"{folder}: skipped {_names(others, 'file')}: not scans"
+        skipped.append(Skipped(line, len(others)))
+    if len(folders) > len(series):
+        empty = [p for p in folders if p not in series]
+        line = (
+            f"{folder}: skipped {_names(empty, 'subfolder')}: no DICOM series there (a folder "
+            "of NIfTI/NRRD/MHA scans is searched when given as an input itself)"
+        )
+        skipped.append(Skipped(line, len(empty)))
+    return ([folder] if dicom and not scans else scans) + series
+
+
+def _names(paths: list[Path], what: str, shown: int = 3) -> str:
+    """'2 files (a.txt, b.json)', naming the first `shown`."""
+    names = ", ".join(p.name for p in paths[:shown]) + (", …" if len(paths) > shown else "")
+    return f"{len(paths)} {what}{'s' * (len(paths) > 1)} ({names})"

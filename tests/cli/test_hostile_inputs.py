@@ -89,8 +89,8 @@ def test_a_pipe_or_device_is_refused_without_blocking(tmp_path):
     os.mkfifo(tmp_path / "fifo.nii.gz")  # opening it to read would wait for a writer
     (tmp_path / "null.nii").symlink_to("/dev/null")
     # Found in a folder and given by name alike, then refused one by one.
-    assert find_scans([tmp_path]) == [tmp_path / "fifo.nii.gz", tmp_path / "null.nii"]
-    assert find_scans([tmp_path / "fifo.nii.gz"]) == [tmp_path / "fifo.nii.gz"]
+    assert find_scans([tmp_path]).scans == [tmp_path / "fifo.nii.gz", tmp_path / "null.nii"]
+    assert find_scans([tmp_path / "fifo.nii.gz"]).scans == [tmp_path / "fifo.nii.gz"]
     for name in ("fifo.nii.gz", "null.nii"):
         with pytest.raises(CtsegError, match="is not a regular file"):
             read_scan(tmp_path / name)

@@ -1,7 +1,11 @@
 """Post-processing and per-scan statistics on phantoms with known answers."""
 
+import time
+import tracemalloc
+
 import numpy as np
 import pytest
+from scipy import spatial
 
 from ctseg.inference.postprocess import (
     MEASURED_TUMOURS,
@@ -91,6 +95,37 @@ def test_diameter_of_degenerate_pieces():
     assert max_diameter_mm(np.array([[1.0, 2.0, 3.0]]), affine) == 0.0
     line = np.array([[0, 0, z] for z in range(6)], float)  # collinear: no hull
     assert max_diameter_mm(line, affine) == pytest.approx(5.0)
+
+
+def test_a_flat_large_tumour_is_measured_in_seconds_and_little_memory():
+    # One 512×512 slice with a 300×300 tumour: no 3-D hull exists, and comparing every
+    # pair of its 90 000 voxels would take 30 GiB.
+    labels = np.zeros((512, 512, 1), np.uint8)
+    labels[100:450, 100:450] = 1
+    labels[120:420, 130:430] = 2
+    affine = np.diag([0.7, 0.8, 5.0, 1.0])
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        stats = scan_stats(labels, affine)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - started < 10 and peak < 200 * 2**20
+    assert stats["largest_tumour_diameter_mm"] == pytest.approx(np.hypot(299 * 0.7, 299 * 0.8))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_diameter_equals_every_pair_compared(seed):
+    # Solid, holed, flat (one slice, one row) and oblique pieces, above and below the size
+    # from which only the surface is measured.
+    rng = np.random.default_rng(seed)
+    shape = [(14, 12, 10), (30, 20, 1), (25, 1, 1), (20, 18, 9), (1, 30, 30), (9, 9, 9)][seed]
+    voxels = np.argwhere(rng.random(shape) < (0.97 if seed % 2 else 0.4)).astype(float)
+    affine = np.eye(4)
+    affine[:3, :3] = rng.normal(size=(3, 3))
+    every_pair = spatial.distance.pdist(voxels @ affine[:3, :3].T).max()
+    assert max_diameter_mm(voxels, affine) == pytest.approx(every_pair, rel=1e-9)
 
 
 def test_keep_largest_liver_drops_other_pieces_with_their_tumour():

@@ -23,7 +23,7 @@ from ctseg import config as cfg
 from ctseg.cli.app import app
 from ctseg.config import InferenceOptions
 from ctseg.errors import CtsegError
-from ctseg.inference.files import expand_inputs
+from ctseg.inference.inputs import expand_inputs
 from ctseg.inference.predictor import PHASES, Predictor
 from ctseg.inference.scan_checks import hu_warnings
 from ctseg.model.step import TrainState
@@ -180,7 +180,7 @@ def test_scans_of_one_name_are_not_written_over_each_other(tmp_path):
         (tmp_path / folder).mkdir()
         nib.save(nib.Nifti1Image(_ct(rng), np.eye(4)), tmp_path / folder / "volume-0.nii.gz")
     first, second = tmp_path / "a" / "volume-0.nii.gz", tmp_path / "b" / "volume-0.nii.gz"
-    scans, failed = expand_inputs([tmp_path / "a", tmp_path / "b", first])
+    scans, failed, _ = expand_inputs([tmp_path / "a", tmp_path / "b", first])
     assert scans == [first]
     assert [(o.source, o.name) for o in failed] == [(second, "volume-0")]
     assert str(first) in failed[0].error and "--out" in failed[0].error
@@ -263,7 +263,7 @@ def test_force_never_overwrites_an_input_and_outputs_are_not_inputs(trained, tmp
     assert (folder / "a_seg.nii.gz").read_bytes() == kept
     assert (folder / "a_seg_seg.nii.gz").is_file()  # a_seg itself is a scan of this call
     # Predicting the folder again: a_seg_seg.nii.gz, an output of the first call, is no input.
-    scans, failed = expand_inputs([folder], folder)
+    scans, failed, _ = expand_inputs([folder], folder)
     assert sorted(s.name for s in scans) == ["a_seg.nii.gz"]
     assert [o.name for o in failed] == ["a"]
     assert "a_seg.nii.gz would overwrite an input of this call" in failed[0].error
@@ -278,7 +278,7 @@ def test_scans_outside_what_a_ct_can_be_are_warned_about(tmp_path):
         "ok": ((64, 64, 40), [0.8, 0.8, 2.5], 0),
         "tiny": ((64, 64, 40), [0.001, 0.001, 0.001], 2),  # spacing and extent
         "huge": ((64, 64, 40), [100.0, 100.0, 100.0], 2),
-        "slice": ((64, 64, 1), [0.8, 0.8, 2.5], 1),
+        "slices": ((64, 64, 4), [0.8, 0.8, 2.5], 1),  # fewer than 3 slices are refused
     }
     for name, (shape, spacing, count) in cases.items():
         nib.save(

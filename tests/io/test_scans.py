@@ -116,16 +116,16 @@ def test_dicom_series(tmp_path):
     assert scan.name == "series"
     _assert_itk_geometry(scan, image, data)
     np.testing.assert_allclose(sorted(scan.spacing), sorted(image.GetSpacing()), atol=1e-4)
-    assert find_scans([tmp_path]) == [tmp_path / "series"]
+    assert find_scans([tmp_path]).scans == [tmp_path / "series"]
 
 
 def test_find_scans_expands_folders(tmp_path):
     for name in ("b.nii.gz", "a.nrrd", "notes.txt"):
         (tmp_path / name).write_bytes(b"")
-    assert find_scans([tmp_path, tmp_path / "a.nrrd"]) == [
-        tmp_path / "a.nrrd",
-        tmp_path / "b.nii.gz",
-    ]
+    found = find_scans([tmp_path, tmp_path / "a.nrrd"])
+    assert found.scans == [tmp_path / "a.nrrd", tmp_path / "b.nii.gz"]
+    # The file that is no scan is named, never left out without a word.
+    assert [(s.count, "notes.txt" in s.line) for s in found.skipped] == [(1, True)]
     with pytest.raises(CtsegError, match="not found"):
         find_scans([tmp_path / "missing"])
     with pytest.raises(CtsegError, match="not a supported scan"):

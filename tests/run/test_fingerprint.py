@@ -18,7 +18,7 @@ from ctseg.data.grids import grid_affine
 from ctseg.data.store import Store, array_path
 from ctseg.errors import CtsegError
 from ctseg.inference import postprocess, scan_checks
-from ctseg.inference.files import ScanOutcome
+from ctseg.inference.inputs import ScanOutcome
 from ctseg.io.scans import read_scan
 from ctseg.run import fingerprint, rundir
 from ctseg.synth.dataset import write_dataset
