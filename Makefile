@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 CTSEG  := $(VENV)/bin/ctseg
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test demo bench bench-predict512 lint clean experiment-resolution experiment-geometry
+.PHONY: install test demo bench bench-predict512 lint clean experiment-resolution experiment-geometry targets-table
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +38,11 @@ experiment-resolution: $(STAMP)
 # The cube against the spacing grid on phantoms of LiTS-like extents (about 20 minutes).
 experiment-geometry: $(STAMP)
 	bash scripts/experiment_geometry.sh
+
+# Every shipped config compiled for the main GPUs and a TPU slice, without them
+# (docs/reference/targets.md; cells already compiled are kept; XLA for TPUs is slow).
+targets-table: $(STAMP)
+	$(PY) scripts/targets_table.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ctseg tests scripts

@@ -22,16 +22,22 @@ from ctseg.cli.options import (
     start_jax,
 )
 from ctseg.config import Config
+from ctseg.errors import CtsegError
 from ctseg.memory import human_bytes
 from ctseg.model import unet
 from ctseg.model.plan import LayoutPlan, plan, plan_layout
 from ctseg.parallel.layouts import fit_training
+from ctseg.targets.catalogue import names as target_names
+from ctseg.targets.catalogue import resolve
+from ctseg.targets.run import plan_on_target
 
 console = Console(highlight=False)
 
 
-def _flops(flops: float) -> str:
-    """SI prefixes, e.g. 23.0 T."""
+def _flops(flops: float | None) -> str:
+    """SI prefixes, e.g. 23.0 T; – where the compiler counted none."""
+    if flops is None:
+        return "–"
     prefix = ""
     for bigger in ("k", "M", "G", "T"):
         if flops < 1000:
@@ -75,6 +81,28 @@ def plan_command(
         bool, typer.Option("--force", help="Replace a --json file that is not a plan.")
     ] = False,
     device: DeviceOption = DeviceChoice.auto,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            "--target",
+            help="Compile for hardware that is not here: a GPU (h100, a100-80, a100-40, l40s, "
+            "l4, rtx4090) or a TPU slice (tpu-v5e:4x4, tpu-v5p:2x2x4, …); 'list' names them. "
+            "Needs the targets extra.",
+            metavar="NAME",
+        ),
+    ] = None,
+    target_devices: Annotated[
+        int | None,
+        typer.Option("--devices", help="With a GPU --target: how many GPUs (default 1)."),
+    ] = None,
+    target_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--target-file",
+            help="With --target: your own GPU description (a GpuTargetConfigProto in text "
+            "form, as the files in ctseg/targets/specs/).",
+        ),
+    ] = None,
     coordinator: CoordinatorOption = None,
     num_processes: NumProcessesOption = None,
     process_id: ProcessIdOption = None,
@@ -84,11 +112,23 @@ def plan_command(
 
     The layouts compile on the devices here when there are enough of them, else on
     simulated CPU devices (the first line says which); the last line says which layout
-    `ctseg train` would choose here and, on accelerators, whether its step fits."""
+    `ctseg train` would choose here and, on accelerators, whether its step fits.
+
+    With --target, they compile for GPUs or TPUs that are not here (compile-only devices):
+    whether training fits them, the plan `ctseg predict` would choose there, and where
+    training does not fit, the fewest partitions and the largest grid that do."""
+    if target == "list":
+        console.print("\n".join(target_names()))
+        return
     config = load_config(config_path, overrides)
     if json_path is not None:  # before compiling, not after
         inputs = [] if config_path is None else [config_path]
         atomic.claim_report(json_path, _is_plan_json, inputs, force)
+    if target is not None or target_file is not None:
+        _plan_target(config, target, target_devices, target_file, json_path)
+        return
+    if target_devices is not None:
+        raise CtsegError("--devices counts the GPUs of a --target; give --target too")
     start_jax(config, coordinator, num_processes, process_id, device=device.value)
     from ctseg.parallel import devices as dev  # after start_jax: imports start JAX
 
@@ -141,7 +181,9 @@ def _this_machine(config: Config, found: list, progress) -> dict:
 
 
 def _is_plan_json(path: Path) -> bool:
-    return atomic.is_json_with(path, ("receptive_field_radius", "alignment", "layouts"))
+    """An earlier `ctseg plan --json` report: of this machine's layouts, or of a target."""
+    layouts = ("receptive_field_radius", "alignment", "layouts")
+    return atomic.is_json_with(path, layouts) or atomic.is_json_with(path, ("target",))
 
 
 def _json(config: Config, plans: list[LayoutPlan]) -> dict:
@@ -150,3 +192,67 @@ def _json(config: Config, plans: list[LayoutPlan]) -> dict:
         "alignment": unet.alignment(config.model),
         "layouts": [p.to_json() for p in plans],
     }
+
+
+def _plan_target(
+    config: Config,
+    name: str | None,
+    devices: int | None,
+    target_file: Path | None,
+    json_path: Path | None,
+) -> None:
+    """`ctseg plan --target`: the config compiled for compile-only devices, in a child."""
+    target = resolve(name or "", devices, target_file)
+    console.print(f"planning for {target.describe()}: compile-only, nothing runs")
+    with console.status(f"compiling for {target.name} (XLA for TPUs takes minutes)"):
+        result = plan_on_target(config, target)
+    for line in target_lines(result):
+        console.print(escape(line))
+    if json_path is not None:
+        atomic.write_json(json_path, {"target": result})
+        console.print(f"wrote {json_path}")
+
+
+def _gib(count: float | None) -> str:
+    return "–" if count is None else human_bytes(count)
+
+
+def target_lines(result: dict) -> list[str]:
+    """What `ctseg plan --target` prints of a target's plan, line by line."""
+    memory, share = result["memory_per_device"], result["share"]
+    budget = f"of {_gib(memory)}, plans take {share:.0%}"
+    train = result["train"]
+    where = f"{list(train['spatial'])} over {train['devices']} device(s)"
+    if train["data"] > 1:
+        where += f", {train['data']} data replicas"
+    if train.get("train_bytes") is None:
+        fit = f"does NOT fit: {train.get('compiler', 'out of memory')}"
+    else:
+        verdict = "fits" if train["fits"] else "does NOT fit"
+        fit = f"{_gib(train['train_bytes'])} per device {budget}: {verdict}"
+    lines = [f"training {where}: {fit}"]
+    predict = result["predict"]
+    box = "×".join(str(n) for n in predict["box"])
+    if predict.get("plan") is None:
+        lines.append(f"prediction of a {box} box: does NOT fit: {predict.get('compiler')}")
+    else:
+        verdict = "fits" if predict["fits"] else "does NOT fit"
+        lines.append(
+            f"prediction of a {box} box: {predict['plan']}, {_gib(predict['bytes'])} per "
+            f"device: {verdict}"
+        )
+    if "fewest_partitions" in result:
+        fewest = result["fewest_partitions"]
+        if fewest is None:
+            lines.append("no split of this grid over up to 256 such devices fits training")
+        else:
+            lines.append(
+                f"training fits with {fewest['devices']} devices ({fewest['target']}), split "
+                f"{fewest['spatial']}: {_gib(fewest['train_bytes'])} per device"
+            )
+        largest = result.get("largest_resolution")
+        lines.append(
+            f"the largest grid whose training fits {result['count']} such device(s): "
+            + ("none" if largest is None else f"data.resolution = {largest}")
+        )
+    return lines

@@ -187,7 +187,7 @@ def _dealt_table(stage: Stage, devices: int) -> np.ndarray:
 
 
 @dataclass
-class _Plan:
+class InferencePlan:
     """Compiled programs ready to run: the whole pass (no stages) or one per stage."""
 
     stages: list[Stage]
@@ -198,7 +198,7 @@ class _Plan:
     spill: bool = False  # keep waiting levels on the host
 
 
-def _compile_whole(model: TrainedModel, devices: Sequence[Any], shape: Shape) -> _Plan:
+def _compile_whole(model: TrainedModel, devices: Sequence[Any], shape: Shape) -> InferencePlan:
     spatial = fit_split(model.config, shape, len(devices))
     config = model.config  # its partitioner; the mesh below is the split that counts
     mesh = make_mesh(spatial, 1, devices)
@@ -206,7 +206,7 @@ def _compile_whole(model: TrainedModel, devices: Sequence[Any], shape: Shape) ->
     weights = replicated_shapes((model.params, model.stats), mesh)
     compiled = jax.jit(make_predict(model.graphdef, config, mesh)).lower(*weights, image).compile()
     needed = plan.memory_of(compiled).total + _post_bytes(shape)
-    return _Plan([], [compiled], mesh, spatial, needed)
+    return InferencePlan([], [compiled], mesh, spatial, needed)
 
 
 def _post_bytes(shape: Shape) -> int:
@@ -244,7 +244,7 @@ def _stage_needs(config: Config, stages: list[Stage], programs: list, spill: boo
 
 def _plan_tiles(
     model: TrainedModel, stages: list[Stage], mesh: Mesh, budget: float | None
-) -> _Plan:
+) -> InferencePlan:
     """Compile `stages`; with a `budget`, shrink the cores of stages that do not fit it."""
     config = model.config
     programs = _compile_stages(model, stages, mesh)
@@ -271,7 +271,50 @@ def _plan_tiles(
         for i, program in zip(over, recompiled, strict=True):
             programs[i] = program
         needs = _stage_needs(config, stages, programs, spill)
-    return _Plan(stages, programs, mesh, (1, 1, 1), max(needs), spill)
+    return InferencePlan(stages, programs, mesh, (1, 1, 1), max(needs), spill)
+
+
+def plan_inference(
+    model: TrainedModel,
+    shape: Shape,
+    fixed: list[Stage] | None,
+    devices: Sequence[Any],
+    memory: int,
+) -> InferencePlan:
+    """The compiled plan for boxes of `shape` on `devices` with `memory` bytes each: `fixed`
+    stages as asked ([] the whole volume), else chosen from the compiled programs' own memory
+    figures. The model's weights may be abstract (shapes only): nothing is placed, so a
+    plan can be made for devices that are not here (`ctseg.targets`)."""
+    devices = list(devices)
+    config = model.config
+    budget = COMPILED_SHARE * memory
+    tiles_mesh = make_mesh((1, 1, 1), len(devices), devices)
+    if fixed is not None:
+        if fixed:
+            chosen = _plan_tiles(model, fixed, tiles_mesh, budget=None)
+            largest = max(stage.largest_core for stage in fixed)
+            what, advice = f"tiles ≤ {largest}³", "use smaller tiles"
+        else:
+            chosen = _compile_whole(model, devices, shape)
+            what, advice = "a whole-volume pass", "use tiles"
+        if chosen.needed > memory:
+            raise CtsegError(
+                f"{what} of the {tiling.shape_text(shape)} grid needs "
+                f"{human_bytes(chosen.needed)} per device, more than the "
+                f"{human_bytes(memory)} free on {dev.describe(devices)}; "
+                f"{advice} (--tile -1 chooses them, or e.g. --tile 64)"
+            )
+        return chosen
+    # The hand formula overestimates wide models severalfold (lits512: 85 GB planned
+    # in bfloat16, 48 GiB compiled), so the whole volume is compiled to be measured
+    # whenever the formula is within that factor of fitting.
+    itemsize = jnp.dtype(config.model.dtype).itemsize
+    if tiling.whole_volume_bytes(config, itemsize, shape) <= 3 * budget:
+        whole = _compile_whole(model, devices, shape)
+        if whole.needed <= budget:
+            return whole
+    first_guess = tiling.choose_stages(config, memory, itemsize, shape)
+    return _plan_tiles(model, first_guess, tiles_mesh, budget)
 
 
 class JaxBackend:
@@ -292,7 +335,7 @@ class JaxBackend:
         self.shape = shape
         self.devices = list(devices)
         self.dtype = jnp.dtype(model.config.model.dtype)  # of the materialised levels
-        self._plan = self._compile(stages, memory)
+        self._plan = plan_inference(model, shape, stages, self.devices, memory)
         self.stages = self._plan.stages
         self.needed = self._plan.needed
         self.spatial = self._plan.spatial
@@ -309,39 +352,6 @@ class JaxBackend:
             self._input_sharding = NamedSharding(mesh, REPLICATED)
         else:
             self._input_sharding = activation_sharding(mesh)
-
-    def _compile(self, fixed: list[Stage] | None, memory: int) -> _Plan:
-        """Compile the plan: `fixed` stages as asked, else from the compiler's memory figures."""
-        model, devices = self.model, self.devices
-        config = model.config
-        budget = COMPILED_SHARE * memory
-        tiles_mesh = make_mesh((1, 1, 1), len(devices), devices)
-        if fixed is not None:
-            if fixed:
-                chosen = _plan_tiles(model, fixed, tiles_mesh, budget=None)
-                largest = max(stage.largest_core for stage in fixed)
-                what, advice = f"tiles ≤ {largest}³", "use smaller tiles"
-            else:
-                chosen = _compile_whole(model, devices, self.shape)
-                what, advice = "a whole-volume pass", "use tiles"
-            if chosen.needed > memory:
-                raise CtsegError(
-                    f"{what} of the {tiling.shape_text(self.shape)} grid needs "
-                    f"{human_bytes(chosen.needed)} per device, more than the "
-                    f"{human_bytes(memory)} free on {dev.describe(devices)}; "
-                    f"{advice} (--tile -1 chooses them, or e.g. --tile 64)"
-                )
-            return chosen
-        # The hand formula overestimates wide models severalfold (lits512: 85 GB planned
-        # in bfloat16, 48 GiB compiled), so the whole volume is compiled to be measured
-        # whenever the formula is within that factor of fitting.
-        itemsize = self.dtype.itemsize
-        if tiling.whole_volume_bytes(config, itemsize, self.shape) <= 3 * budget:
-            whole = _compile_whole(model, devices, self.shape)
-            if whole.needed <= budget:
-                return whole
-        first_guess = tiling.choose_stages(config, memory, itemsize, self.shape)
-        return _plan_tiles(model, first_guess, tiles_mesh, budget)
 
     @property
     def spills(self) -> bool:

@@ -29,7 +29,7 @@ from ctseg.run.trained import TrainedModel
 
 # Spacing-grid boxes are rounded up to this many voxels (or the alignment, if larger):
 # scans of similar extent share one compiled program, at ≤ 15 voxels of air per side.
-_BOX_MULTIPLE = 16
+BOX_MULTIPLE = 16
 
 
 # Engines (compiled programs, weights on the devices) kept for boxes of other shapes.
@@ -103,7 +103,7 @@ class Member:
         grid = self.grid.grid_of(scan.array.shape, scan.spacing)
         box = grid
         if self.grid.kind == "spacing":
-            box = grids.inference_box(grid, max(self.config.alignment, _BOX_MULTIPLE))
+            box = grids.inference_box(grid, max(self.config.alignment, BOX_MULTIPLE))
         hu = grids.to_box(scan.array, grid, (0, 0, 0), box, order=1)  # int16, as stored
         return OnGrid(grids.hu_to_unit(hu, self.config.data.hu_window), grid)
 

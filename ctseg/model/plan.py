@@ -58,7 +58,7 @@ class LayoutPlan:
     local_shape: tuple[int, ...]
     memory: Memory
     halo_bytes: int
-    flops: float  # whole step, summed over all devices
+    flops: float | None  # whole step, summed over all devices; None: not counted
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -142,16 +142,19 @@ def memory_of(compiled: jax.stages.Compiled) -> Memory:
     )
 
 
-def flops_of(compiled: jax.stages.Compiled, devices: int) -> float:
-    """FLOPs of the whole step: XLA counts the per-device program, so × devices.
+def flops_of(compiled: jax.stages.Compiled, devices: int) -> float | None:
+    """FLOPs of the whole step: XLA counts the per-device program, so × devices; None where
+    the compiler counts none (a GPU compiled for without one).
 
     `cost_analysis()` is a dict in recent JAX and a one-element list in older
     versions.
     """
     costs = compiled.cost_analysis()
     if isinstance(costs, (list, tuple)):
-        costs = costs[0]
-    return float(costs.get("flops", 0.0)) * devices
+        costs = costs[0] if costs else None
+    if not costs or "flops" not in costs:
+        return None
+    return float(costs["flops"]) * devices
 
 
 def _conv_input_channels(config: Config) -> list[tuple[int, int]]:

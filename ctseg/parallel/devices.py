@@ -13,8 +13,10 @@ runs on the chosen devices is decided elsewhere: the layout of a training run in
 
 from __future__ import annotations
 
+import glob
 import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -35,17 +37,39 @@ class Device(Protocol):
 
 
 def restrict_backends(request: str) -> None:
-    """Before JAX starts: with ``--device cpu`` only the CPU backend starts.
+    """Before JAX starts: with ``--device cpu`` only the CPU backend starts, and so it does
+    with ``--device auto`` on a Linux machine without any accelerator's device files.
 
     An accelerator backend that starts reserves most of its memory (JAX's
-    preallocation), which a CPU-only run must not take from other users.
+    preallocation), which a CPU-only run must not take from other users. And where no
+    accelerator is attached, a backend installed for compiling only (the `targets`
+    extra: JAX's CUDA plugin, libtpu) would fail to start and say so on every command.
     """
     if request not in DEVICE_CHOICES:
         raise CtsegError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {request!r}")
-    if request == "cpu":
+    unattended = request == "auto" and not os.environ.get("JAX_PLATFORMS") and no_accelerator()
+    if request == "cpu" or unattended:
         import jax
 
         jax.config.update("jax_platforms", "cpu")
+
+
+# Device files of attached accelerators (Linux): NVIDIA's driver, AMD's (ROCm), TPUs.
+_ACCELERATOR_FILES = (
+    "/proc/driver/nvidia/version",
+    "/dev/nvidia[0-9]*",
+    "/dev/kfd",
+    "/dev/accel[0-9]*",
+    "/dev/vfio/[0-9]*",
+)
+
+
+def no_accelerator() -> bool:
+    """True on a Linux machine where no accelerator's device file exists (elsewhere the
+    files say nothing: False)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return not any(glob.glob(pattern) for pattern in _ACCELERATOR_FILES)
 
 
 # Concrete JAX platforms behind `--device gpu|tpu`, and their names in messages.

@@ -20,10 +20,13 @@ from ctseg.parallel.compile_cache import (
 COMPILE_TWO = """
 import sys
 from pathlib import Path
-import jax, jax.numpy as jnp
+from ctseg.cli.library_output import held
 from ctseg.parallel.compile_cache import compile_clock, use_compile_cache
-clock = compile_clock()
-problem = use_compile_cache(Path(sys.argv[1]))
+with held(show=False):  # as a command's start holds the lines of JAX's plugins
+    import jax, jax.numpy as jnp
+    clock = compile_clock()
+    problem = use_compile_cache(Path(sys.argv[1]))
+    jax.devices()
 print("warning:", problem)
 x = jnp.arange(4.0)
 jax.jit(lambda x: x * 2 + 1)(x).block_until_ready()

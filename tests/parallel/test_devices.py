@@ -378,3 +378,15 @@ def test_every_command_refuses_a_gpu_that_failed_before_it_starts_work(monkeypat
     fake_jax(monkeypatch, cuda_plugin_fails)
     with pytest.raises(CtsegError, match="^--device gpu: CUDA backend failed to start: INTERNAL"):
         start_jax(SIXTEEN_WAY, device="gpu", compile_cache="off")
+
+
+def test_auto_starts_only_the_cpu_where_no_accelerator_is_attached(monkeypatch):
+    """A compile-only plugin (the targets extra) must not fail to start on every command of
+    a machine without accelerators: `--device auto` starts the CPU alone there."""
+    monkeypatch.setattr(dev.sys, "platform", "linux")
+    monkeypatch.setattr(dev.glob, "glob", lambda pattern: [])
+    assert dev.no_accelerator()
+    monkeypatch.setattr(dev.glob, "glob", lambda pattern: [pattern] if "nvidia" in pattern else [])
+    assert not dev.no_accelerator()
+    monkeypatch.setattr(dev.sys, "platform", "darwin")  # no device files to read: no claim
+    assert not dev.no_accelerator()
