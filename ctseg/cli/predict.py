@@ -15,6 +15,7 @@ from ctseg.cli import library_output
 from ctseg.cli.app import app
 from ctseg.cli.options import CompileCacheOption, DeviceChoice, DeviceOption, start_jax, warn
 from ctseg.config import InferenceOptions
+from ctseg.errors import CtsegError
 from ctseg.io import dicom, dicom_seg
 from ctseg.run import rundir
 
@@ -155,6 +156,30 @@ def predict(
             "(SEG, RT dose, secondary captures) and localizers are refused all the same.",
         ),
     ] = False,
+    locate: Annotated[
+        Path | None,
+        typer.Option(
+            "--locate",
+            help="A coarse run that finds the liver first: the full-resolution model then "
+            "runs only on the liver's box plus --margin, where its labels equal the whole "
+            "scan's exactly; background outside. No liver, or one cut at the scan's top or "
+            "bottom: the whole scan, with a warning.",
+            metavar="COARSE_RUN",
+        ),
+    ] = None,
+    roi: Annotated[
+        Path | None,
+        typer.Option(
+            "--roi",
+            help="A liver (or region) mask of the one scan given, in its geometry (any "
+            "label > 0): as --locate, with the region taken from it.",
+            metavar="MASK",
+        ),
+    ] = None,
+    margin: Annotated[
+        float,
+        typer.Option("--margin", help="Millimetres around the located liver or the mask."),
+    ] = 20.0,
     force: Annotated[
         bool,
         typer.Option(
@@ -195,7 +220,11 @@ def predict(
             if output_type == OutputType.dicom_seg:
                 for scan in scans:  # before any prediction: every input must be a DICOM series
                     dicom_seg.check_dicom_source(scan)
+            if roi is not None and len(scans) != 1:
+                raise CtsegError(f"--roi {roi} is the mask of one scan; give that one scan")
             predictor = Predictor.from_run(run_dirs, options, configs)
+            if locate is not None or roi is not None:
+                predictor.predict_region(locate, roi, margin, options)
             steps = ", ".join(str(m.model.step) for m in predictor.members)
             unusable = f", {len(outcomes)} input(s) failed" if outcomes else ""
             unusable += f", {sum(s.count for s in skipped)} file(s) skipped" if skipped else ""

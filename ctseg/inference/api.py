@@ -32,7 +32,7 @@ import numpy as np
 from ctseg import atomic
 from ctseg.config import InferenceOptions
 from ctseg.inference import postprocess
-from ctseg.inference.predictor import Predictor
+from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Predictor
 from ctseg.inference.scan_checks import volume_warnings
 from ctseg.io.scans import Scan, nifti_image, read_scan, scan_from_image, to_original_order
 from ctseg.parallel.compile_cache import compile_cache_dir, use_compile_cache
@@ -76,12 +76,16 @@ class Segmenter:
         device: str = "auto",
         tta: bool | None = None,
         compile_cache: str | None = None,
+        locate: str | Path | None = None,
+        margin_mm: float = DEFAULT_MARGIN_MM,
     ):
         """`runs`: a run directory, a folder of them, or several (an ensemble). The options
         are `ctseg predict`'s: the checkpoint, level-wise tiles (None: the run's config),
         the backend (None: JAX on accelerators, else ONNX Runtime when installed), the
         device (auto, cpu, gpu or tpu) and mirrored TTA (None: the run's config);
-        `compile_cache` a folder or "off" (default: ctseg's cache folder)."""
+        `compile_cache` a folder or "off" (default: ctseg's cache folder); `locate` a
+        coarse run that finds the liver first, the full-resolution models then running on
+        its box plus `margin_mm` only (`ctseg predict --locate`)."""
         paths = [runs] if isinstance(runs, str | Path) else list(runs)
         run_dirs = member_runs([Path(path) for path in paths])  # each run once, as the CLI
         problem = use_compile_cache(compile_cache_dir(compile_cache))
@@ -89,6 +93,8 @@ class Segmenter:
             _log.warning("%s", problem)
         options = InferenceOptions(checkpoint, tile, backend, device, tta)
         self.predictor = Predictor.from_run(run_dirs, options)
+        if locate is not None:
+            self.predictor.predict_region(Path(locate), None, margin_mm, options)
 
     @property
     def summary(self) -> str:
@@ -113,6 +119,7 @@ class Segmenter:
             scan = scan_from_image(image, affine, name)
         prediction = self.predictor.predict(scan, with_probabilities)
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
+        stats["located"] = prediction.located  # as _stats.json: the region, if one was used
         probabilities = prediction.probabilities
         return Segmentation(
             labels=to_original_order(scan, prediction.labels),

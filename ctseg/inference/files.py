@@ -13,6 +13,7 @@ without its stats file is unfinished and is predicted again.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable, Iterator, Sequence
@@ -54,7 +55,7 @@ class Prepared:
 
     def free_units(self) -> None:
         """Drop the boxes (inferred by now), keeping where each grid lies in its box."""
-        self.on_grids = [OnGrid(None, g.grid) for g in self.on_grids]
+        self.on_grids = [dataclasses.replace(g, unit=None) for g in self.on_grids]
 
 
 def predict_files(
@@ -299,6 +300,9 @@ def _write_outputs(
             **stats,
             "warnings": outcome.warnings,
             "checks": outcome.checks,  # where it lies far outside the training data
+            # The region predicted at full resolution (`--locate`, `--roi`): its source,
+            # margin, scan voxels [lo, hi), or why the whole scan was predicted.
+            "located": prediction.located,
             "seconds": with_one_off_costs,
             # An ensemble's members' network seconds, in the order of "ensemble".
             "member_seconds": [

@@ -22,8 +22,10 @@ from ctseg.errors import CtsegError
 from ctseg.inference import tiling
 from ctseg.inference.engine import Engine, class_probabilities
 from ctseg.inference.jax_backend import is_out_of_memory
+from ctseg.inference.region import Region, Window, window_of
 from ctseg.inference.tiling import Shape, TileProgress
 from ctseg.io.scans import Scan
+from ctseg.model import unet
 from ctseg.parallel import devices as dev
 from ctseg.run.trained import TrainedModel
 
@@ -42,6 +44,8 @@ class OnGrid:
 
     unit: np.ndarray  # the HU-windowed box [x, y, z], float32: the grid, padded on the spacing grid
     grid: Shape  # the scan's grid, the box's first voxels
+    window: Window | None = None  # a region's box of the grid; None: the whole grid
+    located: dict[str, Any] | None = None  # how the region was found, for the stats file
 
 
 class Member:
@@ -96,16 +100,22 @@ class Member:
             return self.engine.description
         return f"the scan at {self.grid.voxel_size}, boxes of its extent"
 
-    def to_grid(self, scan: Scan) -> OnGrid:
+    def to_grid(self, scan: Scan, region: Region | None = None) -> OnGrid:
         """The scan on the run's grid, HU-windowed: exactly the training preprocessing. On
         the spacing grid the box holds the scan's whole grid, padded with air to the
-        model's alignment."""
+        model's alignment; with a `region`, only the box of the grid that gives its
+        labels exactly (`ctseg.inference.region`)."""
         grid = self.grid.grid_of(scan.array.shape, scan.spacing)
-        box = grid
+        box, offset, window = grid, (0, 0, 0), None
+        multiple = max(self.config.alignment, BOX_MULTIPLE)
         if self.grid.kind == "spacing":
-            box = grids.inference_box(grid, max(self.config.alignment, BOX_MULTIPLE))
-        hu = grids.to_box(scan.array, grid, (0, 0, 0), box, order=1)  # int16, as stored
-        return OnGrid(grids.hu_to_unit(hu, self.config.data.hu_window), grid)
+            box = grids.inference_box(grid, multiple)
+        if region is not None:
+            radius = unet.receptive_field_radius(self.config.model)
+            window = window_of(region, scan.array.shape, grid, box, radius, multiple)
+            box, offset = window.box, window.offset
+        hu = grids.to_box(scan.array, grid, offset, box, order=1)  # int16, as stored
+        return OnGrid(grids.hu_to_unit(hu, self.config.data.hu_window), grid, window)
 
     def infer(
         self,

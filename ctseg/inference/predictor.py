@@ -30,7 +30,8 @@ from ctseg.inference.backends import choose_backend, onnx_available
 from ctseg.inference.engine import Engine
 from ctseg.inference.jax_backend import COMPILED_SHARE
 from ctseg.inference.member import Member, OnGrid
-from ctseg.io.scans import Scan
+from ctseg.inference.region import Region, region_of
+from ctseg.io.scans import Scan, geometry_difference, read_scan
 from ctseg.memory import human_bytes
 from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_clock
@@ -43,7 +44,10 @@ Seconds = dict[str, float]  # seconds per phase, `PHASES`
 # Where a scan's time goes, as each `<name>_stats.json` records it. "load" and "compile"
 # are the call's one-off costs (the plan is compiled before the first scan); a scan
 # that finds a program missing (an out-of-memory retry) compiles it under its own name.
-PHASES = ("load", "compile", "read", "resample", "infer", "postprocess", "write")
+PHASES = ("load", "compile", "read", "locate", "resample", "infer", "postprocess", "write")
+# Around the located liver: TotalSegmentator's crops of organs take a few cm; 20 mm holds a
+# coarse locator's border error (a few of its voxels) with room to spare.
+DEFAULT_MARGIN_MM = 20.0
 
 
 @dataclass
@@ -58,6 +62,9 @@ class Prediction:
     seconds: Seconds = field(default_factory=dict)  # this scan's own phases
     # Where the scan or its liver lie far outside the run's training data (`ctseg.run.fingerprint`).
     checks: list[str] = field(default_factory=list)
+    # The region predicted at full resolution and where it came from (`Predictor.locate`);
+    # None: the whole scan was predicted as asked.
+    located: dict[str, Any] | None = None
 
     @property
     def grid_labels(self) -> np.ndarray | None:
@@ -76,6 +83,22 @@ def timed(seconds: Seconds, phase: str) -> Iterator[None]:
         yield
     finally:
         seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+def _fallback_warning(located: dict | None) -> list[str]:
+    if located is None or located["fallback"] is None:
+        return []
+    return [f"{located['fallback']}: predicted the whole scan ({located['source']})"]
+
+
+def read_roi(path: Path, scan: Scan) -> np.ndarray:
+    """A region mask of `scan`'s geometry (any label > 0 is the region), canonical."""
+    mask = read_scan(path)
+    if geometry_difference(
+        mask.original_shape, mask.original_affine, scan.original_shape, scan.original_affine
+    ):
+        raise CtsegError(f"the region mask {path} does not have the scan's geometry")
+    return (mask.array > 0).astype(np.uint8)
 
 
 class Predictor:
@@ -130,6 +153,10 @@ class Predictor:
         self.seconds: Seconds = {}
         # The (first) run's training data, for `to_scan`'s checks (None: nothing checked).
         self.fingerprint: fingerprint.Fingerprint | None = None
+        # Full resolution only where the liver is: a coarse run's prediction, or a mask.
+        self.locator: Predictor | None = None
+        self.roi: Path | None = None
+        self.margin_mm = DEFAULT_MARGIN_MM
 
     @classmethod
     def from_run(
@@ -167,6 +194,27 @@ class Predictor:
         predictor.seconds = seconds
         predictor.fingerprint = fingerprint.load(run_dirs[0])  # None for runs trained before
         return predictor
+
+    def predict_region(
+        self,
+        locate: Path | None = None,
+        roi: Path | None = None,
+        margin_mm: float = DEFAULT_MARGIN_MM,
+        options: InferenceOptions | None = None,
+    ) -> None:
+        """From now on, predict at full resolution only where the liver is: the box of the
+        liver that `locate`'s run (a coarse model) predicts, or of the `roi` mask, grown by
+        `margin_mm`; inside it the labels equal the whole scan's, outside it is background.
+        `options`: the locator's checkpoint, device and backend."""
+        if locate is not None and roi is not None:
+            raise CtsegError("give --locate RUN or --roi MASK, not both")
+        if margin_mm < 0:
+            raise CtsegError(f"--margin must not be negative, got {margin_mm:g} mm")
+        self.margin_mm = float(margin_mm)
+        self.roi = None if roi is None else Path(roi)
+        if locate is not None:
+            options = dataclasses.replace(options or InferenceOptions(), tile=None, tta=False)
+            self.locator = Predictor.from_run(Path(locate), options)
 
     @property
     def model(self) -> TrainedModel:
@@ -219,9 +267,33 @@ class Predictor:
         )
 
     def to_grid(self, scan: Scan, seconds: Seconds) -> list[OnGrid]:
-        """The scan on each member's grid, HU-windowed: exactly its training preprocessing."""
+        """The scan on each member's grid, HU-windowed: exactly its training preprocessing;
+        with a locator or a region mask, only the box of each grid the region needs."""
+        region, located = self.locate(scan, seconds)
         with timed(seconds, "resample"):
-            return [member.to_grid(scan) for member in self.members]
+            on_grids = [member.to_grid(scan, region) for member in self.members]
+        return [dataclasses.replace(g, located=located) for g in on_grids]
+
+    def locate(self, scan: Scan, seconds: Seconds) -> tuple[Region | None, dict | None]:
+        """The region to predict at full resolution, and its record: the liver's box of the
+        locator's prediction or of the region mask, grown by the margin; None (the whole
+        scan, with the reason in the record) where it finds no liver or a cut one."""
+        if self.locator is None and self.roi is None:
+            return None, None
+        with timed(seconds, "locate"):
+            if self.roi is not None:
+                mask, source = read_roi(self.roi, scan), f"mask {self.roi}"
+            else:
+                mask = self.locator.predict(scan).labels
+                source = f"locator {self.locator.members[0].name}"
+            region, fallback = region_of(mask, scan.spacing, self.margin_mm, self.roi is None)
+        located = {
+            "source": source,
+            "margin_mm": self.margin_mm,
+            "region": None if region is None else region.to_json(),
+            "fallback": fallback,
+        }
+        return region, located
 
     def infer(
         self,
@@ -264,14 +336,22 @@ class Predictor:
         options = self.config.predict
         with timed(seconds, "resample"):
             # On the engine's devices: only the labels (and asked-for probabilities) come back.
-            cropped = [
-                scan_space.crop(p, g.grid) for p, g in zip(probabilities, on_grids, strict=True)
-            ]
             shape = scan.array.shape
-            if len(cropped) == 1:
-                labels, on_scan = scan_space.scan_labels(cropped[0], shape, with_probabilities)
+            if on_grids[0].window is not None:
+                cropped = [None]  # the grid is not whole: no grid Dice
+                labels, on_scan = scan_space.window_labels(
+                    probabilities, on_grids, shape, with_probabilities
+                )
             else:
-                labels, on_scan = scan_space.mean_scan_labels(cropped, shape, with_probabilities)
+                cropped = [
+                    scan_space.crop(p, g.grid) for p, g in zip(probabilities, on_grids, strict=True)
+                ]
+                if len(cropped) == 1:
+                    labels, on_scan = scan_space.scan_labels(cropped[0], shape, with_probabilities)
+                else:
+                    labels, on_scan = scan_space.mean_scan_labels(
+                        cropped, shape, with_probabilities
+                    )
         with timed(seconds, "postprocess"):
             labels = postprocess.clean_labels(
                 labels, options.keep_largest_liver, options.tumour_inside_liver
@@ -282,9 +362,12 @@ class Predictor:
             # On the grid: a lone run's (training validates there); an ensemble has none.
             grid_probabilities=cropped[0] if len(cropped) == 1 else None,
             probabilities=on_scan,
-            warnings=scan_checks.hu_warnings(scan.array) + scan_checks.geometry_warnings(scan),
+            warnings=scan_checks.hu_warnings(scan.array)
+            + scan_checks.geometry_warnings(scan)
+            + _fallback_warning(on_grids[0].located),
             seconds=seconds,
             checks=checks,
+            located=on_grids[0].located,
         )
 
     def predict(

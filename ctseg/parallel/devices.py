@@ -1,6 +1,6 @@
 """Device policy: which devices a command runs on, and the line that says so.
 
-ARCHITECTURE.md invariant 7: a config's mesh is a request, not a requirement.
+ARCHITECTURE.md invariant 8: a config's mesh is a request, not a requirement.
 Every command takes ``--device auto|cpu|gpu|tpu``; ``auto`` is the accelerators
 this process sees, else the CPU. Simulated CPU devices exist for tests and for
 CPU-only machines, and are never a silent fall-back when an accelerator exists.
@@ -190,7 +190,7 @@ def choose(request: str, found: Mapping[str, Sequence[Device]]) -> list[Device]:
 
 def fallback_warning(request: str, found: Mapping[str, Sequence[Device]]) -> str | None:
     """Why `--device auto` runs on the CPU where an accelerator is installed but failed to
-    start (invariant 7: never a silent fall-back); None where nothing failed."""
+    start (invariant 8: never a silent fall-back); None where nothing failed."""
     faults = getattr(found, "faults", {})
     if request != "auto" or not faults or any(found.get(p) for p in ACCELERATORS):
         return None

@@ -1,5 +1,5 @@
 """Layouts: how a grid is split over devices, and the layout a training run gets on the
-devices it has (invariant 7: a config's mesh is a request).
+devices it has (invariant 8: a config's mesh is a request).
 
 `auto_spatial` splits a partition count over x, y, z; `fit_layout` and `fit_split` find
 the largest split a grid allows (every U-Net level's blocks even and thicker than the
@@ -79,7 +79,7 @@ def _mesh_words(config: Config) -> str:
 
 
 def fit_training(config: Config, devices: Sequence[Device], exact: bool = False) -> TrainingLayout:
-    """The layout to train `config` on `devices` (invariant 7: the mesh is a request).
+    """The layout to train `config` on `devices` (invariant 8: the mesh is a request).
 
     Enough devices: the config's own mesh, on the first of them. Fewer: the grid
     split over as many as it allows, with data replicas where the batch divides
