@@ -154,7 +154,9 @@ class UNet(nnx.Module):
         )
 
     def _level(self, level: Level, x: jax.Array, comm: Comm, train: bool) -> jax.Array:
-        if not self.cfg.remat:
+        # Inference has no backward pass to recompute for; and the checkpointed form updates
+        # the level's state, which a tiled stage's window loop (another trace) must not.
+        if not self.cfg.remat or not train:
             return level(x, comm, train)
         # Recompute the level's activations in the backward pass instead of storing
         # them. Done on the pure (graphdef, state) form so that the batch-norm

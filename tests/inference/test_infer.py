@@ -234,3 +234,18 @@ def test_labels_on_the_scan_are_resampled_on_the_device_as_on_the_host():
         host_labels, _ = scan_space.scan_labels(host, shape)
         assert (labels == host_labels).mean() > 0.999
     np.testing.assert_array_equal(scan_space.grid_labels(probs), host.argmax(-1))
+
+
+def test_a_model_trained_with_remat_tiles_exactly(image):
+    """model.remat recomputes activations in training's backward pass; inference has none,
+    and runs the levels plainly, tiled or whole."""
+    import dataclasses
+
+    model = random_model(2)
+    config = dataclasses.replace(
+        model.config, model=dataclasses.replace(model.config.model, remat=True)
+    )
+    model = dataclasses.replace(model, config=config)
+    whole = Engine(model, tile=0).logits(image)
+    tiled = Engine(model, tile=8).logits(image)
+    np.testing.assert_allclose(tiled, whole, rtol=0, atol=1e-5)

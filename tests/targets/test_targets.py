@@ -105,6 +105,19 @@ def test_tiled_inference_on_gpus_loops_on_the_devices(h100s):
 
 
 @gpu_plugin
+def test_tiles_of_a_model_trained_with_remat_compile_for_gpus(h100s):
+    """Compiling lits512_16way (model.remat) for a GPU target revealed that a tiled stage
+    could not be traced: the checkpointed level updated its state inside the stage's
+    window loop. Inference runs levels plainly now."""
+    config = tiny_config(*SMALL, "model.remat=true")
+    graphdef, params, stats = unet.abstract(config.model)
+    model = TrainedModel(config, graphdef, params, stats, step=0)
+    stages = tiling.plan_stages(config, 8, (32, 32, 32))
+    chosen = plan_inference(model, (32, 32, 32), stages, h100s[1][:1], 80 * 2**30)
+    assert len(chosen.programs) == len(stages)
+
+
+@gpu_plugin
 def test_a_plan_that_does_not_fit_says_so_and_what_would(h100s, tmp_path):
     """A GPU of 70 % of what one device's training step needs: training does not fit one;
     the fewest partitions that fit, and the largest grid for the one, are found by
