@@ -6,7 +6,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Commands run in tests keep no compilation cache unless a test gives one (--compile-cache).
 os.environ.setdefault("CTSEG_COMPILE_CACHE", "off")
 
-import jax  # noqa: E402
+from ctseg.cli.library_output import held  # noqa: E402
+
+with held(show=False):  # the lines of compile-only plugins (the targets extra) on import
+    import jax
 
 jax.config.update("jax_num_cpu_devices", 16)
 

@@ -213,14 +213,14 @@ def _plan_target(
         console.print(f"wrote {json_path}")
 
 
-def _gib(count: float | None) -> str:
+def _size(count: float | None) -> str:
     return "–" if count is None else human_bytes(count)
 
 
 def target_lines(result: dict) -> list[str]:
     """What `ctseg plan --target` prints of a target's plan, line by line."""
     memory, share = result["memory_per_device"], result["share"]
-    budget = f"of {_gib(memory)}, plans take {share:.0%}"
+    budget = f"of {_size(memory)}, plans take {share:.0%}"
     train = result["train"]
     where = f"{list(train['spatial'])} over {train['devices']} device(s)"
     if train["data"] > 1:
@@ -229,7 +229,7 @@ def target_lines(result: dict) -> list[str]:
         fit = f"does NOT fit: {train.get('compiler', 'out of memory')}"
     else:
         verdict = "fits" if train["fits"] else "does NOT fit"
-        fit = f"{_gib(train['train_bytes'])} per device {budget}: {verdict}"
+        fit = f"{_size(train['train_bytes'])} per device {budget}: {verdict}"
     lines = [f"training {where}: {fit}"]
     predict = result["predict"]
     box = "×".join(str(n) for n in predict["box"])
@@ -238,7 +238,7 @@ def target_lines(result: dict) -> list[str]:
     else:
         verdict = "fits" if predict["fits"] else "does NOT fit"
         lines.append(
-            f"prediction of a {box} box: {predict['plan']}, {_gib(predict['bytes'])} per "
+            f"prediction of a {box} box: {predict['plan']}, {_size(predict['bytes'])} per "
             f"device: {verdict}"
         )
     if "fewest_partitions" in result:
@@ -248,7 +248,7 @@ def target_lines(result: dict) -> list[str]:
         else:
             lines.append(
                 f"training fits with {fewest['devices']} devices ({fewest['target']}), split "
-                f"{fewest['spatial']}: {_gib(fewest['train_bytes'])} per device"
+                f"{fewest['spatial']}: {_size(fewest['train_bytes'])} per device"
             )
         largest = result.get("largest_resolution")
         lines.append(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import asdict
@@ -49,10 +50,18 @@ def plan_on_target(config: cfg.Config, target: Target, search: bool = True) -> d
         env=env,
     )
     if done.returncode != 0 or not done.stdout.strip():
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        cause = lines[-1] if lines else f"exit status {done.returncode}"
-        raise CtsegError(f"compiling for {target.name} failed: {cause}")
+        raise CtsegError(f"compiling for {target.name} failed: {_cause(done)}")
     result = json.loads(done.stdout)
     if "error" in result:
         raise CtsegError(result["error"])
     return result
+
+
+def _cause(done: subprocess.CompletedProcess) -> str:
+    """The child's exception in one line: the traceback's last `…Error: …` line (JAX adds a
+    note about its filtered frames after it)."""
+    lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"[\w.]+(Error|Exception)\b.*:", line)]
+    if errors:
+        return errors[-1]
+    return lines[-1] if lines else f"exit status {done.returncode}"
