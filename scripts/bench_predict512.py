@@ -2,7 +2,7 @@
 
     python scripts/bench_predict512.py WORKDIR [--device auto|cpu|gpu|tpu]
         [--backend jax|onnx] [--tile N] [--scans 10] [--cold-only] [--anchor]
-        [--config configs/lits512_16way.toml] [--size 512]
+        [--config configs/lits512_16way.toml] [--size 512] [--roi]
 
 Speed and memory do not depend on the weights, so the run directory holds an
 untrained model (`configs/lits512_16way.toml`, checkpoint at step 0), made in a
@@ -15,6 +15,10 @@ memory, the network's seconds per scan (`infer` in the scans' `_stats.json`: the
 grid from host memory to the devices, the network, the probabilities back), the
 compile seconds, and with several scans the network's seconds per scan after the
 first and the wall seconds each further scan adds.
+
+`--roi` also runs `ctseg predict --roi` on the same scans, the region taken from the
+phantom's own liver mask, and gives `roi_vs_whole`: its wall seconds and peak memory
+against the whole-scan run's, measured in the same run.
 
 `--anchor` (needs a CUDA GPU and the `bench` extra) also runs MONAI's sliding window
 on the same U-Net in PyTorch (`scripts/monai_anchor.py infer --size 512 --sw 128`)
@@ -78,13 +82,15 @@ SCAN_SEED = 94
 
 
 def make_scans(folder: Path, count: int, size: int) -> list[Path]:
-    """`count` copies of one synthetic size×size scan (volume-0 … volume-{count-1})."""
+    """`count` copies of one synthetic size×size scan (volume-0 … volume-{count-1}); its
+    label map is kept beside the folder (a region mask for `--roi`)."""
     first = folder / "volume-0.nii.gz"
     if not first.is_file():
         synth = [CTSEG, "synth", str(folder), "--cases", "1", "--size", str(size)]
         synth += ["--seed", str(SCAN_SEED)]
         subprocess.run(synth, check=True)
-        (folder / "segmentation-0.nii.gz").unlink()  # the scans alone are the input
+        # The scans alone are the input; the label map is the region mask of `--roi`.
+        (folder / "segmentation-0.nii.gz").replace(folder.parent / "liver-mask.nii.gz")
     scans = [folder / f"volume-{i}.nii.gz" for i in range(count)]
     for scan in scans[1:]:
         if not scan.is_file():
@@ -102,10 +108,14 @@ def measured(command: list[str]) -> tuple[int, float, float]:
     return os.waitstatus_to_exitcode(status), wall, usage.ru_maxrss / 2**20
 
 
-def predict(args: argparse.Namespace, run_dir: Path, scans: list[Path], out: Path) -> dict:
+def predict(
+    args: argparse.Namespace, run_dir: Path, scans: list[Path], out: Path, roi: Path | None = None
+) -> dict:
     """One `ctseg predict` process over `scans`: wall seconds, peak RSS, the scans' stats."""
     shutil.rmtree(out, ignore_errors=True)
     command = [CTSEG, "predict", str(run_dir), *map(str, scans), "--out", str(out)]
+    if roi is not None:
+        command += ["--roi", str(roi)]
     command += ["--device", args.device, "--tile", str(args.tile), "--verbose"]
     command += ["--compile-cache", str(args.workdir / "xla-cache")]
     if args.backend:
@@ -149,9 +159,14 @@ def main() -> None:
     parser.add_argument(
         "--anchor", action="store_true", help="also time MONAI's sliding window (CUDA GPU)"
     )
+    parser.add_argument(
+        "--roi", action="store_true", help="also predict only the phantom's liver box (--roi)"
+    )
     args = parser.parse_args()
     if args.anchor and args.scans < 2:
         parser.error("--anchor compares the scans after the first: give --scans 2 or more")
+    if args.roi and args.scans != 1:
+        parser.error("--roi takes the one scan's mask: give --scans 1")
     args.result = args.workdir / "result.json"
     run_dir, out = args.workdir / "run", args.workdir / "pred"
     if not (run_dir / "checkpoints").is_dir():
@@ -168,6 +183,15 @@ def main() -> None:
         single = predict(args, run_dir, scans[:1], out)
         per_scan = (result["warm"]["wall_seconds"] - single["wall_seconds"]) / (args.scans - 1)
         result["warm"]["wall_seconds_per_scan_after_first"] = per_scan
+        atomic.write_json(args.result, result)
+    if args.roi:
+        mask = args.workdir / "liver-mask.nii.gz"
+        result["roi"] = predict(args, run_dir, scans, args.workdir / "pred-roi", mask)
+        whole = result[kinds[-1]]
+        result["roi_vs_whole"] = {
+            "wall": result["roi"]["wall_seconds"] / whole["wall_seconds"],
+            "peak": result["roi"]["peak_gib"] / whole["peak_gib"],
+        }
         atomic.write_json(args.result, result)
     if args.anchor:
         result["anchor"] = anchor()

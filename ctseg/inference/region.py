@@ -50,8 +50,8 @@ def region_of(
     if located and (box[2].start == 0 or box[2].stop == shape[2]):
         return None, "the located liver reaches the scan's top or bottom slice (cut?)"
     grow = [math.ceil(margin_mm / s) for s in spacing]
-    lo = tuple(max(0, b.start - g) for b, g in zip(box, grow, strict=True))
-    hi = tuple(min(n, b.stop + g) for b, n, g in zip(box, shape, grow, strict=True))
+    lo = tuple(int(max(0, b.start - g)) for b, g in zip(box, grow, strict=True))
+    hi = tuple(int(min(n, b.stop + g)) for b, n, g in zip(box, shape, grow, strict=True))
     return Region(lo, hi), None
 
 

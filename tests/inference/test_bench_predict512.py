@@ -29,3 +29,19 @@ def test_cold_only_runs_end_to_end_on_the_cpu(tmp_path):
     assert cold["infer_seconds_after_first"] == cold["infer_seconds"][1]
     # The last version, printed after the runs' own output.
     assert done.stdout.rstrip().endswith(json.dumps(result, indent=2))
+
+
+def test_roi_runs_beside_the_whole_scan(tmp_path):
+    config = tmp_path / "tiny.toml"
+    config.write_text(cfg.to_toml(tiny_config("mesh.spatial=[1,1,1]", "data.grid=spacing")))
+    workdir = tmp_path / "bench"
+    command = [sys.executable, str(REPO / "scripts" / "bench_predict512.py"), str(workdir)]
+    command += ["--cold-only", "--size", "32", "--config", str(config), "--roi"]
+    command += ["--device", "cpu", "--backend", "onnx"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((workdir / "result.json").read_text())
+    assert result["roi"]["wall_seconds"] > 0 and set(result["roi_vs_whole"]) == {"wall", "peak"}
+    stats = json.loads((workdir / "pred-roi" / "volume-0_stats.json").read_text())
+    assert stats["located"]["source"].startswith("mask ")
