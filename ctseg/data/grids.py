@@ -125,6 +125,18 @@ def to_box(
     return out
 
 
+def linear_weights(size: int, out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Linear interpolation from `size` to `out` voxels covering one field of view, as
+    `from_grid` does it: for each output voxel, the two source voxels it lies between and
+    its weight towards the second (voxel centres; edge values beyond the last centre)."""
+    coordinate = (np.arange(out) + 0.5) * (size / out) - 0.5
+    lower = np.floor(coordinate)
+    weight = (coordinate - lower).astype(np.float32)
+    first = np.clip(lower, 0, size - 1).astype(np.int32)
+    second = np.clip(lower + 1, 0, size - 1).astype(np.int32)
+    return first, second, weight
+
+
 def from_grid(grid_array: np.ndarray, shape: Sequence[int], order: int = 1) -> np.ndarray:
     """Map an [R,R,R] or [R,R,R,C] grid array back onto the canonical scan shape.
 

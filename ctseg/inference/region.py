@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ctseg.data.grids import linear_weights
 from ctseg.labels import bounding_box, liver_mask
 
 Shape = tuple[int, int, int]
@@ -82,7 +83,7 @@ def window_of(
     offset, box, lo, hi = [], [], [], []
     for axis in range(3):
         n, g, whole = scan_shape[axis], grid[axis], whole_box[axis]
-        first, second = _neighbours(g, n)
+        first, second, _ = linear_weights(g, n)
         need_lo = int(first[region.lo[axis]])
         need_hi = int(second[region.hi[axis] - 1]) + 1
         start = max(0, need_lo - radius) // multiple * multiple
@@ -97,11 +98,3 @@ def window_of(
         lo.append(int(inside[0]) if inside.size else region.lo[axis])
         hi.append(int(inside[-1]) + 1 if inside.size else region.lo[axis])
     return Window(tuple(offset), tuple(box), tuple(lo), tuple(hi))
-
-
-def _neighbours(size: int, out: int) -> tuple[np.ndarray, np.ndarray]:
-    """The two grid voxels (of `size`) each of `out` scan voxels interpolates between, as
-    `ctseg.inference.scan_space` resamples (voxel centres, clipped at the edges)."""
-    coordinate = (np.arange(out) + 0.5) * (size / out) - 0.5
-    lower = np.floor(coordinate)
-    return np.clip(lower, 0, size - 1).astype(int), np.clip(lower + 1, 0, size - 1).astype(int)

@@ -16,17 +16,7 @@ import numpy as np
 from scipy import ndimage
 
 from ctseg.data import grids
-
-
-def _linear_weights(size: int, out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Linear interpolation from `size` to `out` voxels covering one field of view, as
-    `grids.from_grid` does it (voxel centres, edge values beyond the last centre)."""
-    coordinate = (np.arange(out) + 0.5) * (size / out) - 0.5
-    lower = np.floor(coordinate)
-    weight = (coordinate - lower).astype(np.float32)
-    first = np.clip(lower, 0, size - 1).astype(np.int32)
-    second = np.clip(lower + 1, 0, size - 1).astype(np.int32)
-    return first, second, weight
+from ctseg.data.grids import linear_weights
 
 
 @partial(jax.jit, static_argnums=1)
@@ -37,9 +27,7 @@ def _resampled(probabilities: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     for axis in sorted(range(3), key=lambda a: shape[a] / x.shape[a]):
         if shape[axis] == x.shape[axis]:
             continue
-        first, second, weight = _linear_weights(x.shape[axis], shape[axis])
-        weight = weight.reshape([-1 if a == axis else 1 for a in range(x.ndim)])
-        x = jnp.take(x, first, axis=axis) * (1 - weight) + jnp.take(x, second, axis=axis) * weight
+        x = _lerp(x, *linear_weights(x.shape[axis], shape[axis]), axis)
     return x
 
 
@@ -151,7 +139,7 @@ def window_probabilities(
         if scan_shape[axis] == grid[axis]:  # the whole pass takes this axis as it is
             x = _take_slice(x, int(lo[axis] - offset[axis]), int(hi[axis] - lo[axis]), axis)
             continue
-        first, second, weight = _linear_weights(grid[axis], scan_shape[axis])
+        first, second, weight = linear_weights(grid[axis], scan_shape[axis])
         part = slice(lo[axis], hi[axis])
         x = _interpolate(
             x, first[part] - offset[axis], second[part] - offset[axis], weight[part], axis
@@ -164,12 +152,14 @@ def _take_slice(x: jax.Array, start: int, size: int, axis: int) -> jax.Array:
     return jax.lax.slice_in_dim(x, start, start + size, axis=axis)
 
 
-@partial(jax.jit, static_argnums=4)
-def _interpolate(
-    x: jax.Array, first: jax.Array, second: jax.Array, weight: jax.Array, axis: int
-) -> jax.Array:
-    weight = weight.reshape([-1 if a == axis else 1 for a in range(x.ndim)])
+def _lerp(x: jax.Array, first: Any, second: Any, weight: Any, axis: int) -> jax.Array:
+    """`x` along `axis` at the voxels between `first` and `second`, `weight` of the way: the
+    one blend of the whole path (`_resampled`) and of a window's (`window_probabilities`)."""
+    weight = jnp.reshape(weight, [-1 if a == axis else 1 for a in range(x.ndim)])
     return jnp.take(x, first, axis=axis) * (1 - weight) + jnp.take(x, second, axis=axis) * weight
+
+
+_interpolate = jax.jit(_lerp, static_argnums=4)
 
 
 def _host_window(

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from ctseg.config import Config, check, with_mesh
+from ctseg.config import Config, with_mesh
 from ctseg.data.grids import GridSpec, inference_box
 from ctseg.errors import CtsegError
 from ctseg.inference.jax_backend import COMPILED_SHARE, plan_inference
@@ -120,7 +120,7 @@ def fewest_partitions(config: Config, target: Target, tried: int) -> dict[str, A
     while count <= _MOST_PARTITIONS:
         more = target.with_count(count)
         spatial = auto_spatial(count)
-        split = with_mesh_or_none(config, spatial)
+        split = _with_mesh_or_none(config, spatial)
         if more is not None and split is not None:
             devices = devices_of(more)
             result = training(split, devices, per_device_memory(more, devices))
@@ -151,7 +151,7 @@ def largest_grid(config: Config, devices: list[Any], memory: int) -> int | None:
     return best
 
 
-def with_mesh_or_none(config: Config, spatial: tuple[int, int, int]) -> Config | None:
+def _with_mesh_or_none(config: Config, spatial: tuple[int, int, int]) -> Config | None:
     try:
         return with_mesh(config, spatial)
     except CtsegError:
@@ -198,7 +198,6 @@ def inference(config: Config, devices: list[Any], memory: int) -> dict[str, Any]
 
 def plan_target(config: Config, target: Target, search: bool = True) -> dict[str, Any]:
     """Everything `ctseg plan --target` reports for `config` on `target`."""
-    check(config)
     devices = devices_of(target)
     memory = per_device_memory(target, devices)
     result: dict[str, Any] = {
