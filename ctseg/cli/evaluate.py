@@ -39,16 +39,23 @@ def _case_table(cases: list[dict]) -> Table:
         "lesions det/ref",
     ):
         table.add_column(heading, justify="right")
+    located = any("located" in case for case in cases)  # --locate: where each was predicted
+    if located:
+        table.add_column("predicted")
     for case in cases:
         detection = case["detection"]
-        table.add_row(
+        row = [
             escape(case["case"]),
             _fmt(case["liver"]["dice"]),
             _fmt(case["tumour"]["dice"]),
             _fmt(case["liver"]["assd"], 2),
             _fmt(case["liver"]["hd95"], 2),
             f"{detection['n_detected']}/{detection['n_ref']}",
-        )
+        ]
+        if located:
+            region = case.get("located", {}).get("region")
+            row.append("region" if region else "[yellow]whole scan[/]")
+        table.add_row(*row)
     return table
 
 
@@ -89,15 +96,27 @@ def _evaluate_run(
     options: InferenceOptions,
     compile_cache: str | None,
     force: bool,
+    locate: Path | None = None,
+    margin: float | None = None,
 ) -> dict:
     """The RUN_DIR form: predict the store's split with the run's model (or the mean of an
-    ensemble's), then score it."""
+    ensemble's), on the located liver's region with `locate`, then score it."""
     configs = [rundir.load_config(run_dir) for run_dir in run_dirs]
     start_jax(configs[0], devices=1, device=options.device, compile_cache=compile_cache)
     if len(run_dirs) == 1:
         out = evaluations.evaluation_dir(run_dirs[0], out)
     run = partial(
-        evaluate_run, run_dirs, data, split, out, options, configs, force=force, warn=warn
+        evaluate_run,
+        run_dirs,
+        data,
+        split,
+        out,
+        options,
+        configs,
+        locate,
+        margin,
+        force=force,
+        warn=warn,
     )
     result = _run_with_progress(run)
     if len(run_dirs) == 1:
@@ -112,6 +131,15 @@ def _evaluate_run(
         f"{escape(result['run']['device'])}; {model}; "
         f"reports in {escape(str(out))} (summary.json, metrics.csv)"
     )
+    if "locate" in result["run"]:
+        locator, counts = result["run"]["locate"], result["summary"].get("located")
+        counts = counts or {"region": 0, "whole_scan": 0}
+        console.print(
+            f"located by {escape(locator['run_dir'])} (checkpoint step "
+            f"{locator['checkpoint_step']}, margin {locator['margin_mm']:g} mm): "
+            f"{counts['region']} case(s) predicted on the liver's region, "
+            f"{counts['whole_scan']} on the whole scan"
+        )
     return result
 
 
@@ -166,6 +194,13 @@ def _check_form(
         if pred is None or ref is None:
             raise CtsegError("give --pred PRED_DIR and --ref REF_DIR (or a RUN_DIR with --data)")
     cross_validation = run_options["cross-validation"]
+    if cross_validation and run_options["locate"] is not None:
+        raise CtsegError(
+            "--locate does not apply to --cross-validation: evaluate a fold run alone "
+            "(RUN_DIR --data PREP_DIR --locate COARSE_RUN)"
+        )
+    if run_options["margin"] is not None and run_options["locate"] is None:
+        raise CtsegError("--margin applies with --locate COARSE_RUN")
     if cross_validation and run_options["split"] is not None:
         raise CtsegError(
             "--split does not apply to --cross-validation: each fold run predicts its own fold"
@@ -224,6 +259,26 @@ def evaluate(
     ] = None,
     backend: BackendOption = None,
     tta: TtaOption = None,
+    locate: Annotated[
+        Path | None,
+        typer.Option(
+            "--locate",
+            help="A coarse run that finds the liver first, as in `ctseg predict --locate`: "
+            "each case is predicted only on the liver's box plus --margin, where its labels "
+            "equal the whole scan's exactly; background outside. No liver, or one cut at "
+            "the scan's top or bottom: the whole scan. Each case's record says which "
+            "(located). RUN_DIR form, not --cross-validation.",
+            metavar="COARSE_RUN",
+        ),
+    ] = None,
+    margin: Annotated[
+        float | None,
+        typer.Option(
+            "--margin",
+            help="Millimetres around the located liver (default: ctseg predict's, 20).",
+            show_default=False,
+        ),
+    ] = None,
     compile_cache: CompileCacheOption = None,
     pred: Annotated[
         Path | None,
@@ -268,6 +323,8 @@ def evaluate(
         "device": device,
         "backend": backend,
         "tta": tta,
+        "locate": locate,
+        "margin": margin,
         "compile-cache": compile_cache,
     }
     _check_form(run_dirs, pred, ref, run_options)
@@ -292,7 +349,7 @@ def evaluate(
             result = _evaluate_cross_validation(run_dirs, data, out, options, compile_cache, force)
         else:
             result = _evaluate_run(
-                run_dirs, data, split or "val", out, options, compile_cache, force
+                run_dirs, data, split or "val", out, options, compile_cache, force, locate, margin
             )
     else:
         claim_reports(json_path, csv_path, [pred, ref], force)

@@ -6,8 +6,12 @@ shares).
 of a store's split from its original scan, with one run's model or the mean of
 several runs' (an ensemble), and scores it against the original label file (LiTS
 style, in the original geometry), plus, for one run, the grid-level Dice that
-training reports. A run of a cross-validation fold (``ctseg train --fold``) sees the
-store as it trained on it: its "val" split is its fold.
+training reports. With a locator run (``--locate COARSE_RUN``) every case is predicted
+as ``ctseg predict --locate`` predicts it (`Predictor.predict_region`): at full
+resolution on the located liver's box plus a margin, or the whole scan where the locator
+finds no liver or a cut one; each case's record says which. A run of a cross-validation
+fold (``ctseg train --fold``) sees the store as it trained on it: its "val" split is its
+fold.
 Cases go through `ctseg.evaluation.scoring.score_cases`, and the reports are written
 as `ctseg evaluate --pred/--ref` writes them. The evaluation folder's record and
 clearing are `ctseg.run.evaluations`'s.
@@ -46,6 +50,8 @@ def evaluate_run(
     out_dir: Path | None = None,
     options: InferenceOptions | None = None,
     configs: Config | Sequence[Config] | None = None,
+    locate: Path | None = None,
+    margin_mm: float | None = None,
     progress: Progress | None = None,
     force: bool = False,
     warn: Callable[[str], None] | None = None,
@@ -54,12 +60,17 @@ def evaluate_run(
     summary.json and metrics.csv.
 
     `options`: checkpoint, tiles, backend, devices and TTA (`ctseg.inference.predictor.Predictor`);
-    `configs`: the runs' config.toml if already read. `out_dir` (default RUN_DIR/eval;
-    an ensemble's must be given) holds one evaluation: evaluated.json records its
-    runs, checkpoints, store and split. Another one is replaced only with `force`;
-    every evaluation first clears what an earlier one wrote, so that predictions are
-    never mixed. The folder's lock is held throughout (`ctseg.lock`; `warn` hears of a
-    dead holder's).
+    `configs`: the runs' config.toml if already read. `locate`: a coarse run that finds
+    the liver first, with `margin_mm` around it (default `predictor.DEFAULT_MARGIN_MM`,
+    as `ctseg predict`): `Predictor.predict_region`. Each case's record then holds the
+    predictor's `located` (its region, or why the whole scan was predicted instead), the
+    report's "run" the locator and margin, and the summary how many cases used a region.
+    `out_dir` (default RUN_DIR/eval; an ensemble's must be given) holds one evaluation:
+    evaluated.json records its runs, checkpoints, store and split (not the locator: as
+    TTA or the backend, it is how the run predicted, and the report records it). Another
+    one is replaced only with `force`; every evaluation first clears what an earlier one
+    wrote, so that predictions are never mixed. The folder's lock is held throughout
+    (`ctseg.lock`; `warn` hears of a dead holder's).
 
     Metrics compare the post-processed prediction, mapped back to the case's
     original scan, with its original label file (the LiTS way); each case of a lone
@@ -69,12 +80,21 @@ def evaluate_run(
     """
     # Imported here: the prediction pipeline starts JAX, which must not start before the
     # CLI has chosen the devices.
-    from ctseg.inference.predictor import Predictor
+    from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Predictor
 
     run_dirs = [Path(run_dirs)] if isinstance(run_dirs, str | Path) else list(map(Path, run_dirs))
     ensemble = len(run_dirs) > 1
     if ensemble and out_dir is None:
         raise CtsegError("an ensemble's evaluation needs --out DIR (it belongs to no one run)")
+    if locate is None and margin_mm is not None:
+        raise CtsegError("--margin applies with --locate COARSE_RUN")
+    if locate is not None:
+        locate = Path(locate)
+        try:  # before anything is claimed or cleared: a wrong path is one line
+            rundir.load_config(locate)
+        except CtsegError as exc:
+            raise CtsegError(f"--locate: {exc}") from None
+        margin_mm = DEFAULT_MARGIN_MM if margin_mm is None else float(margin_mm)
     data_dir = Path(data_dir)
     out_dir = evaluations.evaluation_dir(run_dirs[0], out_dir)
     if ensemble:
@@ -92,6 +112,8 @@ def evaluate_run(
     with lock.hold(out_dir, warn):
         atomic.claim_folder(out_dir, evaluations.OWN_FILES, force=None)
         predictor = Predictor.from_run(run_dirs, options, configs)
+        if locate is not None:  # exactly as `ctseg predict --locate` (its checkpoint option too)
+            predictor.predict_region(locate, None, margin_mm, options)
         if not ensemble:  # the grid Dice compares with the store's boxes
             store.check_grid(predictor.config.data)
         steps = [member.model.step for member in predictor.members]
@@ -107,6 +129,12 @@ def evaluate_run(
             "fold": fold,
             **engine_record(predictor),
         }
+        if predictor.locator is not None:
+            run["locate"] = {
+                "run_dir": str(locate),
+                "checkpoint_step": predictor.locator.model.step,
+                "margin_mm": predictor.margin_mm,
+            }
         if ensemble:
             run["ensemble"] = [
                 {"run_dir": str(r), "checkpoint_step": s}
@@ -193,12 +221,17 @@ def score_run(
 
 
 def summary_of(records: list[dict]) -> dict:
-    """`metrics.summarize`, plus the mean grid Dice of a run's evaluation."""
+    """`metrics.summarize`, plus the mean grid Dice of a run's evaluation and, with a
+    locator, how many cases it gave a region and how many fell back to the whole scan."""
     summary = metrics.summarize(records)
     summary["grid_dice"] = {
         key: metrics.mean_defined([r["grid_dice"][key] for r in records])
         for key in ("liver", "tumour")
     }
+    located = [r["located"] for r in records if r.get("located") is not None]
+    if located:
+        regions = sum(entry["region"] is not None for entry in located)
+        summary["located"] = {"region": regions, "whole_scan": len(located) - regions}
     return summary
 
 
@@ -230,8 +263,11 @@ def _evaluate_case(predictor: Predictor, store: Store, case: CaseEntry, out_dir:
     # Canonical order is a flip/permutation of the file's, and scan.spacing is canonical: the
     # metrics equal those computed in the file's own voxel order.
     record = evaluate_arrays(case.id, prediction.labels, reference.array, scan.spacing)
+    if prediction.located is not None:  # a locator's region, or why the whole scan
+        record["located"] = prediction.located
     # On the grid (the run's and the store's: the same scan, the same resampling), against
-    # the store's labels. An ensemble has no one grid.
+    # the store's labels. An ensemble has no one grid, nor has a prediction on a region's
+    # window of it.
     on_grid = prediction.grid_labels
     if on_grid is None:
         record["grid_dice"] = {"liver": None, "tumour": None}
