@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 CTSEG  := $(VENV)/bin/ctseg
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test demo bench bench-predict512 lint clean experiment-resolution experiment-geometry targets-table
+.PHONY: install test demo bench bench-predict512 bench-augment lint clean experiment-resolution experiment-geometry experiment-robustness targets-table
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,12 +32,23 @@ bench: $(STAMP)
 bench-predict512: $(STAMP)
 	$(PY) scripts/bench_predict512.py bench/predict512 --device cpu --backend onnx --cold-only
 
+# What nnU-Net's augmentations on the devices cost the demo's training: steps per second
+# and input wait with and without them, and the host's time per sample against SciPy's
+# affine_transform (about 8 minutes on 2 cores; needs `make demo`'s store).
+bench-augment: $(STAMP)
+	$(PY) scripts/bench_augment.py bench/augment
+
 experiment-resolution: $(STAMP)
 	bash scripts/experiment_resolution.sh
 
 # The cube against the spacing grid on phantoms of LiTS-like extents (about 20 minutes).
 experiment-geometry: $(STAMP)
 	bash scripts/experiment_geometry.sh
+
+# The demo's model, trained with and without nnU-Net's augmentations, on held-out phantoms
+# as acquired differently (rotated, larger, smaller, noisy, soft, thick, contrasted).
+experiment-robustness: $(STAMP)
+	bash scripts/experiment_robustness.sh
 
 # Every shipped config compiled for the main GPUs and a TPU slice, without them
 # (docs/reference/targets.md; cells already compiled are kept; XLA for TPUs is slow).

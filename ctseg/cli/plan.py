@@ -231,6 +231,12 @@ def target_lines(result: dict) -> list[str]:
         verdict = "fits" if train["fits"] else "does NOT fit"
         fit = f"{_size(train['train_bytes'])} per device {budget}: {verdict}"
     lines = [f"training {where}: {fit}"]
+    if train.get("augment_bytes") is not None:
+        block = "×".join(str(n) for n in train["augment_block"])
+        lines.append(
+            f"augmentation on the devices ([augment]; blocks up to {block}): "
+            f"{_size(train['augment_bytes'])} per device"
+        )
     predict = result["predict"]
     box = "×".join(str(n) for n in predict["box"])
     if predict.get("plan") is None:

@@ -1,6 +1,7 @@
 """Experiment configuration: TOML files parsed into frozen dataclasses, checked.
 
-A config has the sections ``data``, ``model``, ``mesh``, ``train`` and ``predict``
+A config has the sections ``data``, ``model``, ``mesh``, ``train``, ``augment`` and
+``predict``
 (`sections`); `parse` reads TOML and `--set` overrides into a `Config` and writes
 it back; `checks` holds the relations between keys; `reference` generates the
 configuration reference from the fields' docs.
@@ -11,6 +12,7 @@ from ctseg.config.parse import from_dict, load, to_dict, to_toml, with_mesh
 from ctseg.config.reference import reference_markdown
 from ctseg.config.sections import (
     SECTIONS,
+    AugmentConfig,
     Config,
     DataConfig,
     InferenceOptions,
@@ -22,6 +24,7 @@ from ctseg.config.sections import (
 
 __all__ = [
     "SECTIONS",
+    "AugmentConfig",
     "Config",
     "DataConfig",
     "InferenceOptions",

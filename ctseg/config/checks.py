@@ -3,10 +3,18 @@ naming the key (a mesh that does not divide the grid, a held share of 1, …).""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import typing
 
-from ctseg.config.sections import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig
+from ctseg.config.sections import (
+    AugmentConfig,
+    Config,
+    DataConfig,
+    MeshConfig,
+    ModelConfig,
+    TrainConfig,
+)
 from ctseg.errors import CtsegError
 
 
@@ -16,6 +24,7 @@ def check(config: Config) -> None:
     _validate_model(config.model)
     _validate_mesh(config)
     _validate_train(config.train, config.mesh)
+    _validate_augment(config.augment)
     _validate_predict(config)
 
 
@@ -143,6 +152,35 @@ def _validate_train(t: TrainConfig, mesh: MeshConfig) -> None:
     _require(
         min(t.class_weights) >= 0 and max(t.class_weights) > 0,
         f"train.class_weights must be non-negative and not all 0, got {list(t.class_weights)}",
+    )
+
+
+def _validate_augment(a: AugmentConfig) -> None:
+    for f in dataclasses.fields(a):
+        value = getattr(a, f.name)
+        if f.name.endswith("_p"):
+            _require(0.0 <= value <= 1.0, f"augment.{f.name} must be in [0, 1], got {value}")
+        elif isinstance(value, tuple):
+            _require(
+                0 <= value[0] <= value[1],
+                f"augment.{f.name} must be [low, high] with 0 ≤ low ≤ high, got {list(value)}",
+            )
+    # Beyond a right angle the bound on a rotated slab's source box no longer holds, and
+    # rotations by multiples of 90° are train.rotate90's, exact.
+    _require(
+        0 <= a.rotation_degrees <= 90,
+        f"augment.rotation_degrees must be in [0, 90], got {a.rotation_degrees}",
+    )
+    for key in ("scaling", "low_resolution", "brightness", "contrast", "gamma"):
+        low = getattr(a, key)[0]
+        _require(low > 0, f"augment.{key} must be above 0, got {list(getattr(a, key))}")
+    _require(
+        a.low_resolution[1] <= 1,
+        f"augment.low_resolution is a zoom down: at most 1, got {list(a.low_resolution)}",
+    )
+    _require(
+        a.blur_sigma[1] <= 3,
+        f"augment.blur_sigma must be at most 3 voxels, got {list(a.blur_sigma)}",
     )
 
 

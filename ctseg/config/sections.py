@@ -6,6 +6,7 @@ configuration reference is generated (`ctseg.config.reference`).
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -132,6 +133,80 @@ class TrainConfig:
         return round(self.held_norm_share * self.steps)
 
 
+# nnU-Net's values (nnUNetTrainer.get_training_transforms) are each range's default and
+# each probability's reference; the probabilities default to 0, so that a config that does
+# not name them trains, and resumes, as before. The shipped LiTS configs set nnU-Net's.
+@dataclass(frozen=True)
+class AugmentConfig:
+    rotation_p: float = _f(
+        0.0, "Probability of a random rotation of a training box (nnU-Net: 0.2)."
+    )
+    rotation_degrees: float = _f(
+        30.0, "Largest rotation in degrees about each rotated axis (nnU-Net: 30)."
+    )
+    rotation_axes: Literal["xyz", "z"] = _f(
+        "xyz",
+        "xyz: about all three axes (nnU-Net's choice for isotropic data); z: in-plane only, "
+        "about the slice axis (nnU-Net's choice for anisotropic data).",
+    )
+    scaling_p: float = _f(0.0, "Probability of a random zoom of a training box (nnU-Net: 0.2).")
+    scaling: tuple[float, float] = _f(
+        (0.7, 1.4),
+        "Zoom [low, high] drawn uniformly, the same on every axis: above 1 the patient looks "
+        "larger (nnU-Net: 0.7–1.4).",
+    )
+    noise_p: float = _f(0.0, "Probability of additive Gaussian noise (nnU-Net: 0.1).")
+    noise_std: tuple[float, float] = _f(
+        (0.0, 0.05),
+        "Standard deviation [low, high] of the noise, in units of the scaled HU window "
+        "(1 = half the window, 225 HU by default); nnU-Net's variance 0–0.1 of z-scored "
+        "intensities is a standard deviation up to 0.32 of the liver's (≈ 40 HU): ≈ 0.05.",
+    )
+    blur_p: float = _f(0.0, "Probability of a Gaussian blur (nnU-Net: 0.2).")
+    blur_sigma: tuple[float, float] = _f(
+        (0.5, 1.0), "Blur sigma [low, high] in voxels, drawn for each axis (nnU-Net: 0.5–1)."
+    )
+    brightness_p: float = _f(
+        0.0, "Probability of a multiplicative brightness change (nnU-Net: 0.15)."
+    )
+    brightness: tuple[float, float] = _f(
+        (0.75, 1.25), "Brightness factor [low, high] (nnU-Net: 0.75–1.25)."
+    )
+    contrast_p: float = _f(0.0, "Probability of a contrast change (nnU-Net: 0.15).")
+    contrast: tuple[float, float] = _f(
+        (0.75, 1.25),
+        "Contrast factor [low, high] about the box's mean, clipped to the box's range "
+        "(nnU-Net: 0.75–1.25).",
+    )
+    low_resolution_p: float = _f(0.0, "Probability of simulated low resolution (nnU-Net: 0.25).")
+    low_resolution: tuple[float, float] = _f(
+        (0.5, 1.0),
+        "Zoom [low, high] of the simulated coarser scan, drawn for each axis: nearest "
+        "down, linear back up (nnU-Net: 0.5–1, cubic back up).",
+    )
+    gamma_p: float = _f(0.0, "Probability of a gamma change (nnU-Net: 0.3).")
+    gamma_inverted_p: float = _f(
+        0.0, "Probability of a gamma change of the inverted image, before it (nnU-Net: 0.1)."
+    )
+    gamma: tuple[float, float] = _f(
+        (0.7, 1.5),
+        "Gamma [low, high], on the box's range, keeping its mean and standard deviation "
+        "(nnU-Net: 0.7–1.5).",
+    )
+
+    @property
+    def warps(self) -> bool:
+        """Whether boxes are resampled (rotation or zoom) rather than rearranged."""
+        return self.rotation_p > 0 or self.scaling_p > 0
+
+    @property
+    def on_device(self) -> bool:
+        """Whether any transform runs on the devices (any probability above 0)."""
+        return any(
+            getattr(self, f.name) > 0 for f in dataclasses.fields(self) if f.name.endswith("_p")
+        )
+
+
 @dataclass(frozen=True)
 class PredictConfig:
     tile: int = _f(
@@ -171,6 +246,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
     predict: PredictConfig = field(default_factory=PredictConfig)
 
     @property

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy import ndimage
@@ -236,8 +237,9 @@ def hu_to_int16(hu: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(hu), _INT16.min, _INT16.max).astype(np.int16)
 
 
-def hu_to_unit(hu: np.ndarray, window: Sequence[float]) -> np.ndarray:
-    """Clip HU to the window [low, high] and scale it to [-1, 1] (float32)."""
+def hu_to_unit(hu: np.ndarray, window: Sequence[float], xp: Any = np) -> np.ndarray:
+    """Clip HU to the window [low, high] and scale it to [-1, 1] (float32); `xp` numpy on
+    the host, jax.numpy where the devices scale their own blocks (the same numbers)."""
     low, high = float(window[0]), float(window[1])
-    clipped = np.clip(np.asarray(hu, dtype=np.float32), low, high)
+    clipped = xp.clip(xp.asarray(hu, dtype=np.float32), low, high)
     return (clipped - low) * np.float32(2.0 / (high - low)) - np.float32(1.0)

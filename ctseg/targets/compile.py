@@ -26,8 +26,10 @@ from ctseg.inference.jax_backend import COMPILED_SHARE, plan_inference
 from ctseg.inference.member import BOX_MULTIPLE
 from ctseg.model import plan, unet
 from ctseg.parallel.layouts import auto_spatial, fit_training
+from ctseg.parallel.partition import make_mesh
 from ctseg.run.trained import TrainedModel
 from ctseg.targets.catalogue import Target
+from ctseg.training.augment import Augmenter
 
 # A typical LiTS scan, for the spacing grid's inference box: 512 × 512 pixels of 0.78 mm,
 # 150 slices of 2.5 mm (the challenge's median slice count and a common thickness).
@@ -105,6 +107,17 @@ def training(config: Config, devices: list[Any], memory: int) -> dict[str, Any]:
         flops=train.flops,
         fits=train.memory.total <= COMPILED_SHARE * memory,
     )
+    if fitted.augment.on_device:
+        # The batch is augmented by a program of its own before the step: its largest
+        # blocks (every draw's bound) must fit beside nothing but the model's state.
+        augmenter = Augmenter(
+            fitted,
+            make_mesh(fitted.mesh.spatial, fitted.mesh.data, layout.devices),
+            fitted.data.resolution,
+        )
+        needed = plan.memory_of(augmenter.compile_largest(fitted.train.batch_size)).total
+        entry.update(augment_bytes=needed, augment_block=list(augmenter.extent))
+        entry["fits"] = entry["fits"] and needed <= COMPILED_SHARE * memory
     return entry
 
 

@@ -5,9 +5,11 @@ A step's global batch ``[B, R, R, R, 1]`` is built with
 memory-mapped store on demand, so a device never reads more than its slab and
 a host never more than its devices' slabs.
 
-Augmentation (flips, in-plane 90° rotations, intensity scale and shift) is
-drawn from (seed, step, sample) alone and applied per block by index
-arithmetic, so the global batch is the same whatever the mesh layout.
+Augmentation is drawn from (seed, step, sample) alone, so the global batch is the
+same whatever the mesh layout and after a resume. Flips, in-plane quarter turns and
+the intensity scale and shift alone are applied per block by index arithmetic as the
+block is read; with nnU-Net's transforms on (`[augment]`), the devices make the batch
+(`ctseg.training.augment.Augmenter`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -27,56 +28,7 @@ from ctseg.data.grids import hu_to_unit
 from ctseg.data.store import CaseEntry, Store
 from ctseg.model.step import LABEL_SPEC
 from ctseg.parallel.partition import make_global_array
-
-
-@dataclass(frozen=True)
-class Augmentation:
-    """A voxel-exact rearrangement plus an intensity change.
-
-    Output axis k reads input axis ``source_axis[k]``, reversed where
-    ``reverse[k]``; the group of in-plane 90° rotations and flips is exactly
-    {swap x/y or not} × {reverse each axis or not}.
-    """
-
-    source_axis: tuple[int, int, int] = (0, 1, 2)
-    reverse: tuple[bool, bool, bool] = (False, False, False)
-    scale: float = 1.0
-    shift: float = 0.0
-
-    def read(self, volume: np.ndarray, index: Sequence[slice]) -> np.ndarray:
-        """Block `index` (slices over x, y, z) of the augmented volume; reads only that block."""
-        n = volume.shape
-        source = [slice(None)] * 3
-        for sl, axis, rev in zip(index, self.source_axis, self.reverse, strict=True):
-            start, stop, _ = sl.indices(n[axis])
-            source[axis] = slice(n[axis] - stop, n[axis] - start) if rev else slice(start, stop)
-        block = np.asarray(volume[tuple(source)])
-        # Put the block's axes in output order, then reverse the flipped ones.
-        block = np.transpose(block, self.source_axis)
-        flips = tuple(k for k, rev in enumerate(self.reverse) if rev)
-        return np.flip(block, flips) if flips else block
-
-
-# In-plane rotation by k·90° as (source axes, reversed output axes):
-# np.rot90(v, k, axes=(0, 1)) reads out[i, j] = v[j, n-1-i] for k = 1.
-_ROTATIONS = (
-    ((0, 1, 2), (False, False, False)),
-    ((1, 0, 2), (True, False, False)),
-    ((0, 1, 2), (True, True, False)),
-    ((1, 0, 2), (False, True, False)),
-)
-
-
-def draw_augmentation(config: Config, step: int, sample: int) -> Augmentation:
-    """The sample's augmentation: a rotation (if enabled), then flips (if enabled)."""
-    t = config.train
-    rng = np.random.default_rng([t.seed, step, sample, 1])
-    source_axis, rotated = _ROTATIONS[int(rng.integers(4)) if t.rotate90 else 0]
-    flips = [bool(t.flip and rng.random() < 0.5) for _ in range(3)]
-    reverse = tuple(r != f for r, f in zip(rotated, flips, strict=True))  # flipping twice undoes it
-    scale = 1.0 + rng.uniform(-t.intensity_scale, t.intensity_scale)
-    shift = rng.uniform(-t.intensity_shift, t.intensity_shift)
-    return Augmentation(source_axis, reverse, float(scale), float(shift))
+from ctseg.training.augment import Augmentation, Augmenter, draw_augmentation, draw_sample
 
 
 def draw_box_offset(
@@ -153,8 +105,10 @@ def make_batch(
 
 
 def training_batch(
-    store: Store, config: Config, mesh: Mesh, step: int
+    store: Store, config: Config, mesh: Mesh, step: int, augmenter: Augmenter | None = None
 ) -> tuple[jax.Array, jax.Array]:
+    """The step's augmented batch; `augmenter` (made once per run, for `[augment]`) makes
+    it on the devices."""
     ids = [c.id for c in store.split("train")]
     picks = cases_for_step(ids, config.train.seed, step, config.train.batch_size)
     augs = [draw_augmentation(config, step, i) for i in range(len(picks))]
@@ -162,6 +116,10 @@ def training_batch(
         draw_box_offset(config, store.case(c), store.resolution, step, i)
         for i, c in enumerate(picks)
     ]
+    if config.augment.on_device:
+        augmenter = augmenter or Augmenter(config, mesh, store.resolution)
+        draws = [draw_sample(config, step, i, aug) for i, aug in enumerate(augs)]
+        return augmenter(step, augmenter.inputs(store, picks, offsets, augs, draws))
     return make_batch(store, picks, augs, mesh, config.data.hu_window, offsets)
 
 
@@ -176,13 +134,14 @@ class Prefetcher:
         self._stop = threading.Event()
         self._count = max(stop - start, 0)
         self.wait_seconds = 0.0
+        augmenter = Augmenter(config, mesh, store.resolution) if config.augment.on_device else None
 
         def work() -> None:
             for step in range(start, stop):
                 if self._stop.is_set():
                     return
                 try:
-                    item = (step, training_batch(store, config, mesh, step))
+                    item = (step, training_batch(store, config, mesh, step, augmenter))
                 except Exception as exc:  # surfaced in the loop's thread
                     item = (step, exc)
                 while not self._stop.is_set():

@@ -169,3 +169,28 @@ def test_the_targets_table_is_rendered_from_its_compiled_cells():
     found = page[page.index(table.START) + len(table.START) : page.index(table.END)].strip()
     expected = table.render(REPO / "docs" / "reference" / "targets")
     assert found == expected, f"run `make targets-table`, or paste:\n{expected}"
+
+
+@gpu_plugin
+def test_augmentation_compiles_for_gpus_partition_by_partition(h100s):
+    """The devices' augmentation program, at its largest blocks, for 4 GPUs: the blur's
+    halos are collective-permutes, a box's statistics all-gathers, nothing goes by the
+    host; `ctseg plan --target` reports its memory beside the step's."""
+    from ctseg.training.augment import Augmenter
+
+    config = tiny_config(
+        *SMALL,
+        "mesh.spatial=[2,2,1]",
+        "augment.rotation_p=0.5",
+        "augment.blur_p=0.5",
+        "augment.gamma_p=0.5",
+    )
+    target, devices = h100s
+    augmenter = Augmenter(config, make_mesh((2, 2, 1), 1, devices), 32)
+    text = augmenter.compile_largest(1).as_text()
+    assert "collective-permute" in text and "all-gather" in text
+    for host_transfer in ("is_host_transfer=true", "outfeed", "infeed", "callback"):
+        assert host_transfer not in text
+    entry = target_compile.training(config, devices, target.memory)
+    assert entry["augment_block"] == list(augmenter.extent)
+    assert 0 < entry["augment_bytes"] < entry["train_bytes"]

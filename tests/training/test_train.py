@@ -28,7 +28,7 @@ from ctseg.run import checkpoints
 from ctseg.run.rundir import MetricsLog
 from ctseg.run.trained import load_model
 from ctseg.synth.dataset import write_dataset
-from ctseg.training import loop, pipeline
+from ctseg.training import augment, loop, pipeline
 from ctseg.training.loop import train_and_evaluate
 from ctseg.training.validation import population_statistics
 
@@ -42,6 +42,11 @@ TRAIN = [
     "train.log_every=1",
     "train.warmup_steps=1",
     "train.rotate90=true",
+    # nnU-Net's transforms on the devices, so that resuming and layouts are tested with them.
+    "augment.rotation_p=0.5",
+    "augment.scaling_p=0.5",
+    "augment.noise_p=0.5",
+    "augment.gamma_p=0.5",
 ]
 
 
@@ -76,10 +81,10 @@ def final_params(run_dir):
 def test_augmented_block_equals_block_of_augmented_volume():
     volume = np.arange(6 * 6 * 4).reshape(6, 6, 4)
     full_transform = {
-        pipeline.Augmentation((1, 0, 2), (True, False, True)): np.flip(
+        augment.Augmentation((1, 0, 2), (True, False, True)): np.flip(
             np.transpose(volume, (1, 0, 2)), (0, 2)
         ),
-        pipeline.Augmentation((0, 1, 2), (False, True, False)): np.flip(volume, 1),
+        augment.Augmentation((0, 1, 2), (False, True, False)): np.flip(volume, 1),
     }
     index = (slice(2, 5), slice(0, 3), slice(1, 4))
     for aug, augmented in full_transform.items():
@@ -89,8 +94,8 @@ def test_augmented_block_equals_block_of_augmented_volume():
 @pytest.mark.parametrize("k", range(4))
 def test_rotations_are_exactly_np_rot90(k):
     volume = np.arange(4 * 4 * 2).reshape(4, 4, 2)
-    source_axis, reverse = pipeline._ROTATIONS[k]
-    aug = pipeline.Augmentation(source_axis, reverse)
+    source_axis, reverse = augment._ROTATIONS[k]
+    aug = augment.Augmentation(source_axis, reverse)
     np.testing.assert_array_equal(aug.read(volume, (slice(None),) * 3), np.rot90(volume, k))
 
 

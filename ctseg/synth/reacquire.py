@@ -1,0 +1,144 @@
+"""Held-out scans as acquired differently: the robustness set.
+
+Real scans differ from a training set in the patient's position and size, the dose
+(noise), the reconstruction kernel (sharpness), the slice thickness and the contrast
+phase. Each change here takes a scan and its labels (any NIfTI pair, in the files' own
+voxel order, voxel sizes from the affine) and gives the same patient as that other
+acquisition would have shown it: geometric changes move image and labels together
+(linear for HU, nearest for labels); the others change the HU alone.
+
+    python -m ctseg.synth.reacquire HELDOUT_DIR OUT_DIR   # OUT_DIR/<change>/… per change
+
+`make experiment-robustness` scores models on every set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+from scipy import ndimage
+
+from ctseg.atomic import atomic_path
+from ctseg.labels import LIVER, TUMOUR
+
+AIR_HU = -1000.0
+# The changes and what each does; the numbers are what clinical scans differ by.
+CHANGES = {
+    "clean": "as acquired",
+    "rotated": "patient turned 15° about the body's long axis and tilted 8°",
+    "larger": "a patient 15 % larger in every direction",
+    "smaller": "a patient 13 % smaller in every direction (1 / 1.15)",
+    "noise": "low dose: Gaussian noise of 25 HU added",
+    "soft": "soft reconstruction kernel: Gaussian blur of 1.2 mm",
+    "thick": "5 mm slices, each the mean of the thin slices it covers",
+    "contrast": "portal venous phase: liver +40 HU, tumour +15 HU",
+}
+
+
+def _spacing(affine: np.ndarray) -> np.ndarray:
+    return np.linalg.norm(np.asarray(affine)[:3, :3], axis=0)
+
+
+def _warp(
+    hu: np.ndarray, labels: np.ndarray, spacing: np.ndarray, physical: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Resample both about the volume's centre: output point p reads the input at
+    centre + M (p − centre), M the voxel-space form of the mm-space map `physical`."""
+    scale = np.diag(spacing)
+    matrix = np.linalg.inv(scale) @ physical @ scale
+    centre = (np.asarray(hu.shape) - 1) / 2
+    offset = centre - matrix @ centre
+    image = ndimage.affine_transform(hu, matrix, offset, order=1, mode="constant", cval=AIR_HU)
+    label = ndimage.affine_transform(labels, matrix, offset, order=0, mode="constant", cval=0)
+    return image, label
+
+
+def _rotation(about_z: float, about_x: float) -> np.ndarray:
+    a, b = math.radians(about_z), math.radians(about_x)
+    rz = np.array([[math.cos(a), -math.sin(a), 0], [math.sin(a), math.cos(a), 0], [0, 0, 1]])
+    rx = np.array([[1, 0, 0], [0, math.cos(b), -math.sin(b)], [0, math.sin(b), math.cos(b)]])
+    return rz @ rx
+
+
+def _thick(
+    hu: np.ndarray, labels: np.ndarray, affine: np.ndarray, mm: float = 5.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Slices of `mm`: the mean of each group of thin slices, the label of its middle one."""
+    step = max(1, round(mm / _spacing(affine)[2]))
+    count = hu.shape[2] // step
+    image = hu[:, :, : count * step].reshape(*hu.shape[:2], count, step).mean(axis=3)
+    label = labels[:, :, step // 2 : count * step : step]
+    thick = np.array(affine, dtype=float)
+    thick[:3, 3] += thick[:3, 2] * (step - 1) / 2  # the first thick slice's centre
+    thick[:3, 2] *= step
+    return image, label, thick
+
+
+def reacquire(
+    change: str, hu: np.ndarray, labels: np.ndarray, affine: np.ndarray, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(hu, labels, affine) of the scan as `change` (one of `CHANGES`) acquires it."""
+    if change not in CHANGES:
+        raise ValueError(f"unknown change {change!r}; one of {', '.join(CHANGES)}")
+    hu = np.asarray(hu, np.float32)
+    labels = np.asarray(labels, np.uint8)
+    spacing = _spacing(affine)
+    geometric: dict[str, Callable[[], np.ndarray]] = {
+        "rotated": lambda: _rotation(15.0, 8.0),
+        "larger": lambda: np.eye(3) / 1.15,  # output reads nearer the centre: magnified
+        "smaller": lambda: np.eye(3) * 1.15,
+    }
+    if change in geometric:
+        image, label = _warp(hu, labels, spacing, geometric[change]())
+        return image, label, affine
+    if change == "noise":
+        rng = np.random.default_rng(seed)
+        return hu + rng.normal(0.0, 25.0, hu.shape).astype(np.float32), labels, affine
+    if change == "soft":
+        return ndimage.gaussian_filter(hu, 1.2 / spacing), labels, affine
+    if change == "thick":
+        return _thick(hu, labels, affine)
+    if change == "contrast":
+        shifted = hu + np.where(labels == LIVER, 40.0, 0.0) + np.where(labels == TUMOUR, 15.0, 0.0)
+        return shifted.astype(np.float32), labels, affine
+    return hu, labels, affine
+
+
+def write_sets(heldout: Path, out: Path, changes: list[str] | None = None) -> list[Path]:
+    """OUT/<change>/volume-N.nii.gz and segmentation-N.nii.gz for every pair in `heldout`."""
+    folders = []
+    pairs = sorted(heldout.glob("volume-*.nii*"))
+    for change in changes or list(CHANGES):
+        folder = out / change
+        folder.mkdir(parents=True, exist_ok=True)
+        for index, volume in enumerate(pairs):
+            segmentation = volume.with_name(volume.name.replace("volume-", "segmentation-", 1))
+            image, seg = nib.load(volume), nib.load(segmentation)
+            hu, labels, affine = reacquire(
+                change, image.get_fdata(), np.asarray(seg.dataobj), image.affine, seed=index
+            )
+            written = np.clip(np.rint(hu), -1024, 3071).astype(np.int16)
+            for array, name in ((written, volume.name), (labels, segmentation.name)):
+                with atomic_path(folder / name) as tmp:
+                    nib.save(nib.Nifti1Image(array, affine), tmp)
+        folders.append(folder)
+    return folders
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("heldout", type=Path, help="folder of volume-N / segmentation-N pairs")
+    parser.add_argument("out", type=Path, help="a folder per change is written here")
+    parser.add_argument("--changes", nargs="*", choices=list(CHANGES), default=None)
+    args = parser.parse_args()
+    for folder in write_sets(args.heldout, args.out, args.changes):
+        print(f"{folder}: {CHANGES[folder.name]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""nnU-Net's augmentations on the devices: layout-independent, exact where drawn off,
+against SciPy's resampling and blur, and bounded reads of the store."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TINY, prepare_store, tiny_config
+from scipy import ndimage
+
+from ctseg.data.grids import AIR_HU, hu_to_unit
+from ctseg.data.store import Store
+from ctseg.errors import CtsegError
+from ctseg.parallel.partition import make_mesh
+from ctseg.synth.dataset import write_dataset
+from ctseg.training import augment, pipeline, warp
+
+BASE = [*TINY, "model.depth=3", "train.rotate90=true", "train.batch_size=2", "mesh.data=2"]
+EVERY = [
+    "augment.rotation_p=1",
+    "augment.scaling_p=1",
+    "augment.noise_p=0.5",
+    "augment.blur_p=0.5",
+    "augment.brightness_p=0.5",
+    "augment.contrast_p=0.5",
+    "augment.low_resolution_p=0.5",
+    "augment.gamma_p=0.5",
+    "augment.gamma_inverted_p=0.5",
+]
+# Intensity scale and shift off, so that a spatial transform alone can be compared.
+PLAIN = ["train.intensity_scale=0", "train.intensity_shift=0", "train.rotate90=false"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("augment")
+    write_dataset(root / "raw", cases=4, size=32, seed=3)
+    prepare_store(root / "raw", root / "prep", tiny_config(*BASE))
+    return Store.open(root / "prep")
+
+
+def batch(store, config, spatial=(1, 1, 1), data=1, step=5):
+    return jax.device_get(pipeline.training_batch(store, config, make_mesh(spatial, data), step))
+
+
+def test_partitioned_batch_equals_unpartitioned(store):
+    config = tiny_config(*BASE, *EVERY)
+    whole = batch(store, config)
+    for spatial, data in (((2, 1, 1), 2), ((4, 2, 2), 1)):  # 4 and 16 devices
+        image, label = batch(store, config, spatial, data)
+        np.testing.assert_allclose(image, whole[0], rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(label, whole[1])
+    assert set(np.unique(whole[1])) <= {0, 1, 2}
+    assert np.isfinite(whole[0]).all()
+
+
+def test_drawn_off_transforms_leave_the_batch_as_without_them(store):
+    """Probabilities too small ever to draw: the devices' batch is the host's (warped by a
+    flip-and-quarter-turn matrix, or not warped at all), to the float32 rounding of the
+    window's scaling (the devices may fuse its multiply and add; the host does not)."""
+    today = batch(store, tiny_config(*BASE))
+    for never in (["augment.rotation_p=1e-12"], ["augment.noise_p=1e-12", "augment.gamma_p=1e-12"]):
+        config = tiny_config(*BASE, *never)
+        assert config.augment.on_device
+        image, label = batch(store, config, (2, 2, 1), 2)
+        np.testing.assert_allclose(image, today[0], rtol=0, atol=2.5e-7)
+        np.testing.assert_array_equal(label, today[1])
+
+
+def test_warp_equals_scipy_affine_transform(store):
+    config = tiny_config(*BASE, *PLAIN, "augment.rotation_p=1", "augment.scaling_p=1")
+    picks = pipeline.cases_for_step([c.id for c in store.split("train")], 0, 5, 2)
+    image, label = batch(store, config, (2, 2, 1), 2)
+    box = store.resolution
+    centre = np.full(3, (box - 1) / 2)
+    for b, case in enumerate(picks):
+        base = augment.draw_augmentation(config, 5, b)
+        matrix = augment.draw_sample(config, 5, b, base).matrix
+        offset = np.asarray(store.case(case).box_offset)
+        shift = centre - matrix @ centre + offset
+        unit = hu_to_unit(np.asarray(store.image(case)), config.data.hu_window).astype(np.float64)
+        want = ndimage.affine_transform(
+            unit, matrix, shift, (box,) * 3, order=1, mode="grid-constant", cval=-1.0
+        )
+        np.testing.assert_allclose(image[b, ..., 0], want, atol=1e-5)
+        nearest = ndimage.affine_transform(
+            np.asarray(store.label(case)), matrix, shift, (box,) * 3, order=0, mode="grid-constant"
+        )
+        assert np.mean(label[b] == nearest) > 0.999  # SciPy and we may round ties apart
+        assert not np.array_equal(label[b], np.asarray(store.box(case, "label")))
+
+
+def test_blur_equals_scipy_gaussian_filter(store):
+    config = tiny_config(*BASE, *PLAIN, "augment.blur_p=1", "augment.blur_sigma=[0.5,1.0]")
+    today = batch(store, tiny_config(*BASE, *PLAIN))
+    image, _ = batch(store, config, (2, 2, 1), 2)
+    for b in range(2):
+        params = augment.draw_sample(config, 5, b, augment.Augmentation()).params
+        want = today[0][b, ..., 0].astype(np.float64) + 1  # beyond the box is air, −1
+        for axis, name in enumerate("xyz"):
+            want = ndimage.gaussian_filter1d(
+                want, params[f"blur_sigma_{name}"], axis=axis, mode="constant", radius=3
+            )
+        np.testing.assert_allclose(image[b, ..., 0], want - 1, atol=1e-5)
+
+
+def test_intensity_transforms_keep_what_they_promise(store):
+    today = batch(store, tiny_config(*BASE, *PLAIN))[0][..., 0]
+    contrast = batch(store, tiny_config(*BASE, *PLAIN, "augment.contrast_p=1"), (2, 2, 1), 2)
+    gamma = batch(store, tiny_config(*BASE, *PLAIN, "augment.gamma_p=1"), (2, 2, 1), 2)
+    for b in range(2):
+        # Contrast: clipped to the box's own range; gamma: the box's mean and spread kept.
+        assert today[b].min() <= contrast[0][b].min() <= contrast[0][b].max() <= today[b].max()
+        assert gamma[0][b].mean() == pytest.approx(today[b].mean(), abs=1e-4)
+        assert gamma[0][b].std() == pytest.approx(today[b].std(), rel=1e-3)
+        assert not np.allclose(gamma[0][b], today[b])
+
+
+@pytest.mark.parametrize("axes", ["xyz", "z"])
+def test_preimage_holds_every_voxel_the_warp_reads(axes):
+    """The devices' own source points (float32) floor inside the host's preimage, which
+    fits the static block: were the box a voxel smaller, some draw would read outside."""
+    config = tiny_config(
+        "data.resolution=48",
+        "train.rotate90=true",
+        "augment.rotation_p=1",
+        "augment.scaling_p=1",
+        f"augment.rotation_axes={axes!r}".replace("'", '"'),
+    )
+    box, slab = 48, (12, 12, 48)
+    extent = warp.preimage_extent(config.augment, True, slab)
+    tightest = np.full(3, 99)
+    for sample, cell in itertools.product(range(40), itertools.product(range(4), range(4))):
+        draw = augment.draw_sample(config, 1, sample, augment.draw_augmentation(config, 1, sample))
+        start = [cell[0] * 12, cell[1] * 12, 0]
+        low, high = warp.preimage(draw.matrix, box, start, slab)
+        assert np.all(high - low <= extent)
+        q = warp.source_grid(
+            jnp.asarray(draw.matrix[None], jnp.float32), (box - 1) / 2, start, slab
+        )
+        reads_low = np.array([int(jnp.floor(c).min()) for c in q])
+        reads_high = np.array([int(jnp.floor(c).max()) + 1 for c in q])
+        assert np.all(reads_low >= low) and np.all(reads_high < high)
+        tightest = np.minimum(tightest, np.minimum(reads_low - low, high - 1 - reads_high))
+    assert np.all(tightest <= 1)  # the slack is one voxel: a smaller box would miss
+
+
+def test_a_halo_wider_than_a_partition_is_refused(store):
+    config = tiny_config(*BASE, "augment.blur_p=1", "augment.blur_sigma=[1.0,2.0]")
+    with pytest.raises(CtsegError, match="mesh.spatial"):
+        augment.Augmenter(config, make_mesh((4, 2, 1), 1), store.resolution)
+
+
+def test_out_of_range_settings_are_refused():
+    for bad, key in (
+        ("augment.noise_p=1.5", "augment.noise_p"),
+        ("augment.scaling=[1.4,0.7]", "augment.scaling"),
+        ("augment.rotation_degrees=120", "augment.rotation_degrees"),
+        ("augment.low_resolution=[0.5,2]", "augment.low_resolution"),
+    ):
+        with pytest.raises(CtsegError, match=key):
+            tiny_config(bad)
+
+
+def test_fill_beyond_the_grid_is_air(store):
+    """A box zoomed out reads beyond the grid: air there, background labels."""
+    config = tiny_config(*BASE, *PLAIN, "augment.scaling_p=1", "augment.scaling=[0.5,0.5]")
+    image, label = batch(store, config)
+    assert AIR_HU < config.data.hu_window[0]
+    assert np.all(image[:, 0] == -1.0) and np.all(label[:, 0] == 0)
