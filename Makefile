@@ -27,10 +27,14 @@ bench: $(STAMP)
 	$(CTSEG) bench --config configs/demo.toml --partitions 1,2,4,8,16 --partitioner halo,gspmd --peak --json bench/bench.json
 
 # One 512×512 scan through `ctseg predict` with the lits512 model on ONNX Runtime, on
-# the CPU: wall time and peak memory (about 9 minutes on 2 cores). On a GPU, see
-# docs/guides/gpu-tpu.md.
+# the CPU: wall time and peak memory of the whole scan and of its liver's region
+# (`--roi`, automatic tiles and tiles of 128), and MONAI's sliding window over the same
+# grid in PyTorch (the `bench` extra, installed here). About 25 minutes on 2 cores. On
+# a GPU, see docs/guides/gpu-tpu.md.
 bench-predict512: $(STAMP)
-	$(PY) scripts/bench_predict512.py bench/predict512 --device cpu --backend onnx --cold-only
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) scripts/bench_predict512.py bench/predict512 --device cpu --backend onnx --cold-only \
+		--roi --roi-tile -1 --roi-tile 128 --anchor
 
 # What nnU-Net's augmentations on the devices cost the demo's training: steps per second
 # and input wait with and without them, and the host's time per sample against SciPy's

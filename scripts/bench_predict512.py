@@ -2,7 +2,7 @@
 
     python scripts/bench_predict512.py WORKDIR [--device auto|cpu|gpu|tpu]
         [--backend jax|onnx] [--tile N] [--scans 10] [--cold-only] [--anchor]
-        [--config configs/lits512_16way.toml] [--size 512] [--roi]
+        [--config configs/lits512_16way.toml] [--size 512] [--roi] [--roi-tile N]
 
 Speed and memory do not depend on the weights, so the run directory holds an
 untrained model (`configs/lits512_16way.toml`, checkpoint at step 0), made in a
@@ -18,13 +18,18 @@ first and the wall seconds each further scan adds.
 
 `--roi` also runs `ctseg predict --roi` on the same scans, the region taken from the
 phantom's own liver mask, and gives `roi_vs_whole`: its wall seconds and peak memory
-against the whole-scan run's, measured in the same run.
+against the whole-scan run's, measured in the same run; `--roi-tile N` runs it with
+tiles of N (default: `--tile`'s), once per `--roi-tile` given.
 
-`--anchor` (needs a CUDA GPU and the `bench` extra) also runs MONAI's sliding window
-on the same U-Net in PyTorch (`scripts/monai_anchor.py infer --size 512 --sw 128`)
-and gives `network_vs_anchor`: ctseg's network seconds per scan after the first
-against the anchor's median after a warm-up, both from host memory to host memory on
-the same machine the same day (so it needs --scans 2 or more).
+`--anchor` (needs the `bench` extra) also runs MONAI's sliding window (128³ windows,
+overlap 0.25, Gaussian weights) on the same U-Net in PyTorch (`scripts/monai_anchor.py
+infer --sw 128 --overlap 0.25`). On a CUDA GPU it infers a 512³ cube and gives
+`network_vs_anchor`: ctseg's network seconds per scan after the first against the
+anchor's median after a warm-up, both from host memory to host memory on the same
+machine the same day (so it needs --scans 2 or more). With `--device cpu` it infers
+the scan's own grid (the model's spacing grid of the phantom) once, in float32 as
+ctseg does there, and gives `vs_anchor`: the `infer` seconds (grid to probabilities)
+of the whole-scan run and of each `--roi` run against the anchor's.
 
 WORKDIR/result.json is rewritten (atomically) after every measurement, so a run that
 fails later keeps what was measured; the last version is also printed.
@@ -109,14 +114,21 @@ def measured(command: list[str]) -> tuple[int, float, float]:
 
 
 def predict(
-    args: argparse.Namespace, run_dir: Path, scans: list[Path], out: Path, roi: Path | None = None
+    args: argparse.Namespace,
+    run_dir: Path,
+    scans: list[Path],
+    out: Path,
+    roi: Path | None = None,
+    tile: int | None = None,
 ) -> dict:
-    """One `ctseg predict` process over `scans`: wall seconds, peak RSS, the scans' stats."""
+    """One `ctseg predict` process over `scans` (tiles of `tile`, default `--tile`'s): wall
+    seconds, peak RSS, the scans' stats."""
     shutil.rmtree(out, ignore_errors=True)
     command = [CTSEG, "predict", str(run_dir), *map(str, scans), "--out", str(out)]
     if roi is not None:
         command += ["--roi", str(roi)]
-    command += ["--device", args.device, "--tile", str(args.tile), "--verbose"]
+    tile = args.tile if tile is None else tile
+    command += ["--device", args.device, "--tile", str(tile), "--verbose"]
     command += ["--compile-cache", str(args.workdir / "xla-cache")]
     if args.backend:
         command += ["--backend", args.backend]
@@ -138,9 +150,24 @@ def predict(
     return run
 
 
-def anchor() -> dict:
-    command = [sys.executable, str(ANCHOR), "infer", "--size", "512", "--base", "32"]
-    done = subprocess.run([*command, "--sw", "128"], capture_output=True, text=True)
+def grid_shape(config_path: Path, scan: Path) -> list[int]:
+    """The box ctseg's model of `config_path` sees of `scan`: its grid (no JAX here)."""
+    from ctseg import config as cfg
+    from ctseg.data.grids import GridSpec
+    from ctseg.io.scans import read_scan
+
+    read = read_scan(scan)
+    return list(GridSpec.of(cfg.load(config_path).data).grid_of(read.array.shape, read.spacing))
+
+
+def anchor(args: argparse.Namespace, scan: Path) -> dict:
+    command = [sys.executable, str(ANCHOR), "infer", "--base", "32", "--sw", "128"]
+    command += ["--overlap", "0.25"]
+    if args.device == "cpu":
+        command += ["--device", "cpu", "--shape", *map(str, grid_shape(args.config, scan))]
+    else:
+        command += ["--size", "512"]
+    done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -157,13 +184,19 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=CONFIG, help="the untrained run's config")
     parser.add_argument("--size", type=int, default=512, help="in-plane size of the scan")
     parser.add_argument(
-        "--anchor", action="store_true", help="also time MONAI's sliding window (CUDA GPU)"
+        "--anchor", action="store_true", help="also time MONAI's sliding window (PyTorch)"
     )
     parser.add_argument(
         "--roi", action="store_true", help="also predict only the phantom's liver box (--roi)"
     )
+    parser.add_argument(
+        "--roi-tile",
+        type=int,
+        action="append",
+        help="tiles of a --roi run (default --tile's); repeat for one run per tile",
+    )
     args = parser.parse_args()
-    if args.anchor and args.scans < 2:
+    if args.anchor and args.device != "cpu" and args.scans < 2:
         parser.error("--anchor compares the scans after the first: give --scans 2 or more")
     if args.roi and args.scans != 1:
         parser.error("--roi takes the one scan's mask: give --scans 1")
@@ -186,18 +219,31 @@ def main() -> None:
         atomic.write_json(args.result, result)
     if args.roi:
         mask = args.workdir / "liver-mask.nii.gz"
-        result["roi"] = predict(args, run_dir, scans, args.workdir / "pred-roi", mask)
         whole = result[kinds[-1]]
-        result["roi_vs_whole"] = {
-            "wall": result["roi"]["wall_seconds"] / whole["wall_seconds"],
-            "peak": result["roi"]["peak_gib"] / whole["peak_gib"],
-        }
-        atomic.write_json(args.result, result)
+        result["roi"], result["roi_vs_whole"] = [], []
+        for tile in args.roi_tile or [args.tile]:
+            run = predict(args, run_dir, scans, args.workdir / "pred-roi", mask, tile)
+            result["roi"].append({"tile": tile, **run})
+            result["roi_vs_whole"].append(
+                {
+                    "tile": tile,
+                    "wall": run["wall_seconds"] / whole["wall_seconds"],
+                    "peak": run["peak_gib"] / whole["peak_gib"],
+                }
+            )
+            atomic.write_json(args.result, result)
     if args.anchor:
-        result["anchor"] = anchor()
-        if "seconds" in result["anchor"]:
+        result["anchor"] = anchor(args, scans[0])
+        theirs = result["anchor"].get("seconds")
+        if theirs and args.device == "cpu":
+            runs = {"whole": result[kinds[-1]]}
+            runs.update({f"roi tile {run['tile']}": run for run in result.get("roi", [])})
+            result["vs_anchor"] = {
+                name: run["infer_seconds"][0] / theirs for name, run in runs.items()
+            }
+        elif theirs:
             ours = result[kinds[-1]]["infer_seconds_after_first"]
-            result["network_vs_anchor"] = ours / result["anchor"]["seconds"]
+            result["network_vs_anchor"] = ours / theirs
         atomic.write_json(args.result, result)
     print(json.dumps(result, indent=2))
     if "error" in result.get("anchor", {}):

@@ -3,10 +3,12 @@
 Depth 4, two conv-BN-ReLU per level, 2× max-pool, 2×2×2 stride-2 transposed conv up,
 concatenation [skip, up], 1×1×1 head to 3 classes: ctseg's U-Net (`ctseg.model.unet`), so
 that a step or a prediction can be put against a widely used implementation measured
-on the same GPU. Needs a CUDA GPU and the `bench` extra (`pip install -e '.[bench]'`):
+on the same GPU. Needs the `bench` extra (`pip install -e '.[bench]'`) and a CUDA GPU,
+or `--device cpu` for inference on the host's cores (float32, one timed run):
 
     python scripts/monai_anchor.py train --size 128 --base 32 [--compile]
     python scripts/monai_anchor.py infer --size 512 --base 32 [--sw 128 --overlap 0.5]
+    python scripts/monai_anchor.py infer --shape 560 560 320 --sw 128 --overlap 0.25 --device cpu
 
 train: median step time of weighted cross-entropy (1/8/16) + soft Dice, AdamW, bfloat16
 autocast, channels_last_3d, cudnn.benchmark. infer: a whole-volume forward pass, or
@@ -81,9 +83,17 @@ def timed(run, repeats: int) -> list[float]:
     for _ in range(repeats):
         began = time.perf_counter()
         run()
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - began)
     return sorted(times)
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory (the CPU's counterpart of the GPU's peak)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def main() -> None:
@@ -95,24 +105,34 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--sw", type=int, default=0, help="sliding-window size; 0: whole")
     parser.add_argument("--overlap", type=float, default=0.5)
+    parser.add_argument(
+        "--shape", type=int, nargs=3, help="infer: the grid's x y z voxels (default --size³)"
+    )
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    cpu = args.device == "cpu"
+    if cpu and args.mode == "train":
+        raise SystemExit("error: the CPU anchor infers only")
+    if not cpu and not torch.cuda.is_available():
         raise SystemExit("error: the anchor needs a CUDA GPU (torch.cuda.is_available() is False)")
     torch.backends.cudnn.benchmark = True
-    device = "cuda"
+    device = args.device
     net = UNet(args.base).to(device).to(memory_format=torch.channels_last_3d)
     r = args.size
+    shape = tuple(args.shape) if args.shape else (r, r, r)
     out = {
         "mode": args.mode,
         "size": r,
+        "shape": list(shape),
         "base": args.base,
         "compile": args.compile,
         "sw": args.sw,
         "overlap": args.overlap,
         "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": "none (CPU)" if cpu else torch.cuda.get_device_name(),
     }
-    torch.cuda.reset_peak_memory_stats()
+    if not cpu:
+        torch.cuda.reset_peak_memory_stats()
     if args.mode == "train":
         x = torch.randn(1, 1, r, r, r, device=device).to(memory_format=torch.channels_last_3d)
         y = torch.randint(0, 3, (1, r, r, r), device=device)
@@ -130,7 +150,7 @@ def main() -> None:
         out["step_seconds"] = timed(step, args.steps)[args.steps // 2]
     else:
         net.eval()
-        host = np.random.default_rng(0).standard_normal((1, 1, r, r, r), dtype=np.float32)
+        host = np.random.default_rng(0).standard_normal((1, 1, *shape), dtype=np.float32)
         if args.sw:
             from monai.inferers import sliding_window_inference
 
@@ -147,11 +167,15 @@ def main() -> None:
             x = torch.from_numpy(host).to(device).to(memory_format=torch.channels_last_3d)
             network(x).float().softmax(1).cpu()
 
-        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
-            timed(host_to_host, 1)  # warm-up
-            out["seconds"] = timed(host_to_host, 3)[1]
-            out["device_seconds"] = timed(lambda: network(on_device), 3)[1]
-    out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if cpu:  # float32, as ctseg runs on the CPU; one run: minutes, no warm-up to amortise
+            with torch.inference_mode():
+                out["seconds"] = timed(host_to_host, 1)[0]
+        else:
+            with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+                timed(host_to_host, 1)  # warm-up
+                out["seconds"] = timed(host_to_host, 3)[1]
+                out["device_seconds"] = timed(lambda: network(on_device), 3)[1]
+    out["peak_gib"] = peak_rss_gib() if cpu else torch.cuda.max_memory_allocated() / 2**30
     print(json.dumps(out), flush=True)
 
 

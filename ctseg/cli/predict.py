@@ -172,8 +172,9 @@ def predict(
         typer.Option(
             "--roi",
             help="A liver (or region) mask of the one scan given, in its geometry (any "
-            "label > 0): as --locate, with the region taken from it.",
-            metavar="MASK",
+            "label > 0): as --locate, with the region taken from it. For several scans, a "
+            "folder of masks named as the scans (NAME.nii.gz or NAME_seg.nii.gz).",
+            metavar="MASK|FOLDER",
         ),
     ] = None,
     margin: Annotated[
@@ -205,7 +206,7 @@ def predict(
     # After start_jax: importing the pipeline starts JAX.
     from ctseg.inference.files import predict_files
     from ctseg.inference.inputs import check_output_folder, expand_inputs
-    from ctseg.inference.predictor import Predictor
+    from ctseg.inference.predictor import Predictor, roi_mask
 
     options = InferenceOptions(checkpoint, tile, backend and backend.value, device.value, tta)
     # One writer per --out: two predictions at once would mix their outputs. A file in
@@ -220,8 +221,14 @@ def predict(
             if output_type == OutputType.dicom_seg:
                 for scan in scans:  # before any prediction: every input must be a DICOM series
                     dicom_seg.check_dicom_source(scan)
-            if roi is not None and len(scans) != 1:
-                raise CtsegError(f"--roi {roi} is the mask of one scan; give that one scan")
+            if roi is not None and roi.is_file() and len(scans) != 1:
+                raise CtsegError(
+                    f"--roi {roi} is the mask of one scan; give that one scan, or a folder "
+                    "of masks named as the scans"
+                )
+            if roi is not None and roi.is_dir():
+                for scan in scans:  # every scan's mask found before any is predicted
+                    roi_mask(roi, scan)
             predictor = Predictor.from_run(run_dirs, options, configs)
             if locate is not None or roi is not None:
                 predictor.predict_region(locate, roi, margin, options)

@@ -117,9 +117,15 @@ def evaluate_run(
         if not ensemble:  # the grid Dice compares with the store's boxes
             store.check_grid(predictor.config.data)
         steps = [member.model.step for member in predictor.members]
-        evaluations.claim(
-            out_dir, evaluations.evaluation_record(run_dirs, steps, data_dir, split), force
-        )
+        located = None
+        if predictor.locator is not None:
+            located = {
+                "run_dir": str(locate),
+                "checkpoint_step": predictor.locator.model.step,
+                "margin_mm": predictor.margin_mm,
+            }
+        record = evaluations.evaluation_record(run_dirs, steps, data_dir, split, located)
+        evaluations.claim(out_dir, record, force)
         records, errors = score_run(predictor, store, cases, out_dir, progress)
         run = {
             "run_dir": str(run_dirs[0]),
@@ -129,12 +135,8 @@ def evaluate_run(
             "fold": fold,
             **engine_record(predictor),
         }
-        if predictor.locator is not None:
-            run["locate"] = {
-                "run_dir": str(locate),
-                "checkpoint_step": predictor.locator.model.step,
-                "margin_mm": predictor.margin_mm,
-            }
+        if located is not None:
+            run["locate"] = located
         if ensemble:
             run["ensemble"] = [
                 {"run_dir": str(r), "checkpoint_step": s}

@@ -28,7 +28,7 @@ from ctseg.inference import tiling
 from ctseg.inference.backends import BACKENDS
 from ctseg.inference.jax_backend import COMPILED_SHARE, JaxBackend
 from ctseg.inference.onnx_backend import OnnxBackend
-from ctseg.inference.tiling import Shape, Stage, TileProgress
+from ctseg.inference.tiling import Shape, Span, Stage, TileProgress
 from ctseg.memory import host_memory
 from ctseg.parallel import devices as dev
 from ctseg.run.trained import TrainedModel
@@ -119,13 +119,21 @@ class Engine:
         return self._backend.place(image)
 
     def logits(
-        self, image: np.ndarray | jax.Array, progress: TileProgress | None = None
+        self,
+        image: np.ndarray | jax.Array,
+        progress: TileProgress | None = None,
+        need: Span | None = None,
     ) -> np.ndarray | jax.Array:
         """Logits [x, y, z, 3] float32 of a unit-scaled image [x, y, z] (`hu_to_unit`) of the
-        engine's shape, or of an image already `place`d; a device array under JAX."""
+        engine's shape, or of an image already `place`d; a device array under JAX.
+
+        `need`: the voxels wanted, per axis [lo, hi) (a region's, `ctseg.inference.region`);
+        level-wise tiles then compute only their cone (`tiling.stage_spans`), exact there,
+        and leave zeros where nothing wanted depends on them. A whole pass computes all.
+        """
         if image.ndim == 3:
             image = self.place(image)
-        return self._backend.logits(image, progress)
+        return self._backend.logits(image, progress, need)
 
     def smaller(self) -> Engine:
         """An automatic plan for half the memory this plan's programs need (after an
@@ -173,8 +181,10 @@ def class_probabilities(
     image: np.ndarray | jax.Array,
     mirrored: bool,
     progress: TileProgress | None = None,
+    need: Span | None = None,
 ) -> np.ndarray | jax.Array:
-    """Class probabilities [x, y, z, 3] float32 of a unit-scaled image [x, y, z].
+    """Class probabilities [x, y, z, 3] float32 of a unit-scaled image [x, y, z]; with
+    `need`, on those voxels (`Engine.logits`), the rest of the box unspecified.
 
     `mirrored`: the mean of the probabilities of the 8 mirrorings of the image,
     each flipped back. Every pass is the engine's own (tiled passes equal the
@@ -182,10 +192,10 @@ def class_probabilities(
     the devices from one transfer of the image.
     """
     if engine.backend == "onnx":
-        return _host_probabilities(engine, np.asarray(image), mirrored, progress)
+        return _host_probabilities(engine, np.asarray(image), mirrored, progress, need)
     placed = engine.place(image)
     if not mirrored:
-        return _softmax(engine.logits(placed, progress))
+        return _softmax(engine.logits(placed, progress, need))
     total = None
     for index, axes in enumerate(MIRRORINGS):
 
@@ -193,16 +203,33 @@ def class_probabilities(
             if progress is not None:
                 progress(index * count + done, len(MIRRORINGS) * count)
 
-        logits = engine.logits(_flip_batch(placed, axes), tick)
+        logits = engine.logits(_flip_batch(placed, axes), tick, _mirrored(need, axes, engine.shape))
         total = _unflipped(logits, axes) if total is None else _add_unflipped(total, logits, axes)
     return _mean_of_mirrorings(total)
 
 
+def _mirrored(need: Span | None, axes: tuple[int, ...], shape: Shape) -> Span | None:
+    """The voxels `need` of a box of `shape` once the box is flipped along `axes`."""
+    if need is None:
+        return None
+    return tuple(  # type: ignore[return-value]
+        (shape[a] - hi, shape[a] - lo) if a in axes else (lo, hi) for a, (lo, hi) in enumerate(need)
+    )
+
+
 def _host_probabilities(
-    engine: Engine, image: np.ndarray, mirrored: bool, progress: TileProgress | None
+    engine: Engine,
+    image: np.ndarray,
+    mirrored: bool,
+    progress: TileProgress | None,
+    need: Span | None,
 ) -> np.ndarray:
     if not mirrored:
-        return softmax_(engine.logits(image, progress))
+        logits = engine.logits(image, progress, need)
+        # Only the voxels wanted: the rest of a region's box was never computed, and its
+        # pages, never touched, take no memory.
+        softmax_(logits if need is None else logits[tuple(slice(*ends) for ends in need)])
+        return logits
     total: np.ndarray | None = None
     for index, axes in enumerate(MIRRORINGS):
 
@@ -211,7 +238,8 @@ def _host_probabilities(
                 progress(index * count + done, len(MIRRORINGS) * count)
 
         # The flips are views: the engine copies the image it reads, and `total` the first pass.
-        flipped = np.flip(softmax_(engine.logits(np.flip(image, axes), tick)), axes)
+        logits = engine.logits(np.flip(image, axes), tick, _mirrored(need, axes, engine.shape))
+        flipped = np.flip(softmax_(logits), axes)
         if total is None:
             total = np.array(flipped)
         else:

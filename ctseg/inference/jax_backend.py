@@ -100,8 +100,9 @@ def _stage_program(
     """Stage `stage` over all its windows, on the devices of `mesh`'s ``data`` axis.
 
     Arguments: params, stats, the window table (`tiling.stitch_table`, dealt out over
-    the devices: [devices, steps, 4, 3]) and the whole input level(s), replicated.
-    Result: the whole output level, replicated.
+    the devices: [devices, steps, 4, 3]), how many of its steps each device runs
+    ([devices]: a span's windows are fewer than the table holds) and the whole input
+    level(s), replicated. Result: the whole output level, replicated.
     """
     devices = mesh.shape["data"]
     extent, block = stage.extent, stage.block
@@ -109,7 +110,9 @@ def _stage_program(
     in_shape, in_dtype = _input_level(config, stage)
     channels = in_shape[-1]
 
-    def body(comm: Comm, params: Any, stats: Any, table: jax.Array, *levels: jax.Array):
+    def body(
+        comm: Comm, params: Any, stats: Any, table: jax.Array, count: jax.Array, *levels: jax.Array
+    ):
         # The mesh splits no spatial axis, so `comm` pads with zeros, as LOCAL does.
         net = nnx.merge(graphdef, params, stats, copy=True)
         offsets = [jax.lax.broadcasted_iota(jnp.int32, (side,), 0) for side in block]
@@ -139,10 +142,10 @@ def _stage_program(
 
         # Each device's copy of the level differs (its own cores): a device-varying carry.
         out = jax.lax.pcast(jnp.zeros(out_shape, out_dtype), ("data",), to="varying")
-        out = jax.lax.fori_loop(0, table.shape[1], one, out)
+        out = jax.lax.fori_loop(0, count[0], one, out)
         return jax.lax.psum(out, "data")
 
-    count = 2 if stage.kind == UP else 1
+    levels = 2 if stage.kind == UP else 1
     program = partitioned(
         body,
         mesh,
@@ -151,7 +154,8 @@ def _stage_program(
             REPLICATED,
             REPLICATED,
             PartitionSpec("data"),
-            *[REPLICATED] * count,
+            PartitionSpec("data"),
+            *[REPLICATED] * levels,
         ),
         out_specs=REPLICATED,
     )
@@ -161,26 +165,30 @@ def _stage_program(
         below_shape, below_dtype = _below_level(config, stage)
         inputs.append(jax.ShapeDtypeStruct(below_shape, below_dtype, sharding=replicated))
     steps = -(-len(stage.windows()) // devices)
-    table = jax.ShapeDtypeStruct(
-        (devices, steps, 4, 3),
-        jnp.int32,
-        sharding=NamedSharding(mesh, PartitionSpec("data")),
-    )
-    return jax.jit(program).lower(params, stats, table, *inputs).compile()
+    dealt = NamedSharding(mesh, PartitionSpec("data"))
+    table = jax.ShapeDtypeStruct((devices, steps, 4, 3), jnp.int32, sharding=dealt)
+    count = jax.ShapeDtypeStruct((devices,), jnp.int32, sharding=dealt)
+    return jax.jit(program).lower(params, stats, table, count, *inputs).compile()
 
 
-def _dealt_table(stage: Stage, devices: int) -> np.ndarray:
-    """`tiling.stitch_table` dealt out round-robin over `devices`: [devices, steps, 4, 3].
+def _dealt_table(
+    stage: Stage, devices: int, span: tiling.Span | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """`tiling.stitch_table` (of the stage, or of its `span`) dealt out round-robin over
+    `devices`, in the compiled program's shape [devices, steps, 4, 3] (the whole stage's
+    steps), and how many steps each device runs.
 
     A device with fewer windows than the others repeats the first window owning
     nothing (core start = stop), which writes no voxel.
     """
-    table = tiling.stitch_table(stage)
-    steps = -(-len(table) // devices)
+    table = tiling.stitch_table(stage, span)
+    steps = -(-len(stage.windows()) // devices)
     idle = table[0].copy()
     idle[2:] = 0
     padded = np.concatenate([table, np.repeat(idle[None], steps * devices - len(table), 0)])
-    return np.ascontiguousarray(padded.reshape(steps, devices, 4, 3).transpose(1, 0, 2, 3))
+    dealt = np.ascontiguousarray(padded.reshape(steps, devices, 4, 3).transpose(1, 0, 2, 3))
+    count = np.full(devices, -(-len(table) // devices), np.int32)
+    return dealt, count
 
 
 # --------------------------------------------------------------------------- JAX plans
@@ -344,11 +352,8 @@ class JaxBackend:
             (model.params, model.stats), NamedSharding(mesh, REPLICATED)
         )
         if self.stages:
-            dealt = NamedSharding(mesh, PartitionSpec("data"))
-            self._tables = [
-                jax.device_put(_dealt_table(stage, mesh.shape["data"]), dealt)
-                for stage in self.stages
-            ]
+            self._dealt = NamedSharding(mesh, PartitionSpec("data"))
+            self._tables = [self._table(stage) for stage in self.stages]
             self._input_sharding = NamedSharding(mesh, REPLICATED)
         else:
             self._input_sharding = activation_sharding(mesh)
@@ -363,8 +368,18 @@ class JaxBackend:
         the devices (one transfer)."""
         return jax.device_put(_as_batch(image), self._input_sharding)
 
-    def logits(self, image: jax.Array, progress: TileProgress | None) -> jax.Array:
-        """Logits [x, y, z, 3] float32 of a `place`d image, on the devices."""
+    def _table(self, stage: Stage, span: tiling.Span | None = None) -> tuple[jax.Array, ...]:
+        """A stage's window table and step counts on the devices (`_dealt_table`)."""
+        return tuple(
+            jax.device_put(part, self._dealt)
+            for part in _dealt_table(stage, self._plan.mesh.shape["data"], span)
+        )
+
+    def logits(
+        self, image: jax.Array, progress: TileProgress | None, need: tiling.Span | None = None
+    ) -> jax.Array:
+        """Logits [x, y, z, 3] float32 of a `place`d image, on the devices: everywhere, or
+        exact on the voxels `need` (tiles compute only their cone, `tiling.stage_spans`)."""
         image = jax.device_put(image, self._input_sharding)  # a flipped copy may lie otherwise
         if not self.stages:
             out = self._plan.programs[0](self._params, self._stats, image)
@@ -372,13 +387,18 @@ class JaxBackend:
                 out.block_until_ready()
                 progress(1, 1)
             return _only_item(out)
-        total = sum(len(stage.windows()) for stage in self.stages)
+        spans: list[tiling.Span | None] = [None] * len(self.stages)
+        tables = self._tables
+        if need is not None:
+            spans = list(tiling.stage_spans(self.stages, need))
+            tables = [self._table(s, span) for s, span in zip(self.stages, spans, strict=True)]
+        total = sum(len(s.windows(span)) for s, span in zip(self.stages, spans, strict=True))
         done = 0
         levels: list[Any] = [image]  # a_0 … a_l: inputs of the levels whose up stage is to come
         below = None  # d_{l+1}, the output of the stage that ran last
-        run = zip(self.stages, self._plan.programs, self._tables, strict=True)
-        for stage, program, table in run:
-            args = (self._params, self._stats, table)
+        run = zip(self.stages, self._plan.programs, tables, spans, strict=True)
+        for stage, program, table, span in run:
+            args = (self._params, self._stats, *table)
             if stage.kind == DOWN:
                 pooled = program(*args, levels[-1])
                 if self._plan.spill:  # the level waits for its up stage on the host, whole
@@ -391,7 +411,7 @@ class JaxBackend:
                 )
             if progress is not None:
                 jax.block_until_ready(below if stage.kind != DOWN else levels[-1])
-                done += len(stage.windows())
+                done += len(stage.windows(span))
                 progress(done, total)
         assert below is not None and below.dtype == jnp.float32
         return _only_item(below)

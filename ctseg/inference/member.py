@@ -23,7 +23,7 @@ from ctseg.inference import tiling
 from ctseg.inference.engine import Engine, class_probabilities
 from ctseg.inference.jax_backend import is_out_of_memory
 from ctseg.inference.region import Region, Window, window_of
-from ctseg.inference.tiling import Shape, TileProgress
+from ctseg.inference.tiling import Shape, Span, TileProgress
 from ctseg.io.scans import Scan
 from ctseg.model import unet
 from ctseg.parallel import devices as dev
@@ -119,20 +119,23 @@ class Member:
 
     def infer(
         self,
-        unit: np.ndarray,
+        on_grid: OnGrid,
         tta: bool,
         progress: TileProgress,
         warnings: list[str] | None,
     ) -> Any:
-        """Class probabilities [x, y, z, 3] of a box (`OnGrid.unit`), on the devices.
+        """Class probabilities [x, y, z, 3] of a box (`OnGrid.unit`), on the devices; with a
+        region's window, exact on the voxels it needs (the rest of the box is not computed
+        by tiles).
 
         An accelerator that runs out of memory is tried once more with smaller tiles
         (the engine is replaced for the scans after too), which `warnings` records;
         a second failure is this scan's `CtsegError`.
         """
-        box = tuple(unit.shape)
+        unit, box = on_grid.unit, tuple(on_grid.unit.shape)
+        need = None if on_grid.window is None else on_grid.window.need
         try:
-            return self._probabilities(self.engine_for(box), unit, tta, progress)
+            return self._probabilities(self.engine_for(box), unit, tta, progress, need)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -141,7 +144,7 @@ class Member:
         if warnings is not None:
             warnings.append(f"out of memory with {before}; retried with {self.engine.description}")
         try:
-            return self._probabilities(self.engine, unit, tta, progress)
+            return self._probabilities(self.engine, unit, tta, progress, need)
         except Exception as again:
             if not is_out_of_memory(again):
                 raise
@@ -151,6 +154,8 @@ class Member:
             ) from None
 
     @staticmethod
-    def _probabilities(engine: Engine, unit: np.ndarray, tta: bool, progress: TileProgress) -> Any:
+    def _probabilities(
+        engine: Engine, unit: np.ndarray, tta: bool, progress: TileProgress, need: Span | None
+    ) -> Any:
         """The engine's probabilities, waited for: a device's failure surfaces here."""
-        return jax.block_until_ready(class_probabilities(engine, unit, tta, progress))
+        return jax.block_until_ready(class_probabilities(engine, unit, tta, progress, need))

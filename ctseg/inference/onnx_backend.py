@@ -16,7 +16,7 @@ import numpy as np
 
 from ctseg.errors import CtsegError
 from ctseg.inference import tiling
-from ctseg.inference.tiling import Shape, Stage, TileProgress
+from ctseg.inference.tiling import Shape, Span, Stage, TileProgress
 from ctseg.model.unet import BOTTOM, DOWN, UP
 from ctseg.run.trained import TrainedModel
 
@@ -27,17 +27,18 @@ def _halve(slices: tuple[slice, ...]) -> tuple[slice, ...]:
 
 
 def _run_stage_on_host(
-    stage: Stage, forward: Callable[..., np.ndarray], inputs: list[np.ndarray]
+    stage: Stage, forward: Callable[..., np.ndarray], inputs: list[np.ndarray], span: Span | None
 ) -> np.ndarray:
-    """A stage's output on its whole grid, stitched on the host from its windows' cores."""
+    """A stage's output on its whole grid, stitched on the host from its windows' cores:
+    all of them, or those of its `span` (zeros elsewhere, pages never touched)."""
     out = None
-    for w in stage.windows():
+    for w in stage.windows(span):
         batch = [inputs[0][w.window][None]]
         if stage.kind == UP:
             batch.append(inputs[1][_halve(w.window)][None])
         result = forward(*batch)[0]
         if out is None:
-            out = np.empty((*stage.out_size, result.shape[-1]), result.dtype)
+            out = np.zeros((*stage.out_size, result.shape[-1]), result.dtype)
         if stage.kind == DOWN:
             out[_halve(w.core)] = result[_halve(w.core_in_window)]
         else:
@@ -114,25 +115,33 @@ class OnnxBackend:
         """A unit-scaled image [x, y, z] as the sessions take it: [1, x, y, z, 1] float32."""
         return np.asarray(image, np.float32)[None, ..., None]
 
-    def logits(self, image: np.ndarray, progress: TileProgress | None) -> np.ndarray:
-        """Logits [x, y, z, 3] float32 of a `place`d image."""
+    def logits(
+        self, image: np.ndarray, progress: TileProgress | None, need: Span | None = None
+    ) -> np.ndarray:
+        """Logits [x, y, z, 3] float32 of a `place`d image: everywhere, or exact on the
+        voxels `need` (tiles compute only their cone, `tiling.stage_spans`)."""
         if not self.stages:
             out = self._forwards[0](image)[0]
             if progress is not None:
                 progress(1, 1)
             return out
-        total = sum(len(stage.windows()) for stage in self.stages)
+        stages, spans = self.stages, [None] * len(self.stages)
+        if need is not None:  # windows of any shape: cores balanced over each span
+            spans = tiling.stage_spans(self.stages, need)
+            stages = [stage.fitted(span) for stage, span in zip(stages, spans, strict=True)]
+        total = sum(len(s.windows(span)) for s, span in zip(stages, spans, strict=True))
         done = 0
         levels = [image[0]]
         below = None
-        for stage, forward in zip(self.stages, self._forwards, strict=True):
+        run = zip(stages, self._forwards, spans, strict=True)
+        for stage, forward, span in run:
             if stage.kind == DOWN:
-                levels.append(_run_stage_on_host(stage, forward, [levels[-1]]))
+                levels.append(_run_stage_on_host(stage, forward, [levels[-1]], span))
             elif stage.kind == BOTTOM:
-                below = _run_stage_on_host(stage, forward, [levels.pop()])
+                below = _run_stage_on_host(stage, forward, [levels.pop()], span)
             else:  # the list of inputs dies with the call: a_l and d_{l+1} are freed
-                below = _run_stage_on_host(stage, forward, [levels.pop(), below])
-            done += len(stage.windows())
+                below = _run_stage_on_host(stage, forward, [levels.pop(), below], span)
+            done += len(stage.windows(span))
             if progress is not None:
                 progress(done, total)
         assert below is not None and below.dtype == np.float32

@@ -31,7 +31,7 @@ from ctseg.inference.engine import Engine
 from ctseg.inference.jax_backend import COMPILED_SHARE
 from ctseg.inference.member import Member, OnGrid
 from ctseg.inference.region import Region, region_of
-from ctseg.io.scans import Scan, geometry_difference, read_scan
+from ctseg.io.scans import Scan, geometry_difference, read_scan, scan_name
 from ctseg.memory import human_bytes
 from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_clock
@@ -89,6 +89,22 @@ def _fallback_warning(located: dict | None) -> list[str]:
     if located is None or located["fallback"] is None:
         return []
     return [f"{located['fallback']}: predicted the whole scan ({located['source']})"]
+
+
+def roi_mask(roi: Path, source: Path) -> Path:
+    """The region mask of the scan read from `source`: `roi` itself, or in a folder `roi`
+    the mask named as the scan (its file name, `<name>.nii.gz`, or `<name>_seg.nii.gz`, as
+    `ctseg predict` and TotalSegmentator-style tools name per-scan outputs)."""
+    if not roi.is_dir():
+        return roi
+    name = scan_name(source)
+    for candidate in (source.name, f"{name}.nii.gz", f"{name}.nii", f"{name}_seg.nii.gz"):
+        if (roi / candidate).is_file():
+            return roi / candidate
+    raise CtsegError(
+        f"--roi {roi}: no mask for the scan {source.name} (looked for {name}.nii.gz, "
+        f"{name}.nii and {name}_seg.nii.gz)"
+    )
 
 
 def read_roi(path: Path, scan: Scan) -> np.ndarray:
@@ -203,13 +219,16 @@ class Predictor:
         options: InferenceOptions | None = None,
     ) -> None:
         """From now on, predict at full resolution only where the liver is: the box of the
-        liver that `locate`'s run (a coarse model) predicts, or of the `roi` mask, grown by
-        `margin_mm`; inside it the labels equal the whole scan's, outside it is background.
+        liver that `locate`'s run (a coarse model) predicts, or of the `roi` mask (a folder:
+        each scan's, `roi_mask`), grown by `margin_mm`; inside it the labels equal the
+        whole scan's, outside it is background.
         `options`: the locator's checkpoint, device and backend."""
         if locate is not None and roi is not None:
             raise CtsegError("give --locate RUN or --roi MASK, not both")
         if margin_mm < 0:
             raise CtsegError(f"--margin must not be negative, got {margin_mm:g} mm")
+        if roi is not None and not Path(roi).exists():
+            raise CtsegError(f"--roi {roi}: no such mask file or folder")
         self.margin_mm = float(margin_mm)
         self.roi = None if roi is None else Path(roi)
         if locate is not None:
@@ -282,7 +301,8 @@ class Predictor:
             return None, None
         with timed(seconds, "locate"):
             if self.roi is not None:
-                mask, source = read_roi(self.roi, scan), f"mask {self.roi}"
+                path = roi_mask(self.roi, scan.source)
+                mask, source = read_roi(path, scan), f"mask {path}"
             else:
                 mask = self.locator.predict(scan).labels
                 source = f"locator {self.locator.members[0].name}"
@@ -315,7 +335,7 @@ class Predictor:
             compiled_before = self.clock.seconds
             own: Seconds = {}
             with timed(own, "infer"):
-                probabilities.append(member.infer(on_grid.unit, self.tta, tiles, warnings))
+                probabilities.append(member.infer(on_grid, self.tta, tiles, warnings))
             compiling = self.clock.seconds - compiled_before
             seconds["infer"] = seconds.get("infer", 0.0) + own["infer"] - compiling
             seconds["compile"] = seconds.get("compile", 0.0) + compiling

@@ -59,12 +59,14 @@ def region_of(
 @dataclass(frozen=True)
 class Window:
     """The box of a run's grid that a region needs: box voxel b is grid voxel b + `offset`;
-    scan voxels [`lo`, `hi`) get exactly the whole pass's labels from it."""
+    scan voxels [`lo`, `hi`) get exactly the whole pass's labels from its voxels `need`
+    (per axis [lo, hi), the box's voxels their resampling reads)."""
 
     offset: Shape
     box: Shape
     lo: Shape
     hi: Shape
+    need: tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
 
 
 def window_of(
@@ -80,7 +82,7 @@ def window_of(
     of `multiple` (the alignment, or more, so that boxes share compiled programs) and
     reaches `radius` (the receptive field) beyond the grid voxels the region's labels
     need, but never beyond the whole box, whose border padding it then shares."""
-    offset, box, lo, hi = [], [], [], []
+    offset, box, lo, hi, need = [], [], [], [], []
     for axis in range(3):
         n, g, whole = scan_shape[axis], grid[axis], whole_box[axis]
         first, second, _ = linear_weights(g, n)
@@ -97,4 +99,6 @@ def window_of(
         box.append(stop - start)
         lo.append(int(inside[0]) if inside.size else region.lo[axis])
         hi.append(int(inside[-1]) + 1 if inside.size else region.lo[axis])
-    return Window(tuple(offset), tuple(box), tuple(lo), tuple(hi))
+        reads = (int(first[lo[-1]]), int(second[hi[-1] - 1]) + 1) if inside.size else (0, 0)
+        need.append((reads[0] - start, reads[1] - start))
+    return Window(tuple(offset), tuple(box), tuple(lo), tuple(hi), tuple(need))

@@ -38,8 +38,9 @@ programs. `ctseg.inference.engine` then decides from the compiled programs' own 
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,8 @@ from ctseg.model.unet import BOTTOM, DOWN, UP, level_widths
 
 TileProgress = Callable[[int, int], None]  # (windows done, windows in total)
 Shape = tuple[int, int, int]  # voxels along x, y, z
+# Per axis, the voxels [lo, hi) of a level that are needed (a region's cone, below).
+Span = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
 
 # Live activation bytes per voxel of a level, per channel of its width and per byte of
 # the compute dtype: the level's input, its halo-padded copy, the convolution output and,
@@ -78,11 +81,15 @@ class Window:
     core_in_window: tuple[slice, slice, slice]
 
 
-def _axis_windows(size: int, core: int, extent: int, context: int) -> list[tuple[slice, slice]]:
-    """(window, core) ranges along one axis; windows have `extent` voxels, shifted to fit."""
+def _axis_windows(
+    size: int, core: int, extent: int, context: int, span: tuple[int, int]
+) -> list[tuple[slice, slice]]:
+    """(window, core) ranges along one axis whose cores cover `span`; windows have `extent`
+    voxels, shifted to fit."""
     ranges = []
-    for start in range(0, size, core):
-        stop = min(start + core, size)
+    lo, hi = span
+    for start in range(lo, hi, core):
+        stop = min(start + core, hi)
         first = min(max(start - context, 0), size - extent)
         ranges.append((slice(first, first + extent), slice(start, stop)))
     return ranges
@@ -103,15 +110,18 @@ def shape_text(shape: Shape) -> str:
     return f"{shape[0]}³" if len(set(shape)) == 1 else "×".join(str(n) for n in shape)
 
 
-def plan_windows(size: Shape, core: Shape, context: int) -> list[Window]:
-    """Windows covering a grid of `size` with cores of `core` voxels; all of one shape.
+def plan_windows(size: Shape, core: Shape, context: int, span: Span | None = None) -> list[Window]:
+    """Windows covering a grid of `size` (or its `span`) with cores of `core` voxels; all
+    of one shape.
 
-    With `size`, `core` and `context` even, every window and core starts and ends on
-    an even voxel.
+    With `size`, `core`, `context` and the span's ends even, every window and core
+    starts and ends on an even voxel.
     """
     extent = [min(c + 2 * context, n) for c, n in zip(core, size, strict=True)]
+    span = whole_span(size) if span is None else span
     ax, ay, az = (
-        _axis_windows(n, c, e, context) for n, c, e in zip(size, core, extent, strict=True)
+        _axis_windows(n, c, e, context, s)
+        for n, c, e, s in zip(size, core, extent, span, strict=True)
     )
     windows = []
     for wx, cx in ax:
@@ -162,11 +172,25 @@ class Stage:
         """Input voxels per output voxel along an axis: 2 for a down stage, else 1."""
         return 2 if self.kind == DOWN else 1
 
-    def windows(self) -> list[Window]:
-        return plan_windows(self.size, self.core, self.context)
+    def windows(self, span: Span | None = None) -> list[Window]:
+        """The windows whose cores cover the stage's input level, or its `span` there."""
+        return plan_windows(self.size, self.core, self.context, span)
+
+    def fitted(self, span: Span) -> Stage:
+        """The stage with its cores balanced over `span` instead of the level, none larger
+        than its own: a region's cone in as few and as small windows as it takes. For a
+        backend whose windows may change shape (ONNX Runtime); a compiled program keeps
+        its one window shape and runs its own windows that cover the span."""
+        core = tuple(_balanced(hi - lo, c) for (lo, hi), c in zip(span, self.core, strict=True))
+        return dataclasses.replace(self, core=core)
 
 
-def stitch_table(stage: Stage) -> np.ndarray:
+def whole_span(size: Sequence[int]) -> Span:
+    """Every voxel of a level of `size`."""
+    return tuple((0, n) for n in size)  # type: ignore[return-value]
+
+
+def stitch_table(stage: Stage, span: Span | None = None) -> np.ndarray:
     """Where each window is cut and what of its output is kept: int32 [windows, 4, 3].
 
     Per window and axis: the window's start in the stage's input; the start of a
@@ -176,10 +200,10 @@ def stitch_table(stage: Stage) -> np.ndarray:
     grid's face, where the window ends too, so every voxel of it still has its
     whole margin); and the start and stop of the core, the voxels this window
     owns, in output voxels. Every block has one static shape, so one program cuts
-    and stitches every window.
+    and stitches every window. With a `span` (`stage_spans`), only its windows.
     """
     rows = []
-    for w in stage.windows():
+    for w in stage.windows(span):
         starts = [s.start for s in w.window]
         core = [(c.start // stage.scale, c.stop // stage.scale) for c in w.core]
         blocks = [
@@ -206,11 +230,17 @@ def stage_context(config: Config, kind: str) -> int:
     return 4 * halo if kind == UP else 2 * halo
 
 
-def _axis_core(size: int, tile: int, context: int) -> int:
-    """Balanced cores along an axis of `size` voxels: as many as `tile` needs, all of one
-    even size but the last; `size` when the windows would span the axis anyway."""
+def _balanced(size: int, tile: int) -> int:
+    """Cores along `size` voxels: as many as cores of `tile` (even) need, all of one even
+    size but the last."""
     per_axis = math.ceil(size / tile)
-    core = 2 * math.ceil(size / per_axis / 2)
+    return 2 * math.ceil(size / per_axis / 2)
+
+
+def _axis_core(size: int, tile: int, context: int) -> int:
+    """Balanced cores along an axis of `size` voxels (`_balanced`); `size` when the
+    windows would span the axis anyway."""
+    core = _balanced(size, tile)
     return size if core + 2 * context >= size else core
 
 
@@ -237,6 +267,58 @@ def plan_stages(config: Config, tile: int, shape: Shape | None = None) -> list[S
         make_stage(config, shape, kind, level, tile)
         for kind, level in stage_order(config.model.depth)
     ]
+
+
+def stage_spans(stages: list[Stage], need: Span) -> list[Span]:
+    """Each stage's span, the voxels of its input level whose outputs it computes, when
+    only the last stage's outputs `need` (level-0 voxels) are wanted: the cone of the
+    network's dependencies, traced from the head back to the image.
+
+    A stage's output voxel reads its inputs within the stage's context, so each level is
+    needed over what its readers' spans grown by their contexts hold: a_l by its up
+    stage (the skip) and by the down stage below it; d_{l+1} by the up stage above, through
+    its windows halved. Spans are even at both ends, like cores. Every voxel of a span is
+    computed from the same values as in the whole pass, so the `need` voxels are exact;
+    the rest of each level is never computed, and no span voxel reads it. Around a liver's
+    box, the image's cone is the box grown by the receptive field, but the up stages,
+    the dearest, shrink back to the box.
+    """
+    sizes = {stage.level: stage.size for stage in stages}
+    by_kind = {(stage.kind, stage.level): stage for stage in stages}
+    depth = len(sizes)
+    wanted = {0: _even(need, sizes[0])}  # d_l: an up stage's (or the bottom's) outputs
+    read: dict[int, Span] = {}  # a_l: the level-l inputs the stages read
+    for level in range(depth - 1):
+        read[level] = _grown(wanted[level], by_kind[UP, level].context, sizes[level])
+        wanted[level + 1] = _even(
+            tuple((lo // 2, -(-hi // 2)) for lo, hi in read[level]), sizes[level + 1]
+        )
+    bottom = depth - 1
+    read[bottom] = _grown(wanted[bottom], by_kind[BOTTOM, bottom].context, sizes[bottom])
+    for level in reversed(range(depth - 1)):
+        doubled = tuple((2 * lo, 2 * hi) for lo, hi in read[level + 1])
+        down = _grown(doubled, by_kind[DOWN, level].context, sizes[level])
+        read[level] = tuple(  # type: ignore[assignment]
+            (min(a[0], b[0]), max(a[1], b[1])) for a, b in zip(read[level], down, strict=True)
+        )
+    return [
+        tuple((2 * lo, 2 * hi) for lo, hi in read[stage.level + 1])  # type: ignore[misc]
+        if stage.kind == DOWN
+        else wanted[stage.level]
+        for stage in stages
+    ]
+
+
+def _even(span: Sequence[tuple[int, int]], size: Shape) -> Span:
+    """`span` widened to even ends, inside a level of `size`."""
+    return tuple(  # type: ignore[return-value]
+        (max(0, lo // 2 * 2), min(n, -(-hi // 2) * 2))
+        for (lo, hi), n in zip(span, size, strict=True)
+    )
+
+
+def _grown(span: Span, by: int, size: Shape) -> Span:
+    return _even([(lo - by, hi + by) for lo, hi in span], size)
 
 
 # --------------------------------------------------------------------------- memory

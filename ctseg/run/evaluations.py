@@ -32,15 +32,23 @@ OWN_FILES = ("summary.json", PREDICTIONS, EVALUATED)
 
 
 def evaluation_record(
-    run_dirs: Sequence[Path], steps: Sequence[int], data_dir: Path, split: str
+    run_dirs: Sequence[Path],
+    steps: Sequence[int],
+    data_dir: Path,
+    split: str,
+    locate: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """What an evaluation's folder holds (evaluated.json): its run(s) and store."""
+    """What an evaluation's folder holds (evaluated.json): its run(s) and store, and the
+    locator (`locate`: its run_dir, checkpoint_step and margin_mm) if the cases were
+    predicted on the liver's region only."""
     evaluation = {
         "run_dir": str(Path(run_dirs[0]).resolve()),
         "checkpoint_step": steps[0],
         "data": str(Path(data_dir).resolve()),
         "split": split,
     }
+    if locate is not None:
+        evaluation["locate"] = {**locate, "run_dir": str(Path(locate["run_dir"]).resolve())}
     if len(run_dirs) > 1:
         evaluation["ensemble"] = [
             {"run_dir": str(Path(r).resolve()), "checkpoint_step": s}
@@ -101,10 +109,12 @@ def _described(evaluation: dict[str, Any] | None) -> str:
                 f"{evaluation['data']}"
             )
         if evaluation is not None:
+            locate = evaluation.get("locate")
+            located = "" if locate is None else f", located by {locate['run_dir']}"
             return (
                 f"the evaluation of {evaluation['run_dir']} (checkpoint "
                 f"{evaluation['checkpoint_step']}, {evaluation['data']} split "
-                f"{evaluation['split']!r})"
+                f"{evaluation['split']!r}{located})"
             )
     except (KeyError, IndexError, TypeError):
         pass

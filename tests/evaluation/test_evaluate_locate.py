@@ -93,6 +93,12 @@ def test_evaluate_locate_predicts_the_region_exactly_and_says_so(trained, tmp_pa
         "checkpoint_step": report["run"]["checkpoint_step"],
         "margin_mm": DEFAULT_MARGIN_MM,
     }
+    # The folder's record names the locator: a located evaluation is another evaluation,
+    # which does not replace the whole-scan one without --force.
+    record = json.loads((located / "evaluated.json").read_text())
+    assert record["locate"] == {**report["run"]["locate"], "run_dir": str(run_dir.resolve())}
+    _refused([*base, "--out", str(whole), "--locate", str(run_dir)], "--force", "holds")
+    assert (whole / "summary.json").exists()
     cases = report["cases"]
     assert report["errors"] == [] and cases and asked == [True] * len(cases)
     regions = [case for case in cases if case["located"]["region"] is not None]

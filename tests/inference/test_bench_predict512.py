@@ -37,11 +37,14 @@ def test_roi_runs_beside_the_whole_scan(tmp_path):
     workdir = tmp_path / "bench"
     command = [sys.executable, str(REPO / "scripts" / "bench_predict512.py"), str(workdir)]
     command += ["--cold-only", "--size", "32", "--config", str(config), "--roi"]
-    command += ["--device", "cpu", "--backend", "onnx"]
+    command += ["--device", "cpu", "--backend", "onnx", "--roi-tile", "8"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((workdir / "result.json").read_text())
-    assert result["roi"]["wall_seconds"] > 0 and set(result["roi_vs_whole"]) == {"wall", "peak"}
+    (roi,) = result["roi"]
+    assert roi["wall_seconds"] > 0 and roi["tile"] == 8
+    assert set(result["roi_vs_whole"][0]) == {"tile", "wall", "peak"}
     stats = json.loads((workdir / "pred-roi" / "volume-0_stats.json").read_text())
     assert stats["located"]["source"].startswith("mask ")
+    assert "tiles ≤ 8³" in stats["device"]

@@ -128,6 +128,34 @@ def test_a_box_longer_than_the_training_grid_tiles_exactly_on_one_and_four_devic
         whole.logits(image[:, :, :64])
 
 
+@pytest.mark.parametrize(("backend", "count"), [("jax", 1), ("jax", 4), ("onnx", 1)])
+def test_tiles_asked_for_a_region_compute_its_cone_only_and_exactly(backend, count):
+    """A region's voxels (`need`): the tiles of its cone give the whole pass's logits and
+    probabilities there (TTA too: each mirrored pass needs the mirrored region), run fewer
+    windows, and leave what nothing wanted depends on uncomputed (zero)."""
+    if backend == "onnx":
+        pytest.importorskip("onnxruntime")
+    model = random_model(3)  # alignment 4; receptive-field radius 20
+    box = (32, 24, 96)
+    image = np.random.default_rng(3).uniform(-1, 1, box).astype(np.float32)
+    need = ((6, 20), (0, 24), (40, 58))
+    devices = jax.devices()[:count]
+    reference = Engine(model, tile=0, devices=devices, shape=box, backend=backend)
+    tiled = Engine(model, tile=8, devices=devices, shape=box, backend=backend)
+    region = tuple(slice(lo, hi) for lo, hi in need)
+    calls: list[tuple[int, int]] = []
+    logits = np.asarray(tiled.logits(image, lambda *call: calls.append(call), need))
+    np.testing.assert_allclose(
+        logits[region], np.asarray(reference.logits(image))[region], atol=1e-5
+    )
+    assert calls[-1][0] == calls[-1][1] < sum(len(s.windows()) for s in tiled.stages)
+    assert not logits[:, :, :8].any() and not logits[:, :, 90:].any()  # far along z
+    for mirrored in (False, True):
+        ours = np.asarray(class_probabilities(tiled, image, mirrored, need=need))
+        whole = np.asarray(class_probabilities(reference, image, mirrored))
+        np.testing.assert_allclose(ours[region], whole[region], atol=1e-5, err_msg=str(mirrored))
+
+
 def test_mirrored_tta_is_the_mean_of_eight_flipped_passes_and_mirror_equivariant(image):
     engine = Engine(random_model(2), tile=0)
     calls: list[tuple[int, int]] = []

@@ -129,3 +129,22 @@ def test_predict_locate_records_the_region_or_says_why_the_whole_scan(trained, t
     both = [*predict, "--out", str(tmp_path / "q"), "--roi", scans[0]]
     result = CliRunner().invoke(app, both)
     assert "--roi" in str(result.exception) and "one scan" in str(result.exception)
+    # Several scans: a folder of masks named as the scans, each scan's own region.
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    for name in ("volume-0", "volume-1"):
+        label = raw / f"{name.replace('volume', 'segmentation')}.nii.gz"
+        target = masks / (f"{name}.nii.gz" if name == "volume-0" else f"{name}_seg.nii.gz")
+        target.write_bytes(label.read_bytes())
+    result = CliRunner().invoke(app, [*predict, "--out", str(tmp_path / "r"), "--roi", str(masks)])
+    assert result.exit_code == 0, result.output
+    for name, mask in (("volume-0", "volume-0.nii.gz"), ("volume-1", "volume-1_seg.nii.gz")):
+        record = json.loads((tmp_path / "r" / f"{name}_stats.json").read_text())["located"]
+        assert record["source"] == f"mask {masks / mask}" and record["region"] is not None
+    (masks / "volume-1_seg.nii.gz").unlink()  # a scan without its mask: nothing predicted
+    result = CliRunner().invoke(app, [*predict, "--out", str(tmp_path / "s"), "--roi", str(masks)])
+    message = str(result.exception)
+    assert result.exit_code != 0 and "no mask for the scan volume-1" in message
+    assert "\n" not in message and not (tmp_path / "s" / "volume-0_seg.nii.gz").exists()
+    result = CliRunner().invoke(app, [*predict, "--out", str(tmp_path / "t"), "--roi", "gone"])
+    assert "--roi gone: no such mask file or folder" in str(result.exception)

@@ -167,3 +167,63 @@ def test_stitch_table_blocks_hold_their_cores_with_their_margins(shape, depth, t
             assert [(s.start, s.stop) for s in core] == list(zip(first, stop, strict=True))
             owned[core] += 1
         assert (owned == 1).all(), stage
+
+
+@pytest.mark.parametrize(
+    ("shape", "depth", "tile", "need"),
+    [
+        ((64, 48, 96), 3, 12, ((10, 30), (0, 48), (50, 70))),
+        ((64, 48, 96), 4, 8, ((2, 4), (46, 48), (0, 96))),
+        ((560, 560, 320), 4, 128, ((100, 420), (120, 360), (8, 300))),
+    ],
+)
+def test_a_stage_s_span_reads_only_what_the_stages_before_it_compute(shape, depth, tile, need):
+    """The cone of `need`: the last stage's span holds it; every window's core voxels read,
+    within the stage's context, only voxels its input stages' spans computed (or the
+    image); spans are even and inside their levels."""
+    config = tiny_config(f"model.depth={depth}")
+    stages = tiling.plan_stages(config, tile, shape)
+    spans = tiling.stage_spans(stages, need)
+    assert all(lo <= a and b <= hi for (lo, hi), (a, b) in zip(spans[-1], need, strict=True))
+    computed = {}  # (kind, level) -> output span in the output level's voxels
+    for stage, span in zip(stages, spans, strict=True):
+        for (lo, hi), n in zip(span, stage.size, strict=True):
+            assert 0 <= lo < hi <= n and lo % 2 == 0 and (hi % 2 == 0 or hi == n)
+        if stage.kind == tiling.DOWN or stage.kind == tiling.BOTTOM:
+            source = None if stage.level == 0 else computed[tiling.DOWN, stage.level - 1]
+        else:
+            source = None if stage.level == 0 else computed[tiling.DOWN, stage.level - 1]
+            below = (
+                computed.get((tiling.UP, stage.level + 1))
+                or computed[tiling.BOTTOM, stage.level + 1]
+            )
+            for (lo, hi), (blo, bhi), n in zip(span, below, stage.size, strict=True):
+                read = (max(0, lo - stage.context) // 2, -(-min(n, hi + stage.context) // 2))
+                assert blo <= read[0] and read[1] <= bhi
+        if source is not None:
+            for (lo, hi), (slo, shi), n in zip(span, source, stage.size, strict=True):
+                assert slo <= max(0, lo - stage.context) and min(n, hi + stage.context) <= shi
+        computed[stage.kind, stage.level] = tuple(
+            (lo // stage.scale, hi // stage.scale) for lo, hi in span
+        )
+        # Its windows, fixed (a compiled program's) or fitted to the span (ONNX Runtime's),
+        # own the span's voxels once each, with their context, in windows no larger.
+        for tiles in (stage, stage.fitted(span)):
+            assert all(e <= full for e, full in zip(tiles.extent, stage.extent, strict=True))
+            for axis, (lo, hi) in enumerate(span):
+                cores = sorted(
+                    {(w.core[axis].start, w.core[axis].stop) for w in tiles.windows(span)}
+                )
+                assert cores[0][0] == lo and cores[-1][1] == hi
+                assert all(a[1] == b[0] for a, b in zip(cores, cores[1:], strict=False))
+            for w in tiles.windows(span):
+                for window, core, n in zip(w.window, w.core, stage.size, strict=True):
+                    assert window.start == 0 or core.start - window.start >= stage.context
+                    assert window.stop == n or window.stop - core.stop >= stage.context
+        fitted = math.prod(math.prod(tiles.extent) for tiles in [stage.fitted(span)])
+        assert len(stage.fitted(span).windows(span)) * fitted <= len(
+            stage.windows(span)
+        ) * math.prod(stage.extent)
+    # Around a 512-class region the up stage at level 0 runs on the region, not the box.
+    if shape[0] == 560:
+        assert spans[-1] == need and spans[0] != spans[-1]
