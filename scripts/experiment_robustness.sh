@@ -8,7 +8,7 @@
 # its intensity transforms alone ("intensity"), each scored per case in the scans' own
 # geometry. Everything goes under experiment/robustness
 # (git-ignored); runs and predictions already there are kept. Override with OUT=…,
-# HELDOUT=… (cases), STEPS=… (training steps of both runs).
+# HELDOUT=… (cases), STEPS=… (training steps of every run), VARIANTS=… (a subset).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CTSEG=${CTSEG:-.venv/bin/ctseg}
@@ -16,6 +16,7 @@ PY=${PY:-.venv/bin/python}
 OUT=${OUT:-experiment/robustness}
 HELDOUT=${HELDOUT:-8}
 STEPS=${STEPS:-600}
+read -r -a VARIANTS <<< "${VARIANTS:-plain augment intensity}"
 CONFIG=configs/demo.toml
 INTENSITY=(augment.noise_p=0.1 augment.blur_p=0.2 augment.brightness_p=0.15
            augment.contrast_p=0.15 augment.low_resolution_p=0.25 augment.gamma_p=0.3
@@ -31,7 +32,7 @@ last=$((HELDOUT - 1))
   "$PY" -m ctseg.synth.reacquire "$OUT/heldout" "$OUT/sets"
 "$CTSEG" preprocess "$OUT/raw" "$OUT/prep" --config "$CONFIG" --workers 2
 mkdir -p "$OUT/scores"
-for variant in plain augment intensity; do
+for variant in "${VARIANTS[@]}"; do
   options=(--config "$CONFIG" --set "train.steps=$STEPS")
   for setting in ${SETTINGS[$variant]}; do options+=(--set "$setting"); done
   echo "== $variant"
@@ -44,4 +45,4 @@ for variant in plain augment intensity; do
       --json "$OUT/scores/$variant-$name.json" --force > /dev/null
   done
 done
-"$PY" scripts/robustness_table.py "$OUT" plain augment intensity
+"$PY" scripts/robustness_table.py "$OUT" "${VARIANTS[@]}"

@@ -38,6 +38,15 @@ def synth(
             "--force", help="Write into a folder that holds other files (overwriting them)."
         ),
     ] = False,
+    phases: Annotated[
+        bool,
+        typer.Option(
+            "--phases",
+            help="Draw each scan's contrast phase as archives hold them (15 % unenhanced, "
+            "15 % arterial, 55 % portal venous, 15 % delayed: livers 50–135 HU). By "
+            "default every scan is in one phase (liver 55–70 HU), as the demo's are.",
+        ),
+    ] = False,
 ) -> None:
     """Write synthetic CT scans with liver and tumour labels, named as LiTS names them.
 
@@ -49,7 +58,7 @@ def synth(
     """
     # One writer per folder: two at once would write the same files over each other.
     with lock.hold(out_dir, warn), counting("synth") as report:
-        write_dataset(out_dir, cases, size, seed, progress=report, force=force)
+        write_dataset(out_dir, cases, size, seed, progress=report, force=force, phases=phases)
     Console(highlight=False).print(
         f"wrote {cases} synthetic cases to {out_dir}: volume-N.nii.gz and "
         f"segmentation-N.nii.gz for N = 0…{cases - 1}",

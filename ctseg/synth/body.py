@@ -10,18 +10,14 @@ import numpy as np
 from ctseg.synth.cases import Case
 from ctseg.synth.drawing import (
     HU_AIR,
-    HU_AORTA,
     HU_BONE,
     HU_BOWEL_GAS,
     HU_DISC,
     HU_FAT,
-    HU_HEART,
-    HU_KIDNEY,
     HU_LUNG,
     HU_MARROW,
     HU_SOFT_TISSUE,
     HU_SPINAL_CANAL,
-    HU_SPLEEN,
     HU_WATER,
     Grid,
     ellipsoid,
@@ -137,7 +133,7 @@ def abdominal_organs(rng: np.random.Generator, case: Case, plan: BodyPlan) -> li
     radii = jitter((45.0, 42.0, 55.0))
     organs.append(Organ(centre, radii, HU_WATER, air_in_front_of=centre[1] + 0.4 * radii[1]))
     spleen = (-a_cav + 40.0, -0.4 * b_cav, -70.0 + rng.uniform(-15, 15))
-    organs.append(Organ(spleen, jitter((32.0, 50.0, 55.0)), HU_SPLEEN + rng.normal(0, 3)))
+    organs.append(Organ(spleen, jitter((32.0, 50.0, 55.0)), case.phase.spleen + rng.normal(0, 3)))
     for side, top in ((1, -105.0), (-1, -90.0)):  # the right kidney lies lower
         centre = (
             side * rng.uniform(65.0, 80.0),
@@ -146,7 +142,7 @@ def abdominal_organs(rng: np.random.Generator, case: Case, plan: BodyPlan) -> li
         )
         radii = jitter((27.0, 22.0, 55.0))
         organs.append(Organ(centre, tuple(r + 8.0 for r in radii), HU_FAT))
-        organs.append(Organ(centre, radii, HU_KIDNEY + rng.normal(0, 3)))
+        organs.append(Organ(centre, radii, case.phase.kidney + rng.normal(0, 3)))
     bladder = (0.0, 0.35 * b_cav, plan.hip + 10.0)
     organs.append(Organ(bladder, jitter((45.0, 35.0, 40.0)), HU_WATER, keeps_liver_out=False))
     return organs
@@ -186,7 +182,7 @@ def paint_body(hu: np.ndarray, case: Case, plan: BodyPlan) -> None:
         hu[:, :, :k_thigh] = legs[:, :, None]
 
 
-def paint_chest(hu: np.ndarray, rng: np.random.Generator, plan: BodyPlan) -> None:
+def paint_chest(hu: np.ndarray, rng: np.random.Generator, case: Case, plan: BodyPlan) -> None:
     """Lungs inside the ribcage above the diaphragm, the heart on its left dome, the trachea."""
     grid, X, Y, a_cav, b_cav = plan.grid, plan.X, plan.Y, plan.a_cav, plan.b_cav
     lowest = float(plan.dome[plan.cavity].min()) if plan.cavity.any() else 0.0
@@ -214,7 +210,7 @@ def paint_chest(hu: np.ndarray, rng: np.random.Generator, plan: BodyPlan) -> Non
     j = min(int(np.searchsorted(grid.y, y)), len(grid.y) - 1)
     centre = (x, y, float(plan.dome[i, j]) + 50.0 + rng.uniform(0, 15))
     radii = tuple(r * rng.uniform(0.9, 1.1) for r in (60.0, 50.0, 58.0))
-    heart_hu = HU_HEART + rng.normal(0, 3)
+    heart_hu = case.phase.heart + rng.normal(0, 3)
     for value, grow in ((HU_FAT, 7.0), (heart_hu, 0.0)):
         size = tuple(r + grow for r in radii)
         found = grid.box(
@@ -235,7 +231,7 @@ def paint_skeleton(hu: np.ndarray, rng: np.random.Generator, case: Case, plan: B
     grid, p, X, Y = plan.grid, case.patient, plan.X, plan.Y
     sy, rv = plan.spine_y, plan.vertebra_r
     aorta = np.hypot(X + 15.0, Y - (sy + rv + 15.0)) < rng.uniform(10.0, 13.0)
-    paint(hu, aorta, slice(*grid.k_range(plan.crest + 20.0, plan.apex - 40.0)), HU_AORTA)
+    paint(hu, aorta, slice(*grid.k_range(plan.crest + 20.0, plan.apex - 40.0)), case.phase.aorta)
 
     # Vertebrae (bodies and posterior elements) alternate with discs along z.
     ks = np.arange(*grid.k_range(plan.thigh, np.inf))

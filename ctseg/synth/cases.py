@@ -1,6 +1,7 @@
 """What each synthetic case is drawn to be: its kind of scan (liver-only, abdominal,
-chest-abdomen-pelvis), its geometry (field of view, slices, stored orientation) and its
-patient (body size, liver volume and height), deterministic in (seed, case index)."""
+chest-abdomen-pelvis), its geometry (field of view, slices, stored orientation), its
+patient (body size, liver volume and height) and its contrast phase, deterministic in
+(seed, case index)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,33 @@ LIVER_ML = (1300.0, 2100.0)  # the whole liver, tumours included
 LIVER_HEIGHT_MM = (145.0, 205.0)  # nominal cranio-caudal height
 LIVER_CUT_MM = 10.0  # a liver-only scan may cut this much off the liver's top or bottom
 LARGE_TUMOUR_MM, SMALL_TUMOUR_MM = (15.0, 60.0), (3.0, 10.0)  # diameters
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A contrast phase: what the enhancing tissues measure in it, HU (typical CT values
+    of abdominal imaging; the tumours are hypovascular metastases, darker than the liver
+    in every phase, as most of LiTS's are)."""
+
+    name: str
+    share: float  # of an archive's scans (LiTS is mostly portal venous)
+    liver: tuple[float, float]  # the parenchyma's mean, drawn per case
+    tumour: tuple[float, float]  # drawn per tumour
+    spleen: float
+    kidney: float
+    aorta: float
+    heart: float  # its blood pool
+
+
+# Every case's phase unless phases are drawn: the demo's data, one phase (near unenhanced).
+ONE_PHASE = Phase("one phase", 1.0, (55.0, 70.0), (10.0, 30.0), 50.0, 30.0, 50.0, 45.0)
+# Drawn with `phases`: as archives hold them.
+PHASES = (
+    Phase("unenhanced", 0.15, (50.0, 65.0), (10.0, 30.0), 45.0, 30.0, 45.0, 45.0),
+    Phase("arterial", 0.15, (65.0, 85.0), (25.0, 45.0), 95.0, 150.0, 250.0, 200.0),
+    Phase("portal venous", 0.55, (100.0, 135.0), (45.0, 80.0), 120.0, 160.0, 160.0, 150.0),
+    Phase("delayed", 0.15, (80.0, 100.0), (35.0, 60.0), 95.0, 130.0, 110.0, 110.0),
+)
 
 
 def extent_group(z_extent_mm: float) -> str:
@@ -78,6 +106,7 @@ class Case:
     patient: Patient
     z_top: float  # patient z (liver top = 0) of the scan's upper edge, mm
     centre: tuple[float, float]  # the body's centre in the field of view (x, y), mm
+    phase: Phase = ONE_PHASE
 
 
 def uniform(rng: np.random.Generator, bounds: tuple[float, float]) -> float:
@@ -108,8 +137,15 @@ def _random_patient(rng: np.random.Generator) -> Patient:
     )
 
 
-def random_case(rng: np.random.Generator, size: int, index: int) -> Case:
-    """Draw the kind of scan, the patient, the field of view, the slices and the liver's height."""
+def random_case(rng: np.random.Generator, size: int, index: int, phases: bool = False) -> Case:
+    """Draw the kind of scan, the patient, the field of view, the slices, the liver's height
+    and, with `phases`, the contrast phase (else `ONE_PHASE`)."""
+    phase = ONE_PHASE
+    if phases:
+        # From a stream of its own (spawning does not advance `rng`): every other draw of
+        # the case is the one without phases.
+        own = rng.spawn(1)[0]
+        phase = PHASES[int(own.choice(len(PHASES), p=[p.share for p in PHASES]))]
     kind = KINDS[int(rng.choice(len(KINDS), p=KIND_SHARES))]
     patient = _random_patient(rng)
     height = patient.liver_height
@@ -143,4 +179,5 @@ def random_case(rng: np.random.Generator, size: int, index: int) -> Case:
         patient=patient,
         z_top=z_top,
         centre=(float(centre[0]), float(centre[1])),
+        phase=phase,
     )

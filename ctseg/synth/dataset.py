@@ -73,13 +73,16 @@ def _describe(index: int, size: int, seed: int, case: Case, phantom: Phantom) ->
         "liver_ml": round(float(per_slice.sum()) * float(np.prod(geometry.spacing)) / 1000, 1),
         "liver_centre_height": round(float(centre), 4),
         "tumours": phantom.tumours,
+        "phase": case.phase.name,
         "stored_as": geometry.stored_as,
     }
 
 
-def _write_case(out_dir: Path, index: int, size: int, seed: int) -> tuple[tuple[Path, Path], dict]:
+def _write_case(
+    out_dir: Path, index: int, size: int, seed: int, phases: bool = False
+) -> tuple[tuple[Path, Path], dict]:
     rng = np.random.default_rng((seed, index))
-    case = random_case(rng, size, index)
+    case = random_case(rng, size, index, phases)
     phantom = make_phantom(rng, case)
     geometry = case.geometry
     raw = np.clip(np.rint(phantom.hu - RAW_INTERCEPT), 0, RAW_MAX - RAW_INTERCEPT)
@@ -97,9 +100,11 @@ def _write_case(out_dir: Path, index: int, size: int, seed: int) -> tuple[tuple[
     return (volume_path, label_path), _describe(index, size, seed, case, phantom)
 
 
-def write_case(out_dir: Path, index: int, size: int, seed: int) -> tuple[Path, Path]:
+def write_case(
+    out_dir: Path, index: int, size: int, seed: int, phases: bool = False
+) -> tuple[Path, Path]:
     """Write volume-<index>.nii.gz and segmentation-<index>.nii.gz; return their paths."""
-    return _write_case(Path(out_dir), index, size, seed)[0]
+    return _write_case(Path(out_dir), index, size, seed, phases)[0]
 
 
 def _earlier_entries(out_dir: Path) -> dict[str, dict]:
@@ -145,9 +150,11 @@ def write_dataset(
     seed: int,
     progress: Progress | None = None,
     force: bool = False,
+    phases: bool = False,
 ) -> list[tuple[Path, Path]]:
     """Write `cases` synthetic LiTS-style cases of size×size×(at most 2.5·size) voxels, and
-    synth.json, which describes each (updated after every case).
+    synth.json, which describes each (updated after every case). `phases`: each case's
+    contrast phase drawn as archives hold them (`cases.PHASES`), else one phase.
 
     Into a new or empty folder, one that synth wrote before, or (`force`) any folder:
     pointed at real data by mistake, it must not overwrite a LiTS volume-0.nii.gz.
@@ -167,7 +174,7 @@ def write_dataset(
     _write_sidecar(out_dir, entries)
     written = []
     for index in range(cases):
-        paths, entry = _write_case(out_dir, index, size, seed)
+        paths, entry = _write_case(out_dir, index, size, seed, phases)
         written.append(paths)
         entries[entry["case"]] = entry
         _write_sidecar(out_dir, entries)

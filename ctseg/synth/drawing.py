@@ -11,7 +11,7 @@ from ctseg.synth.cases import Case
 
 HU_AIR, HU_LUNG, HU_FAT, HU_WATER, HU_SOFT_TISSUE = -1000.0, -850.0, -100.0, 10.0, 40.0
 HU_BONE, HU_DISC, HU_SPINAL_CANAL, HU_MARROW = 700.0, 100.0, 20.0, 80.0
-HU_KIDNEY, HU_SPLEEN, HU_HEART, HU_AORTA, HU_BOWEL_GAS = 30.0, 50.0, 45.0, 50.0, -950.0
+HU_BOWEL_GAS = -950.0  # the enhancing organs' values are the contrast phase's (cases.PHASES)
 
 
 class Grid:

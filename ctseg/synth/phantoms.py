@@ -27,6 +27,13 @@ Tumours are sized in millimetres and clipped to the liver: most cases have 1–3
 sizeable ones (15–60 mm across), and 0–3 small ones (3–10 mm, at least one
 voxel: they reward a finer grid).
 
+Every case is acquired in one contrast phase (`cases.ONE_PHASE`: liver 55–70 HU,
+tumours 10–30 HU, spleen 50 HU); with `phases`, each case's phase is drawn as an
+archive holds them (`cases.PHASES`: 15 % unenhanced, 15 % arterial, 55 % portal
+venous, 15 % delayed): the liver 50–65 HU unenhanced to 100–135 HU portal venous,
+its tumours darker in every phase, spleen, kidneys, aorta and heart enhancing with
+it, so that no one phase's numbers tell the liver.
+
 Every case is one of three kinds of scan, drawn per case (30 % liver-only, 40 %
 abdominal, 30 % chest-abdomen-pelvis), each with the z-extent of its kind
 (`Z_EXTENT_MM`) and the liver at a height that kind puts it: centred (± a
@@ -196,7 +203,7 @@ def make_phantom(rng: np.random.Generator, case: Case) -> Phantom:
     plan = plan_body(rng, case)
     hu = np.empty(shape, dtype=np.float32)
     paint_body(hu, case, plan)
-    paint_chest(hu, rng, plan)
+    paint_chest(hu, rng, case, plan)
     organs = abdominal_organs(rng, case, plan)
     paint_organs(hu, plan, organs)
 
@@ -205,9 +212,10 @@ def make_phantom(rng: np.random.Generator, case: Case) -> Phantom:
     region_labels = np.where(liver.mask, LIVER, BACKGROUND).astype(np.uint8)
     grid = plan.grid
     x, y = grid.x[liver.region[0]], grid.y[liver.region[1]]
-    liver_hu = rng.uniform(55, 70) + 8 * smooth_noise(rng, x, y, grid.z_at(*liver.slab), 60.0)
+    phase = case.phase
+    liver_hu = rng.uniform(*phase.liver) + 8 * smooth_noise(rng, x, y, grid.z_at(*liver.slab), 60.0)
     for box, mask in tumours:
-        liver_hu[box][mask] = rng.uniform(10, 30)
+        liver_hu[box][mask] = rng.uniform(*phase.tumour)
         region_labels[box][mask] = TUMOUR
     scan, cut = liver.in_scan(shape[2])
     labels = np.zeros(shape, dtype=np.uint8)

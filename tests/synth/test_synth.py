@@ -273,3 +273,30 @@ def test_synth_never_overwrites_a_folder_it_did_not_write(tmp_path):
     write_dataset(tmp_path / "own", 1, 16, seed=0)  # its own folder (and synth.json): again
     write_dataset(precious.parent, 1, 16, seed=0, force=True)
     assert precious.read_bytes() != b"a real scan"
+
+
+def test_phases_change_what_enhances_and_nothing_else(many, tmp_path):
+    """`--phases`: each case's phase drawn as archives hold them, recorded in synth.json;
+    the anatomy, labels and geometry are those of the same seed without phases (the phase
+    has a stream of its own); livers of a portal venous scan are far brighter than of the
+    one phase, and tumours stay darker than their liver in every phase."""
+    phased = tmp_path / "phased"
+    write_dataset(phased, 12, SMALL, seed=3, phases=True)
+    entries, plain = _sidecar(phased), _sidecar(many)
+    drawn = {entry["phase"] for entry in entries.values()}
+    assert "portal venous" in drawn and len(drawn) >= 2
+    assert {plain[f"volume-{i}"]["phase"] for i in range(12)} == {"one phase"}
+    for index in range(12):
+        name = f"volume-{index}"
+        image, labels = _read(phased, index)
+        before, labels_before = _read(many, index)
+        np.testing.assert_array_equal(labels, labels_before)
+        assert image.array.shape == before.array.shape
+        assert {k: v for k, v in entries[name].items() if k != "phase"} == {
+            k: v for k, v in plain[name].items() if k != "phase"
+        }
+        liver = np.median(image.array[labels == 1])
+        if entries[name]["phase"] == "portal venous":
+            assert liver > np.median(before.array[labels == 1]) + 25
+        if (labels == 2).sum() > 20:
+            assert np.median(image.array[labels == 2]) < liver - 10
