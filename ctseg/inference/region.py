@@ -99,6 +99,7 @@ def window_of(
         box.append(stop - start)
         lo.append(int(inside[0]) if inside.size else region.lo[axis])
         hi.append(int(inside[-1]) + 1 if inside.size else region.lo[axis])
-        reads = (int(first[lo[-1]]), int(second[hi[-1] - 1]) + 1) if inside.size else (0, 0)
+        # No scan voxel to give: nothing narrows the box's computation either.
+        reads = (int(first[lo[-1]]), int(second[hi[-1] - 1]) + 1) if inside.size else (start, stop)
         need.append((reads[0] - start, reads[1] - start))
     return Window(tuple(offset), tuple(box), tuple(lo), tuple(hi), tuple(need))

@@ -92,6 +92,10 @@ def test_the_window_reaches_the_receptive_field_beyond_what_the_region_needs(mod
     assert window.offset[0] % 16 == 0 and window.offset[0] <= 100 - radius - 1
     assert window.offset[0] + window.box[0] >= 120 + radius
     assert window.lo[0] <= 200 and window.hi[0] >= 240
+    # The box voxels the region's labels read: inside the box, the radius from its edges
+    # (where the box is not at the whole box's faces).
+    (lo, hi), box = window.need[0], window.box[0]
+    assert radius <= lo < hi <= box - radius and hi - lo >= (240 - 200) // 2
 
 
 def test_no_liver_or_a_cut_one_predicts_the_whole_scan():
