@@ -5,10 +5,12 @@
 # (`ctseg.synth.reacquire`: rotated, larger and smaller patients, low-dose noise, a soft
 # kernel, thick slices, a contrast phase), predicted by the demo's model trained as
 # configured ("plain"), with nnU-Net's augmentations on the devices ("augment"), and with
-# its intensity transforms alone ("intensity"), each scored per case in the scans' own
-# geometry. Everything goes under experiment/robustness
-# (git-ignored); runs and predictions already there are kept. Override with OUT=…,
-# HELDOUT=… (cases), STEPS=… (training steps of every run), VARIANTS=… (a subset).
+# its intensity transforms alone ("intensity"), and with those and contrast phases
+# ("phase": 30 % of the samples, "phase-often": 60 %), each scored per case in the
+# scans' own geometry. Everything goes under experiment/robustness (git-ignored); runs
+# and predictions already there are kept.
+# Override with OUT=…, HELDOUT=… (cases), STEPS=… (training steps of every run),
+# VARIANTS=… (a subset).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CTSEG=${CTSEG:-.venv/bin/ctseg}
@@ -16,13 +18,15 @@ PY=${PY:-.venv/bin/python}
 OUT=${OUT:-experiment/robustness}
 HELDOUT=${HELDOUT:-8}
 STEPS=${STEPS:-600}
-read -r -a VARIANTS <<< "${VARIANTS:-plain augment intensity}"
+read -r -a VARIANTS <<< "${VARIANTS:-plain augment intensity phase phase-often}"
 CONFIG=configs/demo.toml
-INTENSITY=(augment.noise_p=0.1 augment.blur_p=0.2 augment.brightness_p=0.15
-           augment.contrast_p=0.15 augment.low_resolution_p=0.25 augment.gamma_p=0.3
+INTENSITY=(augment.noise_p=0.1 augment.blur_p=0.1 augment.brightness_p=0.15
+           augment.contrast_p=0.15 augment.low_resolution_p=0.125 augment.gamma_p=0.3
            augment.gamma_inverted_p=0.1)
 declare -A SETTINGS=([plain]="" [intensity]="${INTENSITY[*]}"
-                     [augment]="augment.rotation_p=0.2 augment.scaling_p=0.2 ${INTENSITY[*]}")
+                     [augment]="augment.rotation_p=0.2 augment.scaling_p=0.2 ${INTENSITY[*]}"
+                     [phase]="augment.phase_p=0.3 ${INTENSITY[*]}"
+                     [phase-often]="augment.phase_p=0.6 ${INTENSITY[*]}")
 
 [ -f "$OUT/raw/segmentation-23.nii.gz" ] || "$CTSEG" synth "$OUT/raw" --cases 24 --size 96 --seed 0
 last=$((HELDOUT - 1))

@@ -149,6 +149,7 @@ def _validate_train(t: TrainConfig, mesh: MeshConfig) -> None:
         0 <= t.intensity_scale < 1,
         f"train.intensity_scale must be in [0, 1), got {t.intensity_scale}",
     )
+    _require(0 <= t.ema_decay < 1, f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
     _require(
         min(t.class_weights) >= 0 and max(t.class_weights) > 0,
         f"train.class_weights must be non-negative and not all 0, got {list(t.class_weights)}",
@@ -163,7 +164,8 @@ def _validate_augment(a: AugmentConfig) -> None:
         elif isinstance(value, tuple):
             _require(
                 0 <= value[0] <= value[1],
-                f"augment.{f.name} must be [low, high] with 0 ≤ low ≤ high, got {list(value)}",
+                f"augment.{f.name} must be a range (low, high) with 0 ≤ low ≤ high, "
+                f"got {list(value)}",
             )
     # Beyond a right angle the bound on a rotated slab's source box no longer holds, and
     # rotations by multiples of 90° are train.rotate90's, exact.

@@ -116,6 +116,12 @@ class TrainConfig:
         "they begin and held, so that the weights adapt to the statistics inference uses "
         "instead of each box's own; 0 = none.",
     )
+    ema_decay: float = _f(
+        0.0,
+        "Decay of an exponential moving average of the weights (Polyak averaging) that "
+        "validation, the batch-norm statistics and prediction use instead of the last "
+        "step's weights; 0 = none. Its reach is about 1 / (1 − decay) steps.",
+    )
     checkpoint_every: int = _f(100, "Save a checkpoint every this many steps.")
     eval_every: int = _f(100, "Validate every this many steps.")
     keep_checkpoints: int = _f(3, "Keep this many latest checkpoints, plus the best.")
@@ -162,7 +168,11 @@ class AugmentConfig:
         "(1 = half the window, 225 HU by default); nnU-Net's variance 0–0.1 of z-scored "
         "intensities is a standard deviation up to 0.32 of the liver's (≈ 40 HU): ≈ 0.05.",
     )
-    blur_p: float = _f(0.0, "Probability of a Gaussian blur (nnU-Net: 0.2).")
+    # nnU-Net draws its blur and low resolution for a sample (p) and then for each channel
+    # (p_per_channel = 0.5): on one-channel CT a sample is changed with probability p / 2.
+    blur_p: float = _f(
+        0.0, "Probability of a Gaussian blur (nnU-Net: 0.2 per sample × 0.5 per channel = 0.1)."
+    )
     blur_sigma: tuple[float, float] = _f(
         (0.5, 1.0), "Blur sigma [low, high] in voxels, drawn for each axis (nnU-Net: 0.5–1)."
     )
@@ -178,11 +188,15 @@ class AugmentConfig:
         "Contrast factor [low, high] about the box's mean, clipped to the box's range "
         "(nnU-Net: 0.75–1.25).",
     )
-    low_resolution_p: float = _f(0.0, "Probability of simulated low resolution (nnU-Net: 0.25).")
+    low_resolution_p: float = _f(
+        0.0,
+        "Probability of simulated low resolution (nnU-Net: 0.25 per sample × 0.5 per "
+        "channel = 0.125).",
+    )
     low_resolution: tuple[float, float] = _f(
         (0.5, 1.0),
-        "Zoom [low, high] of the simulated coarser scan, drawn for each axis: nearest "
-        "down, linear back up (nnU-Net: 0.5–1, cubic back up).",
+        "Zoom [low, high] of the simulated coarser scan, one for every axis: nearest "
+        "down, linear back up (nnU-Net: 0.5–1, the same on every axis, cubic back up).",
     )
     gamma_p: float = _f(0.0, "Probability of a gamma change (nnU-Net: 0.3).")
     gamma_inverted_p: float = _f(
@@ -192,6 +206,24 @@ class AugmentConfig:
         (0.7, 1.5),
         "Gamma [low, high], on the box's range, keeping its mean and standard deviation "
         "(nnU-Net: 0.7–1.5).",
+    )
+
+    # Not nnU-Net's: its intensity transforms scale the whole box, while a contrast phase
+    # moves the liver against everything else (docs/experiments/robustness.md).
+    phase_p: float = _f(
+        0.0,
+        "Probability of a contrast-phase change: the liver (by its label) moved to another "
+        "phase's HU, its tumours by a share of that shift, the rest of the box as it was.",
+    )
+    phase_liver_hu: tuple[float, float] = _f(
+        (50.0, 135.0),
+        "The liver's mean HU after a phase change [low, high], drawn uniformly: unenhanced "
+        "livers measure about 50–65 HU, portal venous ones 100–135 HU.",
+    )
+    phase_tumour_share: tuple[float, float] = _f(
+        (0.3, 1.2),
+        "The tumours' shift as a share [low, high] of the liver's: hypovascular tumours "
+        "take up less contrast than the liver, hypervascular ones as much or more.",
     )
 
     @property

@@ -32,6 +32,14 @@ class TrainState(NamedTuple):
     params: nnx.State
     stats: nnx.State
     opt_state: optax.OptState
+    # With `train.ema_decay` > 0: the moving average of `params` that validation and
+    # inference use (None otherwise, so that such runs keep their checkpoints' form).
+    average: nnx.State | None = None
+
+    @property
+    def weights(self) -> nnx.State:
+        """The weights that validate, pool the batch-norm statistics and predict."""
+        return self.params if self.average is None else self.average
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
@@ -52,14 +60,29 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 def init_state(config: Config) -> tuple[nnx.GraphDef, TrainState]:
     graphdef, params, stats = unet.create(config.model, config.train.seed)
     opt_state = make_optimizer(config.train).init(params)
-    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, stats, opt_state)
+    average = jax.tree.map(jnp.copy, params) if config.train.ema_decay > 0 else None
+    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, stats, opt_state, average)
 
 
 def abstract_state(config: Config) -> tuple[nnx.GraphDef, TrainState]:
     """The model's graphdef and a fresh train state's shapes, without allocating it."""
     graphdef, params, stats = unet.abstract(config.model)
     opt_state = jax.eval_shape(make_optimizer(config.train).init, params)
-    return graphdef, TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, stats, opt_state)
+    average = params if config.train.ema_decay > 0 else None
+    step = jax.ShapeDtypeStruct((), jnp.int32)
+    return graphdef, TrainState(step, params, stats, opt_state, average)
+
+
+def ema_decay_at(decay: float, step: jax.Array) -> jax.Array:
+    """The moving average's decay after `step` updates: `decay`, lower at first
+    ((1 + step) / (10 + step), as TensorFlow's ExponentialMovingAverage with
+    num_updates), so that the average is not held near the initial weights."""
+    step = jnp.asarray(step, jnp.float32)
+    return jnp.minimum(jnp.float32(decay), (1.0 + step) / (10.0 + step))
+
+
+def update_average(average: nnx.State, params: nnx.State, decay: jax.Array) -> nnx.State:
+    return jax.tree.map(lambda a, p: decay * a + (1.0 - decay) * p, average, params)
 
 
 def make_loss(
@@ -101,6 +124,7 @@ def make_train_step(
     """
     loss_fn = make_loss(graphdef, config, mesh, held_norm)
     optimizer = make_optimizer(config.train)
+    decay = config.train.ema_decay
 
     def train_step(state: TrainState, image: jax.Array, label: jax.Array):
         (loss, (parts, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
@@ -108,8 +132,11 @@ def make_train_step(
         )
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        average = state.average
+        if average is not None:
+            average = update_average(average, params, ema_decay_at(decay, state.step))
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **parts}
-        return TrainState(state.step + 1, params, stats, opt_state), metrics
+        return TrainState(state.step + 1, params, stats, opt_state, average), metrics
 
     return train_step
 

@@ -19,6 +19,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,11 @@ class Checkpoints:
             cause = _write_failure(exc)
             if cause is None:
                 raise
+            # The writes orbax abandoned when this one failed are reclaimed at exit, each a
+            # "coroutine … was never awaited" warning: the line below says it all.
+            warnings.filterwarnings(
+                "ignore", message="coroutine .* was never awaited", category=RuntimeWarning
+            )
             kept = [s for s in self.manager.all_steps() if s != step]
             intact = f"step {max(kept)} is the latest intact one" if kept else "none before it"
             which = "a checkpoint" if step is None else f"checkpoint {step}"

@@ -47,9 +47,14 @@ def load_model(run_dir: Path, which: str, config: cfg.Config | None = None) -> T
     """
     config = rundir.load_config(run_dir) if config is None else config
     graphdef, params, stats = unet.abstract(config.model)
-    item = {"params": params, "stats": stats}
+    item = {_weights_key(config): params, "stats": stats}
     with _orbax_quiet():
         return _load(run_dir, which, config, graphdef, item)
+
+
+def _weights_key(config: cfg.Config) -> str:
+    """The train state's field that holds the weights inference uses (`TrainState.weights`)."""
+    return "average" if config.train.ema_decay > 0 else "params"
 
 
 @contextlib.contextmanager
@@ -80,7 +85,8 @@ def _load(
                     raise
                 _log.warning("%s; skipped", exc)
                 continue
-            return TrainedModel(config, graphdef, restored["params"], restored["stats"], step)
+            weights = restored[_weights_key(config)]
+            return TrainedModel(config, graphdef, weights, restored["stats"], step)
     finally:
         checkpoints.close()
     raise CtsegError(

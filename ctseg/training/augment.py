@@ -145,12 +145,17 @@ def draw_sample(config: Config, step: int, sample: int, base: Augmentation) -> S
     params["contrast_on"] = flag(a.contrast_p)
     params["contrast"] = _factor(rng, *a.contrast)
     params["low_on"] = flag(a.low_resolution_p)
+    zoom = float(rng.uniform(*a.low_resolution))  # one for every axis, as nnU-Net's
     for axis in SPATIAL_AXES:
-        params[f"zoom_{axis}"] = float(rng.uniform(*a.low_resolution))
+        params[f"zoom_{axis}"] = zoom
     params["gamma_inverted_on"] = flag(a.gamma_inverted_p)
     params["gamma_inverted"] = _factor(rng, *a.gamma)
     params["gamma_on"] = flag(a.gamma_p)
     params["gamma"] = _factor(rng, *a.gamma)
+    params["phase_on"] = flag(a.phase_p)
+    liver_hu = rng.uniform(*a.phase_liver_hu)
+    params["phase_liver"] = float(hu_to_unit(liver_hu, config.data.hu_window))
+    params["phase_tumour_share"] = float(rng.uniform(*a.phase_tumour_share))
     return SampleDraw(warp.exact_matrix(spatial), params)
 
 
@@ -314,6 +319,8 @@ class Augmenter:
                 )
             else:
                 unit = to_unit(hu)
+            if augment.phase_p > 0:  # the patient's own contrast, before the scan's changes
+                unit = intensity.contrast_phase(unit, label, params, config.alignment)
             unit = (
                 unit * params["scale"][:, None, None, None] + params["shift"][:, None, None, None]
             )

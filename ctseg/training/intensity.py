@@ -1,4 +1,5 @@
-"""nnU-Net's intensity augmentations, on a device's slab of a training batch.
+"""nnU-Net's intensity augmentations, and a contrast phase, on a device's slab of a
+training batch.
 
 Each runs inside `jax.shard_map` on a block [b, sx, sy, sz] and gives the numbers the
 unpartitioned batch would hold: statistics of a box (its mean, standard deviation,
@@ -9,7 +10,8 @@ partitionable threefry gives each voxel its number whatever the sharding).
 
 A transform is applied where its per-sample flag (1.0 or 0.0, drawn on the host) is
 set, selected with `jnp.where`, so a sample that does not draw it keeps its numbers
-exactly. Parameters follow nnU-Net's `get_training_transforms` (see `AugmentConfig`).
+exactly. Parameters follow nnU-Net's `get_training_transforms` (see `AugmentConfig`);
+the contrast phase is ctseg's own (nnU-Net has none): it moves the liver by its label.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ctseg.config import AugmentConfig
+from ctseg.labels import LIVER, TUMOUR
 from ctseg.parallel.partition import SPATIAL_AXES, exchange_halo
 
 Params = Mapping[str, jax.Array]  # name -> [b] float32, this device's samples
@@ -161,6 +164,21 @@ def low_resolution(
 
 
 # ------------------------------------------------------------------ the pipeline
+
+
+def contrast_phase(x: jax.Array, label: jax.Array, params: Params, tile: int) -> jax.Array:
+    """Another contrast phase: the liver's voxels shifted so that their mean over the
+    box is `phase_liver` (window units), the tumours' by `phase_tumour_share` of that
+    shift, clipped to the window as a scan's values are. The liver keeps its texture
+    and its tumours their place; a box without liver is left as it is."""
+    liver = label == LIVER
+    count = _box_sum(liver.astype(x.dtype), tile)
+    mean = _box_sum(jnp.where(liver, x, 0.0), tile) / jnp.maximum(count, 1.0)
+    shift = jnp.where((params["phase_on"] > 0) & (count > 0), params["phase_liver"] - mean, 0.0)
+    share = params["phase_tumour_share"]
+    moved = jnp.where(liver, _per_sample(shift), 0.0)
+    moved = jnp.where(label == TUMOUR, _per_sample(shift * share), moved)
+    return jnp.clip(x + moved, -1.0, 1.0)
 
 
 def apply(

@@ -28,7 +28,7 @@ def validation_dice(
         # The labels are sharded over the mesh, possibly over several hosts:
         # gather the whole (small, uint8) label maps on every process.
         predicted = multihost_utils.process_allgather(
-            segment(state.params, state.stats, image), tiled=True
+            segment(state.weights, state.stats, image), tiled=True
         )
         for i in range(len(ids)):
             scores.append(grid_dice(predicted[i], labels[i]))
@@ -43,15 +43,16 @@ def population_statistics(
     """`state` with the batch-norm statistics that inference will use.
 
     With `train.bn_population_volumes` > 0: pooled over that many training
-    volumes at the current parameters, so that they depend on the parameters
-    alone. The running averages they replace trail the parameters by about
+    volumes at the weights inference uses (`TrainState.weights`: the moving
+    average where `train.ema_decay` > 0), so that they depend on those alone.
+    The running averages they replace trail the parameters by about
     1 / (1 − momentum) steps and follow the last few volumes, which with one
     whole volume per step can put the liver far outside the liver.
     """
     if config.train.bn_population_volumes == 0:
         return state
     per_batch = [
-        batch_statistics(state.params, state.stats, image)
+        batch_statistics(state.weights, state.stats, image)
         for image in statistics_batches(store, config, mesh)
     ]
     return state._replace(stats=pool(per_batch))

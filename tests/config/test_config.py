@@ -138,6 +138,11 @@ def test_bad_files(tmp_path):
         (["data.hu_window=[-inf, 250]"], r"data.hu_window\[0\] must be a finite number"),
         (["train.class_weights=[0, 0, 0]"], r"train.class_weights must be non-negative"),
         (["model.bn_momentum=1.5"], r"model.bn_momentum must be in \[0, 1\)"),
+        (["train.ema_decay=1"], r"train.ema_decay must be in \[0, 1\), got 1"),
+        (
+            ["augment.phase_liver_hu=[135, 50]"],
+            r"augment.phase_liver_hu must be a range \(low, high\)",
+        ),
         (
             ["train.held_norm_share=1.0"],
             r"train.held_norm_share = 1.0 must be in \[0, 1\) and leave at least one",

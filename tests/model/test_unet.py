@@ -199,3 +199,28 @@ def test_a_training_mode_call_leaves_the_callers_host_statistics_alone():
     ):
         np.testing.assert_array_equal(now, kept)
         assert not np.array_equal(np.asarray(batch), kept)  # the batch's are not these
+
+
+def test_the_moving_average_follows_the_trained_weights_step_by_step():
+    """`train.ema_decay`: after each step the average is decay_t · average + (1 − decay_t) ·
+    weights, decay_t = min(decay, (1 + t) / (10 + t)), starting from the initial weights."""
+    # No warm-up, so that the weights move from the first step on.
+    moving = ["train.ema_decay=0.5", "train.warmup_steps=0", "train.learning_rate=0.01"]
+    config = cfg.load(overrides=[*CONFIG_OVERRIDES, *moving])
+    mesh = pt.make_mesh((1, 1, 1))
+    graphdef, state = step.init_state(config)
+    train_step = jax.jit(step.make_train_step(graphdef, config, mesh))
+    image, label = _batch()
+    image, label = pt.shard_global(mesh, image), pt.shard_global(mesh, label, step.LABEL_SPEC)
+    want = [np.asarray(leaf, np.float64) for leaf in jax.tree.leaves(state.params)]
+    for t in range(3):
+        state, _ = train_step(state, image, label)
+        decay = min(0.5, (1 + t) / (10 + t))
+        weights = [np.asarray(leaf, np.float64) for leaf in jax.tree.leaves(state.params)]
+        want = [decay * a + (1 - decay) * w for a, w in zip(want, weights, strict=True)]
+    got = jax.tree.leaves(state.average)
+    assert all(np.max(np.abs(g - w)) <= 1e-6 for g, w in zip(got, want, strict=True))
+    assert any(np.max(np.abs(g - w)) > 1e-4 for g, w in zip(got, weights, strict=True))
+    # Without it the state holds no average, and inference uses the trained weights.
+    _, plain = step.init_state(cfg.load(overrides=CONFIG_OVERRIDES))
+    assert plain.average is None and plain.weights is plain.params

@@ -28,6 +28,7 @@ EVERY = [
     "augment.low_resolution_p=0.5",
     "augment.gamma_p=0.5",
     "augment.gamma_inverted_p=0.5",
+    "augment.phase_p=0.5",
 ]
 # Intensity scale and shift off, so that a spatial transform alone can be compared.
 PLAIN = ["train.intensity_scale=0", "train.intensity_shift=0", "train.rotate90=false"]
@@ -116,6 +117,26 @@ def test_intensity_transforms_keep_what_they_promise(store):
         assert gamma[0][b].mean() == pytest.approx(today[b].mean(), abs=1e-4)
         assert gamma[0][b].std() == pytest.approx(today[b].std(), rel=1e-3)
         assert not np.allclose(gamma[0][b], today[b])
+
+
+def test_a_contrast_phase_moves_the_liver_to_its_drawn_mean_and_nothing_but_its_tumours(store):
+    config = tiny_config(*BASE, *PLAIN, "augment.phase_p=1")
+    today = batch(store, tiny_config(*BASE, *PLAIN))
+    image, label = batch(store, config, (2, 2, 1), 2)
+    np.testing.assert_array_equal(label, today[1])
+    for b in range(2):
+        params = augment.draw_sample(config, 5, b, augment.Augmentation()).params
+        before, after, labels = today[0][b, ..., 0], image[b, ..., 0], today[1][b]
+        liver, tumour = labels == 1, labels == 2
+        assert liver.any() and tumour.any()
+        # The shift that takes the liver's mean to the drawn one (the window clips it).
+        shift = params["phase_liver"] - before[liver].mean()
+        assert abs(shift) > 0.01  # a phase that moved the liver, not one at its own HU
+        np.testing.assert_allclose(after[liver], np.clip(before[liver] + shift, -1, 1), atol=1e-5)
+        want = np.clip(before[tumour] + shift * params["phase_tumour_share"], -1, 1)
+        np.testing.assert_allclose(after[tumour], want, atol=1e-5)
+        # The rest as it was, to the rounding of the window's scaling (as above).
+        np.testing.assert_allclose(after[labels == 0], before[labels == 0], rtol=0, atol=2.5e-7)
 
 
 @pytest.mark.parametrize("axes", ["xyz", "z"])

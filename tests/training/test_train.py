@@ -42,11 +42,14 @@ TRAIN = [
     "train.log_every=1",
     "train.warmup_steps=1",
     "train.rotate90=true",
+    # Weights averaged for inference, so that resuming and layouts are tested with them.
+    "train.ema_decay=0.5",
     # nnU-Net's transforms on the devices, so that resuming and layouts are tested with them.
     "augment.rotation_p=0.5",
     "augment.scaling_p=0.5",
     "augment.noise_p=0.5",
     "augment.gamma_p=0.5",
+    "augment.phase_p=0.5",
 ]
 
 
@@ -172,6 +175,21 @@ def test_run_directory_holds_config_metrics_curves_and_best_checkpoint(uninterru
     manager = checkpoints.Checkpoints(uninterrupted, keep=1, read_only=True)
     assert manager.resolve("best") in (2, 4) and manager.resolve("latest") == 4
     manager.close()
+
+
+def test_checkpoints_predict_with_the_moving_average_of_the_weights(uninterrupted):
+    """`train.ema_decay`: a checkpoint holds the trained weights (to resume) and their
+    moving average, and the model loaded for inference is the average."""
+    config = cfg.load(uninterrupted / "config.toml")
+    manager = checkpoints.Checkpoints(uninterrupted, keep=1, read_only=True)
+    _, like = abstract_state(config)
+    state = manager.restore(4, replicated_shapes(like, make_mesh((1, 1, 1))))
+    manager.close()
+    model = load_model(uninterrupted, "4")
+    average, trained = jax.tree.leaves(state.average), jax.tree.leaves(state.params)
+    for loaded, want, other in zip(jax.tree.leaves(model.params), average, trained, strict=True):
+        np.testing.assert_array_equal(loaded, want)
+        assert not np.array_equal(loaded, other)
 
 
 class Crash(Exception):
