@@ -196,7 +196,8 @@ class AugmentConfig:
     low_resolution: tuple[float, float] = _f(
         (0.5, 1.0),
         "Zoom [low, high] of the simulated coarser scan, one for every axis: nearest "
-        "down, linear back up (nnU-Net: 0.5–1, the same on every axis, cubic back up).",
+        "down, linear back up (nnU-Net v2: 0.5–1, the same on every axis, nearest down, "
+        "linear up).",
     )
     gamma_p: float = _f(0.0, "Probability of a gamma change (nnU-Net: 0.3).")
     gamma_inverted_p: float = _f(
