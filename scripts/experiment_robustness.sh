@@ -6,9 +6,11 @@
 # kernel, thick slices, a contrast phase), predicted by the demo's model trained as
 # configured ("plain"), with nnU-Net's augmentations on the devices ("augment"), and with
 # its intensity transforms alone ("intensity"), and with those and contrast phases
-# ("phase": 30 % of the samples, "phase-often": 60 %), each scored per case in the
-# scans' own geometry. Everything goes under experiment/robustness (git-ignored); runs
-# and predictions already there are kept.
+# ("phase": 30 % of the samples, "phase-often": 60 %; "phase-narrow": 30 %, drawn only
+# near the contrast set's own phase), each scored per case in the scans' own geometry,
+# and under shifts of the liver's and the tumours' HU (phase_response.md). Everything
+# goes under experiment/robustness (git-ignored); runs and predictions already there
+# are kept.
 # Override with OUT=…, HELDOUT=… (cases), STEPS=… (training steps of every run),
 # VARIANTS=… (a subset).
 set -euo pipefail
@@ -26,7 +28,9 @@ INTENSITY=(augment.noise_p=0.1 augment.blur_p=0.1 augment.brightness_p=0.15
 declare -A SETTINGS=([plain]="" [intensity]="${INTENSITY[*]}"
                      [augment]="augment.rotation_p=0.2 augment.scaling_p=0.2 ${INTENSITY[*]}"
                      [phase]="augment.phase_p=0.3 ${INTENSITY[*]}"
-                     [phase-often]="augment.phase_p=0.6 ${INTENSITY[*]}")
+                     [phase-often]="augment.phase_p=0.6 ${INTENSITY[*]}"
+                     [phase-narrow]="augment.phase_p=0.3 augment.phase_liver_hu=[95,110]
+                                     augment.phase_tumour_share=[0.3,0.5] ${INTENSITY[*]}")
 
 [ -f "$OUT/raw/segmentation-23.nii.gz" ] || "$CTSEG" synth "$OUT/raw" --cases 24 --size 96 --seed 0
 last=$((HELDOUT - 1))
@@ -38,7 +42,9 @@ last=$((HELDOUT - 1))
 mkdir -p "$OUT/scores"
 for variant in "${VARIANTS[@]}"; do
   options=(--config "$CONFIG" --set "train.steps=$STEPS")
+  set -f  # the ranges' brackets are not globs
   for setting in ${SETTINGS[$variant]}; do options+=(--set "$setting"); done
+  set +f
   echo "== $variant"
   "$CTSEG" train --data "$OUT/prep" --workdir "$OUT/run-$variant" "${options[@]}"
   for set in "$OUT"/sets/*/; do
@@ -50,3 +56,4 @@ for variant in "${VARIANTS[@]}"; do
   done
 done
 "$PY" scripts/robustness_table.py "$OUT" "${VARIANTS[@]}"
+"$PY" scripts/phase_response.py "$OUT" "${VARIANTS[@]}"

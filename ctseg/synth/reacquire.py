@@ -104,9 +104,15 @@ def reacquire(
     if change == "thick":
         return _thick(hu, labels, affine)
     if change == "contrast":
-        shifted = hu + np.where(labels == LIVER, 40.0, 0.0) + np.where(labels == TUMOUR, 15.0, 0.0)
-        return shifted.astype(np.float32), labels, affine
+        return enhance(hu, labels, liver_hu=40.0, tumour_hu=15.0), labels, affine
     return hu, labels, affine
+
+
+def enhance(hu: np.ndarray, labels: np.ndarray, liver_hu: float, tumour_hu: float) -> np.ndarray:
+    """The scan with its liver's voxels `liver_hu` brighter and its tumours' `tumour_hu`,
+    by their labels: another contrast phase of the same patient."""
+    shift = np.where(labels == LIVER, liver_hu, 0.0) + np.where(labels == TUMOUR, tumour_hu, 0.0)
+    return (hu + shift).astype(np.float32)
 
 
 def write_sets(heldout: Path, out: Path, changes: list[str] | None = None) -> list[Path]:
