@@ -7,7 +7,8 @@
 # configured ("plain"), with nnU-Net's augmentations on the devices ("augment"), and with
 # its intensity transforms alone ("intensity"), and with those and contrast phases
 # ("phase": 30 % of the samples, "phase-often": 60 %; "phase-narrow": 30 %, drawn only
-# near the contrast set's own phase), each scored per case in the scans' own geometry,
+# near the contrast set's own phase; "phase-noise": "phase" with noise up to a low-dose
+# scan's, 27 HU, for 20 % of the samples), each scored per case in the scans' own geometry,
 # and under shifts of the liver's and the tumours' HU (phase_response.md). Everything
 # goes under experiment/robustness (git-ignored); runs and predictions already there
 # are kept.
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/.."
 CTSEG=${CTSEG:-.venv/bin/ctseg}
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-experiment/robustness}
-HELDOUT=${HELDOUT:-8}
+HELDOUT=${HELDOUT:-24}
 STEPS=${STEPS:-600}
 read -r -a VARIANTS <<< "${VARIANTS:-plain augment intensity phase phase-often}"
 CONFIG=configs/demo.toml
@@ -30,7 +31,9 @@ declare -A SETTINGS=([plain]="" [intensity]="${INTENSITY[*]}"
                      [phase]="augment.phase_p=0.3 ${INTENSITY[*]}"
                      [phase-often]="augment.phase_p=0.6 ${INTENSITY[*]}"
                      [phase-narrow]="augment.phase_p=0.3 augment.phase_liver_hu=[95,110]
-                                     augment.phase_tumour_share=[0.3,0.5] ${INTENSITY[*]}")
+                                     augment.phase_tumour_share=[0.3,0.5] ${INTENSITY[*]}"
+                     [phase-noise]="augment.phase_p=0.3 ${INTENSITY[*]} augment.noise_p=0.2
+                                    augment.noise_std=[0,0.12]")
 
 [ -f "$OUT/raw/segmentation-23.nii.gz" ] || "$CTSEG" synth "$OUT/raw" --cases 24 --size 96 --seed 0
 last=$((HELDOUT - 1))
