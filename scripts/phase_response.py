@@ -19,18 +19,14 @@ import nibabel as nib
 import numpy as np
 
 from ctseg import Segmenter
-from ctseg.evaluation.metrics import dice_from_counts
+from ctseg.evaluation.metrics import mask_dice
 from ctseg.labels import LIVER, TUMOUR
 from ctseg.synth.reacquire import enhance
 
 # (liver, tumour) HU: as acquired, the robustness set's portal venous phase, the liver
-# alone (the tumour more conspicuous), the tumour alone, both alike (the same contrast).
+# alone (the tumour more conspicuous), the tumour alone, both alike (the same contrast),
+# half the portal venous phase.
 SHIFTS = [(0, 0), (40, 15), (40, 0), (0, 15), (40, 40), (20, 8)]
-
-
-def _dice(pred: np.ndarray, ref: np.ndarray) -> float:
-    counts = np.count_nonzero(pred & ref), np.count_nonzero(pred), np.count_nonzero(ref)
-    return dice_from_counts(*counts)
 
 
 def main(out: Path, variants: list[str]) -> None:
@@ -57,7 +53,10 @@ def main(out: Path, variants: list[str]) -> None:
                 moved = nib.Nifti1Image(np.rint(hu).astype(np.int16), image.affine)
                 pred = segmenter(moved).labels
                 dice.append(
-                    (_dice(pred == LIVER, labels == LIVER), _dice(pred == TUMOUR, labels == TUMOUR))
+                    (
+                        mask_dice(pred == LIVER, labels == LIVER),
+                        mask_dice(pred == TUMOUR, labels == TUMOUR),
+                    )
                 )
             liver, tumour = np.mean(dice, axis=0)
             cells[(variant, liver_hu, tumour_hu)] = f"{liver:.3f} / {tumour:.3f}"

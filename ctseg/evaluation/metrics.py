@@ -221,16 +221,17 @@ def case_metrics(pred_labels: np.ndarray, ref_labels: np.ndarray, spacing: Spaci
     }
 
 
+def mask_dice(pred: np.ndarray, ref: np.ndarray) -> float:
+    """Dice of two boolean masks; 1 when both are empty."""
+    counts = np.count_nonzero(pred & ref), np.count_nonzero(pred), np.count_nonzero(ref)
+    return dice_from_counts(*counts)
+
+
 def grid_dice(pred_labels: np.ndarray, ref_labels: np.ndarray) -> dict[str, float]:
     """Liver and tumour Dice only: the cheap report on the training grid."""
-
-    def dice(pred: np.ndarray, ref: np.ndarray) -> float:
-        counts = np.count_nonzero(pred & ref), np.count_nonzero(pred), np.count_nonzero(ref)
-        return dice_from_counts(*counts)
-
     return {
-        "liver": dice(liver_mask(pred_labels), liver_mask(ref_labels)),
-        "tumour": dice(tumour_mask(pred_labels), tumour_mask(ref_labels)),
+        "liver": mask_dice(liver_mask(pred_labels), liver_mask(ref_labels)),
+        "tumour": mask_dice(tumour_mask(pred_labels), tumour_mask(ref_labels)),
     }
 
 

@@ -147,6 +147,17 @@ def test_grid_dice_follows_empty_convention():
     assert metrics.grid_dice(pred, ref) == {"liver": 1.0, "tumour": 0.0}
 
 
+def test_mask_dice_is_twice_the_overlap_over_the_sizes():
+    pred = np.zeros((6, 6, 6), bool)
+    ref = np.zeros((6, 6, 6), bool)
+    pred[0:3, 0:2, 0:2] = True  # 12 voxels
+    ref[1:4, 0:2, 0:1] = True  # 6 voxels, 4 of them in pred
+    assert metrics.mask_dice(pred, ref) == pytest.approx(2 * 4 / (12 + 6))
+    assert metrics.mask_dice(ref, ref) == 1.0
+    assert metrics.mask_dice(pred & False, ref & False) == 1.0  # both empty
+    assert metrics.mask_dice(pred, ref & False) == 0.0
+
+
 # ---------------------------------------------------------------- lesions and burden
 
 
