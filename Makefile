@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 CTSEG  := $(VENV)/bin/ctseg
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test demo bench bench-predict512 bench-augment lint clean experiment-resolution experiment-geometry experiment-robustness targets-table
+.PHONY: install test demo bench bench-predict512 bench-augment gpu-check lint clean experiment-resolution experiment-geometry experiment-robustness targets-table
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,6 +41,12 @@ bench-predict512: $(STAMP)
 # affine_transform (about 8 minutes on 2 cores; needs `make demo`'s store).
 bench-augment: $(STAMP)
 	$(PY) scripts/bench_augment.py bench/augment
+
+# On a machine with one GPU (install the cuda12 or cuda13 extra first): every GPU figure
+# and target of docs/experiments/gpu.md in about 8 minutes, a table last, one JSON file.
+gpu-check: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) scripts/gpu_check.py bench/gpu-check --device gpu
 
 experiment-resolution: $(STAMP)
 	bash scripts/experiment_resolution.sh

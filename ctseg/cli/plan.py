@@ -234,8 +234,10 @@ def target_lines(result: dict) -> list[str]:
     if train.get("augment_bytes") is not None:
         block = "×".join(str(n) for n in train["augment_block"])
         lines.append(
-            f"augmentation on the devices ([augment]; blocks up to {block}): "
-            f"{_size(train['augment_bytes'])} per device"
+            f"augmentation on the devices ([augment]; blocks of {block}): "
+            f"{_size(train['augment_bytes'])} per device; compiled here in "
+            f"{train['augment_compile_seconds']:.1f} s, the training step in "
+            f"{train['train_compile_seconds']:.1f} s"
         )
     predict = result["predict"]
     box = "×".join(str(n) for n in predict["box"])

@@ -270,16 +270,25 @@ class Box:
 
     def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
         ranges = [s.indices(n)[:2] for s, n in zip(index, self.shape, strict=True)]
-        out = np.full([b - a for a, b in ranges], self.fill, self.grid.dtype)
+        out = np.empty([b - a for a, b in ranges], self.grid.dtype)
+        self._read(ranges, out)
+        return out
+
+    def read_into(self, out: np.ndarray) -> None:
+        """The whole box written into `out` (of the box's shape): no array of its own,
+        where a caller assembles boxes into a larger one."""
+        self._read([(0, n) for n in self.shape], out)
+
+    def _read(self, ranges: list[tuple[int, int]], out: np.ndarray) -> None:
+        out.fill(self.fill)
         source, target = [], []
         for (start, stop), o, g in zip(ranges, self.offset, self.grid.shape, strict=True):
             lo, hi = max(start + o, 0), min(stop + o, g)
             if hi <= lo:
-                return out  # the slab lies wholly beyond the grid
+                return  # the slab lies wholly beyond the grid
             source.append(slice(lo, hi))
             target.append(slice(lo - o - start, hi - o - start))
         out[tuple(target)] = self.grid[tuple(source)]
-        return out
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         whole = self[tuple(slice(None) for _ in self.shape)]

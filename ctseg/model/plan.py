@@ -12,6 +12,7 @@ structure (`halo_bytes`).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,7 @@ class LayoutPlan:
     memory: Memory
     halo_bytes: int
     flops: float | None  # whole step, summed over all devices; None: not counted
+    compile_seconds: float  # lowering and compiling, on this machine's CPU
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -73,6 +75,7 @@ class LayoutPlan:
             "temp_bytes": self.memory.temporaries,
             "halo_bytes": self.halo_bytes,
             "flops": self.flops,
+            "compile_seconds": round(self.compile_seconds, 2),
         }
 
 
@@ -241,7 +244,9 @@ def plan_layout(
     for mode in MODES:
         if progress is not None:
             progress(f"compiling {mode}, {config.num_partitions} partition(s)")
+        began = time.perf_counter()
         compiled = compilers[mode]()
+        seconds = time.perf_counter() - began
         plans.append(
             LayoutPlan(
                 partitions=config.num_partitions,
@@ -252,6 +257,7 @@ def plan_layout(
                 memory=memory_of(compiled),
                 halo_bytes=halo_bytes(config, mode),
                 flops=flops_of(compiled, mesh.size),
+                compile_seconds=seconds,
             )
         )
     return plans

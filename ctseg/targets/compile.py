@@ -14,7 +14,9 @@ largest grid that fits the devices given.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import time
 from typing import Any
 
 import jax
@@ -34,6 +36,9 @@ from ctseg.training.augment import Augmenter
 # A typical LiTS scan, for the spacing grid's inference box: 512 × 512 pixels of 0.78 mm,
 # 150 slices of 2.5 mm (the challenge's median slice count and a common thickness).
 LITS_SCAN = ((512, 512, 150), (0.78, 0.78, 2.5))
+# The largest scan a LiTS-like training set holds, for the augmentation's blocks on the
+# spacing grid (mm along x, y, z): a 500 mm field of view, 800 mm from chest to pelvis.
+LARGEST_SCAN_MM = (500.0, 500.0, 800.0)
 # Partition counts tried when the training step does not fit, and grid steps at most.
 _MOST_PARTITIONS = 256
 _GRID_SEARCH_STEPS = 6
@@ -107,16 +112,19 @@ def training(config: Config, devices: list[Any], memory: int) -> dict[str, Any]:
         flops=train.flops,
         fits=train.memory.total <= COMPILED_SHARE * memory,
     )
+    entry["train_compile_seconds"] = round(train.compile_seconds, 2)
     if fitted.augment.on_device:
-        # The batch is augmented by a program of its own before the step: its largest
-        # blocks (every draw's bound) must fit beside nothing but the model's state.
-        augmenter = Augmenter(
-            fitted,
-            make_mesh(fitted.mesh.spatial, fitted.mesh.data, layout.devices),
-            fitted.data.resolution,
+        # The batch is augmented by a program of its own before the step: its blocks
+        # must fit beside nothing but the model's state.
+        mesh = make_mesh(fitted.mesh.spatial, fitted.mesh.data, layout.devices)
+        began = time.perf_counter()
+        augmenter = Augmenter(fitted, mesh, fitted.data.resolution, largest_grid(fitted))
+        needed = plan.memory_of(augmenter.compiled).total
+        entry.update(
+            augment_bytes=needed,
+            augment_block=list(augmenter.block or augmenter.slab),
+            augment_compile_seconds=round(time.perf_counter() - began, 2),
         )
-        needed = plan.memory_of(augmenter.compile_largest(fitted.train.batch_size)).total
-        entry.update(augment_bytes=needed, augment_block=list(augmenter.extent))
         entry["fits"] = entry["fits"] and needed <= COMPILED_SHARE * memory
     return entry
 
@@ -143,7 +151,17 @@ def fewest_partitions(config: Config, target: Target, tried: int) -> dict[str, A
     return None
 
 
-def largest_grid(config: Config, devices: list[Any], memory: int) -> int | None:
+def largest_grid(config: Config) -> tuple[int, int, int]:
+    """The largest grid a run of `config` reads: the cube, or on the spacing grid the
+    largest LiTS-like scan (`LARGEST_SCAN_MM`) at the config's spacing."""
+    if config.data.grid == "cube":
+        return (config.data.resolution,) * 3
+    return tuple(
+        math.ceil(mm / s) for mm, s in zip(LARGEST_SCAN_MM, config.data.spacing, strict=True)
+    )
+
+
+def largest_resolution(config: Config, devices: list[Any], memory: int) -> int | None:
     """The largest data.resolution (a multiple of what the layout needs) whose training step
     fits `devices`, searched below the config's; None if not even the smallest does."""
     layout = fit_training(config, devices).config
@@ -227,5 +245,5 @@ def plan_target(config: Config, target: Target, search: bool = True) -> dict[str
     if search and not result["train"]["fits"]:
         tried = result["train"]["devices"]
         result["fewest_partitions"] = fewest_partitions(config, target, tried)
-        result["largest_resolution"] = largest_grid(config, devices, memory)
+        result["largest_resolution"] = largest_resolution(config, devices, memory)
     return result

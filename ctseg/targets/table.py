@@ -45,6 +45,12 @@ def _cell(result: dict[str, Any] | None) -> str:
         split = "×".join(map(str, train["spatial"]))
         verdict = "fits" if train["fits"] else "**does not fit**"
         training = f"train {split}: {human_bytes(train['train_bytes'])}, {verdict}"
+    if train.get("augment_bytes") is not None:
+        training += (
+            f"<br>augment: {human_bytes(train['augment_bytes'])}, compiled in "
+            f"{train['augment_compile_seconds']:.0f} s (the step: "
+            f"{train['train_compile_seconds']:.0f} s)"
+        )
     if predict.get("plan") is None:
         inference = "predict: does not fit"
     else:

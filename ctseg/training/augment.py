@@ -12,8 +12,6 @@ scales the window, resamples, and applies the intensity transforms
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,9 +31,7 @@ from ctseg.model.step import LABEL_SPEC
 from ctseg.parallel.partition import ACTIVATION_SPEC, SPATIAL_AXES, halo_comm, make_global_array
 from ctseg.training import intensity, warp
 
-_ORIGIN_SPEC = P("data", "x", "y", "z", None)
 _PER_SAMPLE = P("data")
-_LEVELS = 4  # block sizes above the unwarped one (`Augmenter.block_extent`)
 
 
 @dataclass(frozen=True)
@@ -161,30 +157,40 @@ def draw_sample(config: Config, step: int, sample: int, base: Augmentation) -> S
 
 class Augmenter:
     """Makes a step's augmented batch for one (config, mesh, box): `inputs` on the host,
-    then `__call__` on the devices; the device program is compiled once."""
+    then `__call__` on the devices. The devices' program has one input shape per run and
+    is compiled when the augmenter is made, before the first step, never during the run.
 
-    def __init__(self, config: Config, mesh: Mesh, box: int):
+    Where boxes are rotated or zoomed, each sample's source is one block of a fixed shape
+    (`block`), the box's preimage clipped to its case's grid, sent to every device of the
+    sample's replica; each device cuts its own slab's points from it. The block is bounded
+    by the case's grid as well as by the warp (`block_extent`): a warp that reads beyond
+    the grid reads air there, which one voxel of fill around the grid gives as well.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        mesh: Mesh,
+        box: int,
+        largest_grid: Sequence[int] | None = None,
+    ):
+        """`largest_grid`: the largest extent, per axis, of the grids the run reads (the
+        store's training cases); None bounds the blocks by the warps alone."""
         self.config, self.mesh, self.box = config, mesh, box
         self.slab = tuple(box // mesh.shape[a] for a in SPATIAL_AXES)
         augment = config.augment
-        # A warped batch's blocks come in a few sizes, from the unwarped slab's preimage
-        # to the bound over every draw: each size is a program compiled once, and a batch
-        # of small rotations sends small blocks (most samples are not warped at all).
-        rotate90 = config.train.rotate90
-        self.smallest = warp.preimage_extent(
-            dataclasses.replace(augment, rotation_p=0.0, scaling_p=0.0), rotate90, self.slab
-        )
-        self.extent = warp.preimage_extent(augment, rotate90, self.slab)
         width = intensity.halo_width(augment, box)
         if width > min(self.slab):
             raise CtsegError(
                 f"the blur and simulated low resolution of [augment] read {width} voxels "
-                f"around each voxel, more than a partition's {min(self.slab)}: use fewer "
+                "around each voxel, more than a partition's "
+                f"{min(self.slab)}: use fewer "
                 "partitions (mesh.spatial), a larger data.resolution, or lower "
                 "augment.blur_sigma / raise augment.low_resolution"
             )
+        self.block = block_extent(config, box, largest_grid) if augment.warps else None
         self._names = tuple(draw_sample(config, 0, 0, Augmentation()).params)
-        self._program = jax.jit(self._program_fn())
+        self.compiled = jax.jit(self._program_fn()).lower(*self._abstract_inputs()).compile()
 
     # ------------------------------------------------------------------ host
 
@@ -195,114 +201,138 @@ class Augmenter:
         offsets: Sequence[Sequence[int]],
         read_slabs: Sequence[Augmentation],
         draws: Sequence[SampleDraw],
-    ) -> tuple[jax.Array, ...]:
-        """(hu, label, origins, drawn) placed on the mesh, each device's block
-        read from the memory-mapped store for that device only. `read_slabs[b]`: the
-        sample's flips and quarter turns where boxes are not
-        warped; warped boxes read preimages and carry the flips in their matrix."""
-        batch = len(case_ids)
-        grids = [(store.image(c), store.label(c)) for c in case_ids]
-        mx, my, mz = (self.mesh.shape[a] for a in SPATIAL_AXES)
-        warps = self.config.augment.warps
-
-        cells = list(itertools.product(range(mx), range(my), range(mz)))
-        spans = {
-            (b, cell): warp.preimage(
-                draws[b].matrix,
-                self.box,
-                [c * s for c, s in zip(cell, self.slab, strict=True)],
-                self.slab,
-            )
-            for b in range(batch)
-            for cell in (cells if warps else [])
-        }
-        needed = np.max([high - low for low, high in spans.values()], axis=0) if warps else 0
-        extent = self.block_extent(needed) if warps else self.slab
-
-        def preimage(b: int, cell: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-            return spans[(b, tuple(int(c) for c in cell))]
-
-        def read(kind: int, fill: int) -> object:
-            def block(index: tuple[slice, ...]) -> np.ndarray:
-                rows = []
-                for b in range(*index[0].indices(batch)):
-                    cell = [(s.start or 0) // n for s, n in zip(index[1:4], extent, strict=True)]
-                    grid, offset = grids[b][kind], offsets[b]
-                    if warps:
-                        # Only the sample's own preimage is read; the rest of the
-                        # block (the batch's largest preimage, by level) is filled.
-                        low, high = preimage(b, cell)
-                        origin = tuple(int(o + lo) for o, lo in zip(offset, low, strict=True))
-                        region = np.asarray(Box(grid, origin, tuple(high - low), fill))
-                        pad = [(0, e - n) for e, n in zip(extent, region.shape, strict=True)]
-                        rows.append(np.pad(region, pad, constant_values=fill))
-                    else:
-                        box = Box(grid, tuple(offset), (self.box,) * 3, fill)
-                        rows.append(read_slabs[b].read(box, index[1:4]))
-                return np.stack(rows)
-
-            return block
-
-        shape = (batch, mx * extent[0], my * extent[1], mz * extent[2])
-        hu = make_global_array(self.mesh, shape, np.int16, read(0, AIR_HU), LABEL_SPEC)
-        label = make_global_array(self.mesh, shape, np.uint8, read(1, 0), LABEL_SPEC)
-
-        def origins(index: tuple[slice, ...]) -> np.ndarray:
-            cells = [s.start or 0 for s in index[1:4]]
-            rows = [preimage(b, cells)[0] for b in range(*index[0].indices(batch))]
-            return np.asarray(rows, np.int32).reshape(-1, 1, 1, 1, 3)
-
-        placed_origins = (
-            make_global_array(self.mesh, (batch, mx, my, mz, 3), np.int32, origins, _ORIGIN_SPEC)
-            if warps
-            else None
-        )
+    ) -> tuple[jax.Array | None, ...]:
+        """(hu, label, origins, drawn) placed on the mesh. Unwarped, each device's slab is
+        read from the memory-mapped store for that device only, rearranged by
+        `read_slabs[b]` (the sample's flips and quarter turns); warped, each sample's block
+        is read once for its replica, and its matrix carries the flips."""
+        if self.block is None:
+            hu, label = self._slabs(store, case_ids, offsets, read_slabs)
+            origins = None
+        else:
+            hu, label, origins = self._blocks(store, case_ids, offsets, draws)
         # Every sample's matrix and parameters in one array: one transfer, not twenty.
         rows = [[*d.matrix.ravel(), *(d.params[n] for n in self._names)] for d in draws]
         drawn = jax.device_put(np.asarray(rows, np.float32), NamedSharding(self.mesh, _PER_SAMPLE))
-        return hu, label, placed_origins, drawn
+        return hu, label, origins, drawn
 
-    def block_extent(self, needed: np.ndarray) -> tuple[int, ...]:
-        """The smallest of `_LEVELS` + 1 block sizes, evenly between the unwarped and the
-        largest, that holds a preimage of extent `needed`."""
-        low, high = np.asarray(self.smallest), np.asarray(self.extent)
-        if np.any(needed > high):
+    def _slabs(
+        self,
+        store: Store,
+        case_ids: Sequence[str],
+        offsets: Sequence[Sequence[int]],
+        read_slabs: Sequence[Augmentation],
+    ) -> tuple[jax.Array, jax.Array]:
+        def read(kind: str) -> Any:
+            def block(index: tuple[slice, ...]) -> np.ndarray:
+                rows = range(*index[0].indices(len(case_ids)))
+                return np.stack(
+                    [
+                        read_slabs[b].read(store.box(case_ids[b], kind, offsets[b]), index[1:4])
+                        for b in rows
+                    ]
+                )
+
+            return block
+
+        shape = (len(case_ids), *(self.box,) * 3)
+        hu = make_global_array(self.mesh, shape, np.int16, read("image"), LABEL_SPEC)
+        label = make_global_array(self.mesh, shape, np.uint8, read("label"), LABEL_SPEC)
+        return hu, label
+
+    def _blocks(
+        self,
+        store: Store,
+        case_ids: Sequence[str],
+        offsets: Sequence[Sequence[int]],
+        draws: Sequence[SampleDraw],
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        block = self.block
+        starts = [
+            self._block_start(store.case(c).grid_shape, o, d.matrix)
+            for c, o, d in zip(case_ids, offsets, draws, strict=True)
+        ]
+        read_once: dict[tuple[str, int, int], np.ndarray] = {}
+
+        def read(kind: str, dtype: Any, fill: int) -> Any:
+            def rows(index: tuple[slice, ...]) -> np.ndarray:
+                first, last, _ = index[0].indices(len(case_ids))
+                key = (kind, first, last)  # the same rows for every device of a replica
+                if key not in read_once:
+                    out = np.empty((last - first, *block), dtype)
+                    for row, b in enumerate(range(first, last)):
+                        grid = self._grid(store, case_ids[b], kind)
+                        Box(grid, starts[b], block, fill).read_into(out[row])
+                    read_once[key] = out
+                return read_once[key]
+
+            return rows
+
+        shape = (len(case_ids), *block)
+        hu = make_global_array(
+            self.mesh, shape, np.int16, read("image", np.int16, AIR_HU), _PER_SAMPLE
+        )
+        label = make_global_array(
+            self.mesh, shape, np.uint8, read("label", np.uint8, 0), _PER_SAMPLE
+        )
+        origins = np.asarray(
+            [np.subtract(s, o) for s, o in zip(starts, offsets, strict=True)], np.int32
+        )
+        placed = jax.device_put(origins, NamedSharding(self.mesh, _PER_SAMPLE))
+        return hu, label, placed
+
+    @staticmethod
+    def _grid(store: Store, case_id: str, kind: str) -> np.ndarray:
+        return store.image(case_id) if kind == "image" else store.label(case_id)
+
+    def _block_start(
+        self, grid: Sequence[int], offset: Sequence[int], matrix: np.ndarray
+    ) -> tuple[int, ...]:
+        """The grid voxel at a sample's block voxel 0: its preimage's first voxel, or one
+        voxel before the grid where the preimage starts further out."""
+        low, high = warp.preimage(matrix, self.box, (0, 0, 0), (self.box,) * 3)
+        start = np.maximum(np.add(offset, low), -1)
+        stop = np.minimum(np.add(offset, high), np.add(grid, 1))
+        if np.any(stop - start > np.asarray(self.block)):
             raise AssertionError(  # a bug in the bound, never a user's error
-                f"preimage {list(needed)} exceeds its bound {list(self.extent)}"
+                f"preimage {list(stop - start)} exceeds its block {list(self.block)}"
             )
-        share = np.max((np.asarray(needed) - low) / np.maximum(high - low, 1))
-        level = math.ceil(max(share, 0.0) * _LEVELS - 1e-9) / _LEVELS
-        return tuple(int(v) for v in np.minimum(high, low + np.ceil(level * (high - low))))
+        return tuple(int(s) for s in start)
 
     # ------------------------------------------------------------------ device
 
-    def compile_largest(self, batch: int) -> jax.stages.Compiled:
-        """The devices' program for a batch of the largest blocks, compiled without data
-        (`ctseg plan --target`: what augmenting a batch takes on devices not here)."""
-        mesh, shape = self.mesh, [self.mesh.shape[a] for a in SPATIAL_AXES]
+    def _abstract_inputs(self) -> tuple[jax.ShapeDtypeStruct | None, ...]:
+        """The program's arguments as shapes: (step, hu, label, origins, drawn)."""
+        mesh, batch = self.mesh, self.config.train.batch_size
 
         def abstract(dims: Sequence[int], dtype: Any, spec: P) -> jax.ShapeDtypeStruct:
             return jax.ShapeDtypeStruct(tuple(dims), dtype, sharding=NamedSharding(mesh, spec))
 
-        block = [batch, *(m * e for m, e in zip(shape, self.extent, strict=True))]
-        inputs = (
-            abstract(block, jnp.int16, LABEL_SPEC),
-            abstract(block, jnp.uint8, LABEL_SPEC),
-            abstract([batch, *shape, 3], jnp.int32, _ORIGIN_SPEC),
+        if self.block is None:
+            spec, extent, origins = LABEL_SPEC, (self.box,) * 3, None
+        else:
+            spec, extent = _PER_SAMPLE, self.block
+            origins = abstract([batch, 3], jnp.int32, _PER_SAMPLE)
+        return (
+            jax.ShapeDtypeStruct((), jnp.int32),
+            abstract([batch, *extent], jnp.int16, spec),
+            abstract([batch, *extent], jnp.uint8, spec),
+            origins,
             abstract([batch, 9 + len(self._names)], jnp.float32, _PER_SAMPLE),
         )
-        return self._program.lower(jax.ShapeDtypeStruct((), jnp.int32), *inputs).compile()
 
-    def __call__(self, step: int, inputs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+    def __call__(
+        self, step: int, inputs: tuple[jax.Array | None, ...]
+    ) -> tuple[jax.Array, jax.Array]:
         """The augmented (image [B, R, R, R, 1] float32, label [B, R, R, R] int32)."""
-        return self._program(jnp.int32(step), *inputs)
+        return self.compiled(jnp.int32(step), *inputs)
 
     def _program_fn(self):
         config, mesh, box, slab = self.config, self.mesh, self.box, self.slab
         augment, window = config.augment, config.data.hu_window
         halo = halo_comm(mesh).halo
         noisy = augment.noise_p > 0
-
+        source_spec = LABEL_SPEC if self.block is None else _PER_SAMPLE
         names = self._names
 
         def body(hu, label, origin, drawn, *noise):
@@ -313,10 +343,8 @@ class Augmenter:
             def to_unit(values: jax.Array) -> jax.Array:
                 return hu_to_unit(values, window, jnp)
 
-            if augment.warps:  # scaled after the gather: the slab's voxels, not the block's
-                unit, label = warp.warp_slab(
-                    hu, label, to_unit, origin[:, 0, 0, 0], matrix, box, start, slab
-                )
+            if origin is not None:  # scaled after the gather: the slab's voxels, not the block's
+                unit, label = warp.warp_slab(hu, label, to_unit, origin, matrix, box, start, slab)
             else:
                 unit = to_unit(hu)
             if augment.phase_p > 0:  # the patient's own contrast, before the scan's changes
@@ -329,25 +357,39 @@ class Augmenter:
             )
             return unit[..., None], label.astype(jnp.int32)
 
-        shard = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(LABEL_SPEC, LABEL_SPEC, _ORIGIN_SPEC, _PER_SAMPLE)
-            + ((LABEL_SPEC,) if noisy else ()),
-            out_specs=(ACTIVATION_SPEC, LABEL_SPEC),
-            check_vma=True,
-        )
-
         def program(step, hu, label, origin, drawn):
-            batch = drawn.shape[0]
             noise = ()
             if noisy:
                 key = jax.random.fold_in(jax.random.key(config.train.seed), step)
-                keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch))
+                keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(drawn.shape[0]))
                 normal = jax.vmap(lambda k: jax.random.normal(k, (box,) * 3))(keys)
                 noise = (jax.lax.with_sharding_constraint(normal, NamedSharding(mesh, LABEL_SPEC)),)
-            if origin is None:  # unwarped: a placeholder the body ignores
-                origin = jnp.zeros((batch, *(mesh.shape[a] for a in SPATIAL_AXES), 3), jnp.int32)
+            shard = jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(source_spec, source_spec, _PER_SAMPLE if origin is not None else None)
+                + (_PER_SAMPLE,)
+                + ((LABEL_SPEC,) if noisy else ()),
+                out_specs=(ACTIVATION_SPEC, LABEL_SPEC),
+                check_vma=True,
+            )
             return shard(hu, label, origin, drawn, *noise)
 
         return program
+
+
+def block_extent(config: Config, box: int, largest_grid: Sequence[int] | None) -> tuple[int, ...]:
+    """The fixed shape of a warped sample's block: the bound over every warp the config
+    allows on the box's preimage (`warp.preimage_extent`), and no more than the largest
+    grid read plus a voxel of fill on each side. CtsegError where its voxels could not
+    be indexed in int32, as the devices' gather indexes them."""
+    extent = warp.preimage_extent(config.augment, config.train.rotate90, (box,) * 3)
+    if largest_grid is not None:
+        extent = tuple(min(e, int(g) + 2) for e, g in zip(extent, largest_grid, strict=True))
+    if math.prod(extent) >= 2**31:
+        raise CtsegError(
+            f"a rotated or zoomed {box}³ box reads blocks of up to {'×'.join(map(str, extent))} "
+            "voxels, more than the devices can index: lower augment.rotation_degrees or raise "
+            "augment.scaling's lower bound"
+        )
+    return tuple(int(e) for e in extent)

@@ -323,7 +323,7 @@ class _Run:
             )
         if done % tc.log_every == 0 or validating or done == tc.steps:
             entry = {k: float(v) for k, v in step_metrics.items()}
-            entry.update(step=done, steps_per_second=clock.rate)
+            entry.update(step=done, steps_per_second=clock.rate, time=time.time())
             entry["data_wait_fraction"] = clock.wait_fraction(prefetch)
             if validating:
                 entry.update(val_dice_liver=val_dice["liver"], val_dice_tumour=val_dice["tumour"])

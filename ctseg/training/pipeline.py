@@ -104,6 +104,12 @@ def make_batch(
     return image, label
 
 
+def augmenter_for(store: Store, config: Config, mesh: Mesh) -> Augmenter:
+    """The run's augmenter, its blocks bounded by the store's largest training grid."""
+    grids = [case.grid_shape for case in store.split("train")]
+    return Augmenter(config, mesh, store.resolution, tuple(np.max(grids, axis=0)))
+
+
 def training_batch(
     store: Store, config: Config, mesh: Mesh, step: int, augmenter: Augmenter | None = None
 ) -> tuple[jax.Array, jax.Array]:
@@ -117,7 +123,7 @@ def training_batch(
         for i, c in enumerate(picks)
     ]
     if config.augment.on_device:
-        augmenter = augmenter or Augmenter(config, mesh, store.resolution)
+        augmenter = augmenter or augmenter_for(store, config, mesh)
         draws = [draw_sample(config, step, i, aug) for i, aug in enumerate(augs)]
         return augmenter(step, augmenter.inputs(store, picks, offsets, augs, draws))
     return make_batch(store, picks, augs, mesh, config.data.hu_window, offsets)
@@ -134,7 +140,7 @@ class Prefetcher:
         self._stop = threading.Event()
         self._count = max(stop - start, 0)
         self.wait_seconds = 0.0
-        augmenter = Augmenter(config, mesh, store.resolution) if config.augment.on_device else None
+        augmenter = augmenter_for(store, config, mesh) if config.augment.on_device else None
 
         def work() -> None:
             for step in range(start, stop):

@@ -186,11 +186,12 @@ def test_augmentation_compiles_for_gpus_partition_by_partition(h100s):
         "augment.gamma_p=0.5",
     )
     target, devices = h100s
-    augmenter = Augmenter(config, make_mesh((2, 2, 1), 1, devices), 32)
-    text = augmenter.compile_largest(1).as_text()
+    augmenter = Augmenter(config, make_mesh((2, 2, 1), 1, devices), 32, (32, 32, 32))
+    text = augmenter.compiled.as_text()
     assert "collective-permute" in text and "all-gather" in text
     for host_transfer in ("is_host_transfer=true", "outfeed", "infeed", "callback"):
         assert host_transfer not in text
     entry = target_compile.training(config, devices, target.memory)
-    assert entry["augment_block"] == list(augmenter.extent)
+    assert entry["augment_block"] == list(augmenter.block) == [34, 34, 34]
+    assert entry["augment_compile_seconds"] > 0 and entry["train_compile_seconds"] > 0
     assert 0 < entry["augment_bytes"] < entry["train_bytes"]

@@ -1,0 +1,310 @@
+"""The GPU check: everything ctseg promises on one accelerator, in one command of ~8 minutes.
+
+    python scripts/gpu_check.py WORKDIR [--device gpu] [--quick]      # or: make gpu-check
+
+On a machine with one GPU and the `cuda12`/`cuda13` and `bench` extras, it runs, each
+in its own process as a user runs it:
+
+1. the training step at 128³ and 256³ (`ctseg bench`, `configs/lits128.toml` and
+   `configs/lits256_16way.toml` fitted to one device), and the same U-Net's step in
+   PyTorch, eager and `torch.compile`d (`scripts/monai_anchor.py train`);
+2. `ctseg train` with `configs/lits256_16way.toml` on four synthetic 256³-box scans,
+   100 steps with the LiTS augmentations: seconds from the command's start to the first
+   step, and the share of the loop spent waiting for input;
+3. prediction of 512×512 scans with the lits512 model (`scripts/bench_predict512.py
+   --anchor`): cold and warm, each further scan, the network against MONAI's sliding
+   window; and ten scans of ten different extents in one `ctseg predict`, which must
+   compile nothing after the first scan's programs.
+
+A check that fails is a row saying so; the others go on. It prints a table of
+measurements against the targets last and writes WORKDIR/gpu_check.json (rewritten after
+every check, so an interrupted run keeps what it measured). `--quick` runs the same
+checks on small grids (minutes on a CPU: `--device cpu --quick` tests the script itself;
+its numbers mean nothing). Record each run in docs/experiments/gpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ctseg import atomic  # no JAX here: this process leaves the accelerator to the checks
+
+REPO = Path(__file__).resolve().parent.parent
+CTSEG = str(Path(sys.executable).with_name("ctseg"))
+SCRIPTS = REPO / "scripts"
+LITS128, LITS256 = REPO / "configs" / "lits128.toml", REPO / "configs" / "lits256_16way.toml"
+EXTENTS = 10  # scans of different extents predicted in one command
+
+
+@dataclass
+class Settings:
+    """What the checks run on: the full sizes on a GPU, small ones with --quick."""
+
+    device: str
+    quick: bool
+    work: Path
+    results: dict = field(default_factory=dict)
+
+    def sets(self) -> list[str]:
+        """Overrides that shrink a config's grid and network under --quick."""
+        small = ["data.resolution=32", "model.base_filters=8", "model.depth=3"]
+        return [f"--set={s}" for s in small] if self.quick else []
+
+
+def run(command: list[str], timeout: float) -> tuple[float, str]:
+    """Run a command; its wall seconds and standard output. RuntimeError with its last
+    error line when it fails or overruns."""
+    began = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"no answer in {timeout:.0f} s: {' '.join(command[:3])} …") from None
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip()] or ["(no message)"]
+        raise RuntimeError(f"exit {done.returncode}: {lines[-1][:300]}")
+    return time.perf_counter() - began, done.stdout
+
+
+# ------------------------------------------------------------------ the checks
+
+
+def bench_step(s: Settings, config: Path, name: str) -> dict:
+    report = s.work / f"{name}.json"
+    report.unlink(missing_ok=True)
+    command = [CTSEG, "bench", "--config", str(config), "--spatial", "1,1,1"]
+    command += ["--partitioner", "halo", "--steps", "10", "--device", s.device]
+    run([*command, *s.sets(), "--json", str(report)], 300)
+    result = json.loads(report.read_text())["results"][0]
+    return {"step_seconds": result["step_seconds"], "gib": result["per_device_bytes"] / 2**30}
+
+
+def anchor_step(s: Settings, size: int, compiled: bool) -> dict:
+    if s.device != "gpu":
+        return {"skipped": "the PyTorch anchor trains on a CUDA GPU only"}
+    command = [sys.executable, str(SCRIPTS / "monai_anchor.py"), "train", "--size", str(size)]
+    _, out = run([*command, "--base", "32", *(["--compile"] if compiled else [])], 300)
+    result = json.loads(out.strip().splitlines()[-1])
+    return {"step_seconds": result["step_seconds"], "gib": result["peak_gib"]}
+
+
+def train_start(s: Settings) -> dict:
+    """`ctseg train` on four synthetic scans: first step, data wait, steps per second."""
+    raw, prep, run_dir = s.work / "train-raw", s.work / "train-prep", s.work / "train-run"
+    for folder in (raw, prep, run_dir):
+        shutil.rmtree(folder, ignore_errors=True)
+    size = "64" if s.quick else "256"
+    run([CTSEG, "synth", str(raw), "--cases", "4", "--size", size, "--seed", "0"], 300)
+    sets = s.sets()
+    run([CTSEG, "preprocess", str(raw), str(prep), "--config", str(LITS256), *sets], 300)
+    steps = 10 if s.quick else 100
+    command = [CTSEG, "train", "--config", str(LITS256), "--data", str(prep)]
+    command += ["--workdir", str(run_dir), "--device", s.device, *sets]
+    command += [f"--set=train.steps={steps}", "--set=train.log_every=1"]
+    command += [f"--set=train.eval_every={steps}", f"--set=train.checkpoint_every={steps}"]
+    began = time.time()
+    wall, _ = run(command, 400)
+    entries = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first, last = entries[0], [e for e in entries if "val_dice_liver" not in e][-1]
+    return {
+        "first_step_seconds": first["time"] - began,
+        "data_wait_fraction": last["data_wait_fraction"],
+        "steps_per_second": last["steps_per_second"],
+        "wall_seconds": wall,
+    }
+
+
+def predict512(s: Settings) -> dict:
+    work = s.work / "predict512"
+    command = [sys.executable, str(SCRIPTS / "bench_predict512.py"), str(work)]
+    command += ["--device", s.device, "--scans", "3" if s.quick else "10"]
+    command += ["--size", "96"] if s.quick else ["--anchor"]
+    run(command, 600)
+    return json.loads((work / "result.json").read_text())
+
+
+def extents(s: Settings) -> dict:
+    """Ten scans of ten extents (the phantom cut to fewer slices) in one `ctseg predict`:
+    the programs compiled for the first serve the rest."""
+    import nibabel as nib
+
+    work = s.work / "predict512"
+    run_dir, scans = work / "run", sorted((work / "scan").glob("*.nii.gz"))
+    if not scans or not run_dir.is_dir():
+        raise RuntimeError("needs the predict512 check's run and scan")
+    cut, out = s.work / "extents", s.work / "extents-out"
+    shutil.rmtree(cut, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    cut.mkdir(parents=True)
+    image = nib.load(scans[0])
+    slices = image.shape[2]
+    for i in range(EXTENTS):
+        keep = slices - i * max(slices // (2 * EXTENTS), 1)
+        part = image.slicer[:, :, :keep]
+        nib.save(part, cut / f"volume-{i}.nii.gz")
+    wall, _ = run([CTSEG, "predict", str(run_dir), str(cut), "--out", str(out)], 600)
+    stats = [json.loads(p.read_text()) for p in sorted(out.glob("*_stats.json"))]
+    stats.sort(key=lambda st: st["seconds"].get("compile", 0.0), reverse=True)
+    later = [st["seconds"].get("compile", 0.0) for st in stats[1:]]
+    return {
+        "scans": len(stats),
+        "wall_seconds": wall,
+        "first_compile_seconds": stats[0]["seconds"].get("compile", 0.0),
+        "later_compile_seconds": sum(later),
+    }
+
+
+# ------------------------------------------------------------------ the table
+
+
+@dataclass(frozen=True)
+class Row:
+    check: str
+    measured: Callable[[dict], float | None]
+    target: str
+    met: Callable[[float], bool]
+    unit: str = "s"
+
+
+def _get(*keys: str) -> Callable[[dict], float | None]:
+    def read(results: dict) -> float | None:
+        value = results
+        for key in keys:
+            if not isinstance(value, dict) or key not in value:
+                return None
+            value = value[key]
+        return value
+
+    return read
+
+
+def _ratio(a: tuple[str, ...], b: tuple[str, ...]) -> Callable[[dict], float | None]:
+    def read(results: dict) -> float | None:
+        x, y = _get(*a)(results), _get(*b)(results)
+        return None if x is None or not y else x / y
+
+    return read
+
+
+def _first_cold(results: dict) -> float | None:
+    """The cold run's wall seconds less what its further scans added (warm)."""
+    cold = _get("predict", "cold", "wall_seconds")(results)
+    further = _get("predict", "warm", "wall_seconds_per_scan_after_first")(results)
+    scans = _get("predict", "scans")(results)
+    return None if None in (cold, further, scans) else cold - (scans - 1) * further
+
+
+ROWS = (
+    Row("train step 128³", _get("step128", "step_seconds"), "(measured)", lambda v: True),
+    Row(
+        "  vs torch.compile",
+        _ratio(("step128", "step_seconds"), ("anchor128_compiled", "step_seconds")),
+        "≤ 1.0×",
+        lambda v: v <= 1.0,
+        "×",
+    ),
+    Row("train step 256³", _get("step256", "step_seconds"), "(measured)", lambda v: True),
+    Row(
+        "  vs torch.compile",
+        _ratio(("step256", "step_seconds"), ("anchor256_compiled", "step_seconds")),
+        "≤ 1.0×",
+        lambda v: v <= 1.0,
+        "×",
+    ),
+    Row(
+        "  memory vs PyTorch",
+        _ratio(("step256", "gib"), ("anchor256_compiled", "gib")),
+        "≤ 0.6×",
+        lambda v: v <= 0.6,
+        "×",
+    ),
+    Row("train: first step", _get("train", "first_step_seconds"), "≤ 60 s", lambda v: v <= 60),
+    Row(
+        "train: data wait",
+        _get("train", "data_wait_fraction"),
+        "≤ 5 %",
+        lambda v: v <= 0.05,
+        "",
+    ),
+    Row("predict: first scan, cold", _first_cold, "≤ 30 s", lambda v: v <= 30),
+    Row(
+        "predict: one scan, warm",
+        _get("predict", "warm", "one_scan_wall_seconds"),
+        "≤ 5 s",
+        lambda v: v <= 5,
+    ),
+    Row(
+        "predict: each further scan",
+        _get("predict", "warm", "wall_seconds_per_scan_after_first"),
+        "≤ 1 s",
+        lambda v: v <= 1,
+    ),
+    Row(
+        "predict: network vs MONAI",
+        _get("predict", "network_vs_anchor"),
+        "≤ 0.25×",
+        lambda v: v <= 0.25,
+        "×",
+    ),
+    Row(
+        f"predict: {EXTENTS} extents, compile after the first",
+        _get("extents", "later_compile_seconds"),
+        "0 s",
+        lambda v: v == 0,
+    ),
+)
+
+
+def table(results: dict) -> str:
+    lines = [f"{'check':<44} {'measured':>10}  {'target':<10} met"]
+    for row in ROWS:
+        value = row.measured(results)
+        shown = "–" if value is None else f"{value:.3g}{row.unit}"
+        verdict = "–" if value is None else ("yes" if row.met(value) else "NO")
+        lines.append(f"{row.check:<44} {shown:>10}  {row.target:<10} {verdict}")
+    failed = {k: v["error"] for k, v in results.items() if isinstance(v, dict) and "error" in v}
+    lines += [f"{name} failed: {error}" for name, error in failed.items()]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workdir", type=Path)
+    parser.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
+    parser.add_argument("--quick", action="store_true", help="small grids: tests the script")
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    s = Settings(args.device, args.quick, args.workdir.resolve())
+    checks: dict[str, Callable[[], dict]] = {
+        "step128": lambda: bench_step(s, LITS128, "step128"),
+        "anchor128": lambda: anchor_step(s, 128, False),
+        "anchor128_compiled": lambda: anchor_step(s, 128, True),
+        "step256": lambda: bench_step(s, LITS256, "step256"),
+        "anchor256": lambda: anchor_step(s, 256, False),
+        "anchor256_compiled": lambda: anchor_step(s, 256, True),
+        "train": lambda: train_start(s),
+        "predict": lambda: predict512(s),
+        "extents": lambda: extents(s),
+    }
+    began = time.perf_counter()
+    for name, check in checks.items():
+        print(f"[{time.perf_counter() - began:5.0f} s] {name} …", flush=True)
+        try:
+            s.results[name] = check()
+        except Exception as exc:  # one failed check is a row; the others go on
+            s.results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        s.results["wall_seconds"] = time.perf_counter() - began
+        atomic.write_json(s.work / "gpu_check.json", s.results)
+    print(table(s.results))
+    print(f"wrote {s.work / 'gpu_check.json'} ({s.results['wall_seconds']:.0f} s in all)")
+
+
+if __name__ == "__main__":
+    main()
