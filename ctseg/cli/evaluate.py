@@ -19,6 +19,7 @@ from ctseg.errors import CtsegError
 from ctseg.evaluation.cross_validation import evaluate_cross_validation
 from ctseg.evaluation.runs import evaluate_run
 from ctseg.evaluation.scoring import claim_reports, evaluate_folders, write_reports
+from ctseg.inference.region import check_margin
 from ctseg.run import evaluations, rundir
 
 console = Console(highlight=False)
@@ -199,8 +200,10 @@ def _check_form(
             "--locate does not apply to --cross-validation: evaluate a fold run alone "
             "(RUN_DIR --data PREP_DIR --locate COARSE_RUN)"
         )
-    if run_options["margin"] is not None and run_options["locate"] is None:
-        raise CtsegError("--margin applies with --locate COARSE_RUN")
+    # Finite, not negative, with --locate: before anything is claimed or written.
+    check_margin(
+        run_options["margin"], run_options["locate"] is not None, "--margin", "--locate COARSE_RUN"
+    )
     if cross_validation and run_options["split"] is not None:
         raise CtsegError(
             "--split does not apply to --cross-validation: each fold run predicts its own fold"
@@ -286,7 +289,11 @@ def evaluate(
     ] = None,
     ref: Annotated[
         Path | None,
-        typer.Option(help="Folder of reference label maps (.nii / .nii.gz).", metavar="REF_DIR"),
+        typer.Option(
+            help="Folder of reference label maps (.nii / .nii.gz); a reference without its "
+            "prediction, or a prediction that cannot be read, is a failed case (exit 1).",
+            metavar="REF_DIR",
+        ),
     ] = None,
     json_path: Annotated[
         Path | None,

@@ -14,7 +14,6 @@ from ctseg import lock
 from ctseg.cli import library_output
 from ctseg.cli.app import app
 from ctseg.cli.options import CompileCacheOption, DeviceChoice, DeviceOption, start_jax, warn
-from ctseg.config import InferenceOptions
 from ctseg.errors import CtsegError
 from ctseg.io import dicom, dicom_seg
 from ctseg.run import rundir
@@ -178,15 +177,22 @@ def predict(
         ),
     ] = None,
     margin: Annotated[
-        float,
-        typer.Option("--margin", help="Millimetres around the located liver or the mask."),
-    ] = 20.0,
+        float | None,
+        typer.Option(
+            "--margin",
+            help="Millimetres around the located liver or the mask (with --locate or --roi; "
+            "default 20; finite, not negative; one beyond the scan takes all of it).",
+            show_default=False,
+        ),
+    ] = None,
     force: Annotated[
         bool,
         typer.Option(
             "--force",
             help="Predict every scan again, replacing its outputs (by default a scan whose "
-            "outputs are all there, by this model, is done earlier and skipped).",
+            "outputs are all there, for the same request, is done earlier and skipped; "
+            "outputs of another request, or files of an output's name that ctseg did not "
+            "write, fail the scan). Inputs (scans, --roi masks) are never replaced.",
         ),
     ] = False,
 ) -> None:
@@ -197,18 +203,38 @@ def predict(
     what runs where. The segmentation has exactly the input's geometry, so it
     overlays on the scan in ITK-SNAP or 3D Slicer. Exits 1 when any scan
     failed; the others are written. Run again after an interruption: scans
-    already done are skipped, the rest are predicted.
+    already done for the same request (model, checkpoint, TTA, backend, region)
+    are skipped, the rest are predicted. ctseg replaces only files it wrote
+    (listed in --out's .ctseg-outputs.json), others only with --force.
     """
     console = Console(highlight=False)  # here, not at import: the terminal's width of now
     run_dirs = rundir.member_runs([run_dir, *(runs or [])])
     configs = [rundir.load_config(path) for path in run_dirs]
+    # JAX-free: every option checked before anything starts.
+    from ctseg.inference.inputs import (
+        OwnOutputs,
+        check_output_folder,
+        expand_inputs,
+        inference_options,
+        keep_inputs,
+        scan_masks,
+    )
+    from ctseg.inference.region import check_margin
+
+    names = {key: f"--{key}" for key in ("checkpoint", "tile", "backend", "device", "tta")}
+    options = inference_options(
+        configs[0], checkpoint, tile, backend and backend.value, device.value, tta, names
+    )
+    check_margin(margin, locate is not None or roi is not None)
+    if locate is not None and roi is not None:
+        raise CtsegError("give --locate COARSE_RUN or --roi MASK, not both")
+    if roi is not None and not roi.exists():
+        raise CtsegError(f"--roi {roi}: no such mask file or folder")
     start_jax(configs[0], devices=1, device=device, compile_cache=compile_cache, verbose=verbose)
     # After start_jax: importing the pipeline starts JAX.
     from ctseg.inference.files import predict_files
-    from ctseg.inference.inputs import check_output_folder, expand_inputs
-    from ctseg.inference.predictor import Predictor, roi_mask
+    from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Predictor
 
-    options = InferenceOptions(checkpoint, tile, backend and backend.value, device.value, tta)
     # One writer per --out: two predictions at once would mix their outputs. A file in
     # its place is one error line, not a failure per scan.
     check_output_folder(out)
@@ -221,16 +247,14 @@ def predict(
             if output_type == OutputType.dicom_seg:
                 for scan in scans:  # before any prediction: every input must be a DICOM series
                     dicom_seg.check_dicom_source(scan)
-            if roi is not None and roi.is_file() and len(scans) != 1:
-                raise CtsegError(
-                    f"--roi {roi} is the mask of one scan; give that one scan, or a folder "
-                    "of masks named as the scans"
-                )
-            if roi is not None and roi.is_dir():
-                for scan in scans:  # every scan's mask found before any is predicted
-                    roi_mask(roi, scan)
+            if roi is not None:  # every scan's mask found before any is predicted
+                masks = scan_masks(roi, scans, OwnOutputs(out).owns)
+                # A mask is read, never written over: not even with --force.
+                scans, overwriting = keep_inputs(scans, out, list(masks.values()), "a --roi mask")
+                outcomes += overwriting
             predictor = Predictor.from_run(run_dirs, options, configs)
             if locate is not None or roi is not None:
+                margin = DEFAULT_MARGIN_MM if margin is None else margin
                 predictor.predict_region(locate, roi, margin, options)
             steps = ", ".join(str(m.model.step) for m in predictor.members)
             unusable = f", {len(outcomes)} input(s) failed" if outcomes else ""

@@ -35,6 +35,7 @@ from ctseg.data.store import CaseEntry, Store
 from ctseg.errors import CtsegError
 from ctseg.evaluation import metrics
 from ctseg.evaluation.scoring import evaluate_arrays, score_cases, write_reports
+from ctseg.inference.region import check_margin
 from ctseg.io import scans
 from ctseg.progress import Progress
 from ctseg.run import evaluations, rundir
@@ -86,8 +87,7 @@ def evaluate_run(
     ensemble = len(run_dirs) > 1
     if ensemble and out_dir is None:
         raise CtsegError("an ensemble's evaluation needs --out DIR (it belongs to no one run)")
-    if locate is None and margin_mm is not None:
-        raise CtsegError("--margin applies with --locate COARSE_RUN")
+    check_margin(margin_mm, locate is not None, "--margin", "--locate COARSE_RUN")
     if locate is not None:
         locate = Path(locate)
         try:  # before anything is claimed or cleared: a wrong path is one line

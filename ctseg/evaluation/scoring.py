@@ -7,7 +7,9 @@ reference's shape and affine, so no resampling happens here; both are read by
 evaluations that predict with trained runs (a run, an ensemble, a cross-validation)
 are `ctseg.evaluation.runs`'s, and go through the same per-case loop (`score_cases`):
 a case that fails (unreadable file, other geometry, labels outside 0–2) is listed
-under ``errors`` and the other cases still count. `evaluate_arrays` is the
+under ``errors`` and the other cases still count. So is every case that could not be
+evaluated at all: a reference without its prediction, and a prediction that cannot be
+read (a dangling link, a pipe, a file without read permission). `evaluate_arrays` is the
 in-memory core of them all; `write_reports` writes summary.json and metrics.csv.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -59,13 +62,15 @@ def _natural_key(name: str) -> list:
 
 
 def _nifti_files(folder: Path, role: str) -> dict[str, Path]:
-    """NIfTI files of `folder` by stem; two files with one stem (.nii and .nii.gz) are an error."""
+    """NIfTI names of `folder` by stem; two files with one stem (.nii and .nii.gz) are an
+    error. Every entry but a folder counts: a dangling link or a pipe of a label map's
+    name is a case that cannot be read (`read_scan` says why), never silently no case."""
     if not folder.is_dir():
         raise CtsegError(f"{role} folder {folder} does not exist or is not a folder")
     files: dict[str, Path] = {}
     for path in sorted(folder.iterdir()):
         stem = nifti_stem(path)
-        if stem is None or path.name.startswith(".") or not path.is_file():
+        if stem is None or path.name.startswith(".") or path.is_dir():
             continue
         if stem in files:
             raise CtsegError(f"{role} folder holds both {files[stem].name} and {path.name}")
@@ -138,6 +143,9 @@ def evaluate_arrays(
 def evaluate_pair(pair: CasePair) -> dict:
     """Read one prediction/reference pair (`read_scan`, with its checks), check that they
     share one geometry, and evaluate it."""
+    for role, path in (("prediction", pair.pred), ("reference", pair.ref)):
+        if why := _unusable(path):
+            raise CtsegError(f"the {role} {path} is {why}")
     pred, ref = scans.read_scan(pair.pred), scans.read_scan(pair.ref)
     difference = scans.geometry_difference(
         pred.original_shape, pred.original_affine, ref.original_shape, ref.original_affine
@@ -208,12 +216,64 @@ def _models(pairs: Sequence[CasePair]) -> set[tuple]:
     return models
 
 
+_LITS_SCAN = re.compile(r"(test-)?volume-\d+")
+
+
+def missing_predictions(unpaired_ref: Sequence[str], pred_dir: Path) -> list[dict]:
+    """A failed case ({"case", "message"}) for each reference without its prediction; a
+    LiTS scan (`volume-N`) in the references' folder is a scan beside them, no reference."""
+    missing = []
+    for name in unpaired_ref:
+        stem = nifti_stem(Path(name)) or name
+        if _LITS_SCAN.fullmatch(stem):
+            continue
+        missing.append(
+            {
+                "case": stem,
+                "message": f"no prediction in {pred_dir} for the reference {name} (looked for "
+                f"{stem}.nii.gz, {stem}_seg.nii.gz and the like)",
+            }
+        )
+    return missing
+
+
+def _unusable(path: Path) -> str | None:
+    """Why a label map's path cannot be read, in words (None: a readable file, as far as
+    can be told before reading it)."""
+    if path.is_symlink() and not path.exists():
+        return f"a link to {os.readlink(path)}, which does not exist"
+    if not path.is_file():
+        return "not a regular file (a pipe, device or socket)"
+    if not os.access(path, os.R_OK):
+        return "not readable (permission denied)"
+    return None
+
+
+def _unreadable(unpaired_pred: Sequence[str], pred_dir: Path) -> list[dict]:
+    """A failed case for each unpaired prediction that cannot be read (a dangling link, a
+    pipe, one without read permission): whatever it was meant to be, it was not scored."""
+    failed = []
+    for name in unpaired_pred:
+        path = Path(pred_dir) / name
+        if why := _unusable(path):
+            case = nifti_stem(Path(name)) or name
+            failed.append(
+                {
+                    "case": case,
+                    "message": f"the prediction {path} is {why}; it matches no reference",
+                }
+            )
+    return failed
+
+
 def evaluate_folders(pred_dir: Path, ref_dir: Path, progress: Progress | None = None) -> dict:
     """Pair the two folders' files and evaluate them.
 
     No pair at all is an error; so are one folder given as both (every case would
     score perfectly) and predictions of several models in one folder (their mean
-    would describe none of them).
+    would describe none of them). A case that could not be evaluated is a failed case
+    (under "errors"): a reference without its prediction (`missing_predictions`), a
+    prediction that cannot be read, paired or not.
     """
     if Path(pred_dir).resolve() == Path(ref_dir).resolve():
         raise CtsegError(f"--pred and --ref are the same folder ({pred_dir})")
@@ -231,6 +291,8 @@ def evaluate_folders(pred_dir: Path, ref_dir: Path, progress: Progress | None = 
             "predict every scan with one model (ctseg predict --force) or evaluate them apart"
         )
     result = evaluate_pairs(pairs, progress)
+    result["errors"] += _unreadable(unpaired_pred, pred_dir)
+    result["errors"] += missing_predictions(unpaired_ref, pred_dir)
     result["unpaired"] = {"pred": unpaired_pred, "ref": unpaired_ref}
     return result
 

@@ -13,6 +13,11 @@ Each call reads (or takes) one scan, predicts it exactly as `ctseg predict` does
 map in the scan's own geometry with its statistics, writing nothing. `segment` does
 it once.
 
+Every option is checked before a model loads, as the CLI checks it
+(`inputs.inference_options`, `region.check_margin`). `save` and `segment(out=…)` never
+write over the scan read, nor over a file that is not a label map ctseg wrote, unless
+`force`.
+
 Devices: the GPUs or TPUs JAX sees (`device="auto"`), else the CPU, as the commands
 choose them. Unlike the commands, the library never configures JAX's platforms or
 simulated devices itself: a notebook that imported JAX first keeps its settings.
@@ -30,15 +35,51 @@ import nibabel as nib
 import numpy as np
 
 from ctseg import atomic
-from ctseg.config import InferenceOptions
+from ctseg.errors import CtsegError
 from ctseg.inference import postprocess
+from ctseg.inference.inputs import inference_options
 from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Predictor
+from ctseg.inference.region import check_margin
 from ctseg.inference.scan_checks import volume_warnings
 from ctseg.io.scans import Scan, nifti_image, read_scan, scan_from_image, to_original_order
 from ctseg.parallel.compile_cache import compile_cache_dir, use_compile_cache
-from ctseg.run.rundir import member_runs
+from ctseg.run.rundir import load_config, member_runs
 
 _log = logging.getLogger(__name__)
+# In the NIfTI header of every label map `Segmentation.save` writes: what makes a file
+# one that a later `save` may replace.
+DESCRIPTION = b"ctseg labels"
+
+
+def _is_our_labels(path: Path) -> bool:
+    """Whether `path` is a NIfTI label map that `Segmentation.save` wrote."""
+    try:
+        header = nib.load(path).header
+        return bytes(header["descrip"]).startswith(DESCRIPTION)
+    except Exception:  # not NIfTI, unreadable: not ours
+        return False
+
+
+def check_out(out: str | Path, sources: Sequence[Path] = (), force: bool = False) -> Path:
+    """Where labels may be saved: CtsegError, one line, for a folder, for one of the
+    `sources` (the scan read, compared resolved; not even with `force`), or for an
+    existing file that is no label map ctseg wrote (unless `force`)."""
+    out = Path(out)
+    if out.is_dir():
+        raise CtsegError(
+            f"{out} is a folder: give a file name for the labels, e.g. {out / 'scan_seg.nii.gz'}"
+        )
+    for source in sources:
+        if out.resolve() == Path(source).resolve() or (
+            out.exists() and source.exists() and out.samefile(source)
+        ):
+            raise CtsegError(f"{out} is the scan being segmented; save its labels elsewhere")
+    if (out.exists() or out.is_symlink()) and not force and not _is_our_labels(out):
+        raise CtsegError(
+            f"{out} exists and is not a label map ctseg wrote; give another path, or "
+            "force=True to replace it"
+        )
+    return out
 
 
 @dataclass
@@ -55,10 +96,18 @@ class Segmentation:
 
     def to_nifti(self) -> nib.Nifti1Image:
         """The labels as a NIfTI image of the input's geometry (its header, for NIfTI)."""
-        return nifti_image(self.scan, self.labels, np.uint8)
+        image = nifti_image(self.scan, self.labels, np.uint8)
+        image.header["descrip"] = DESCRIPTION
+        return image
 
-    def save(self, path: str | Path) -> None:
-        """Write the labels as NIfTI at `path`, atomically (ITK-SNAP, 3D Slicer overlay it)."""
+    def save(self, path: str | Path, force: bool = False) -> None:
+        """Write the labels as NIfTI at `path`, atomically (ITK-SNAP, 3D Slicer overlay it).
+
+        Never over the scan read; over an existing file only when it is a label map ctseg
+        wrote, or with `force`."""
+        # A file the scan was read from (an image in memory is named, not read).
+        read = self.scan is not None and Path(self.scan.source).exists()
+        path = check_out(path, [Path(self.scan.source)] if read else [], force)
         with atomic.atomic_path(path) as tmp:
             nib.save(self.to_nifti(), tmp)
 
@@ -70,30 +119,36 @@ class Segmenter:
         self,
         runs: str | Path | Sequence[str | Path],
         *,
-        checkpoint: str = "best",
+        checkpoint: str | int = "best",
         tile: int | None = None,
         backend: str | None = None,
         device: str = "auto",
         tta: bool | None = None,
         compile_cache: str | None = None,
         locate: str | Path | None = None,
-        margin_mm: float = DEFAULT_MARGIN_MM,
+        margin_mm: float | None = None,
     ):
         """`runs`: a run directory, a folder of them, or several (an ensemble). The options
-        are `ctseg predict`'s: the checkpoint, level-wise tiles (None: the run's config),
+        are `ctseg predict`'s: the checkpoint (best, latest or a step number, a string or
+        an int), level-wise tiles (None: the run's config),
         the backend (None: JAX on accelerators, else ONNX Runtime when installed), the
         device (auto, cpu, gpu or tpu) and mirrored TTA (None: the run's config);
         `compile_cache` a folder or "off" (default: ctseg's cache folder); `locate` a
         coarse run that finds the liver first, the full-resolution models then running on
-        its box plus `margin_mm` only (`ctseg predict --locate`)."""
+        its box plus `margin_mm` only (`ctseg predict --locate`; default 20 mm; only with
+        `locate`). Every option is checked before a model loads, one line (CtsegError)
+        for each mistake, as the CLI checks it."""
         paths = [runs] if isinstance(runs, str | Path) else list(runs)
         run_dirs = member_runs([Path(path) for path in paths])  # each run once, as the CLI
+        configs = [load_config(run_dir) for run_dir in run_dirs]
+        options = inference_options(configs[0], checkpoint, tile, backend, device, tta)
+        check_margin(margin_mm, locate is not None, "margin_mm", "locate=COARSE_RUN")
         problem = use_compile_cache(compile_cache_dir(compile_cache))
         if problem is not None:
             _log.warning("%s", problem)
-        options = InferenceOptions(checkpoint, tile, backend, device, tta)
-        self.predictor = Predictor.from_run(run_dirs, options)
+        self.predictor = Predictor.from_run(run_dirs, options, configs)
         if locate is not None:
+            margin_mm = DEFAULT_MARGIN_MM if margin_mm is None else margin_mm
             self.predictor.predict_region(Path(locate), None, margin_mm, options)
 
     @property
@@ -112,11 +167,13 @@ class Segmenter:
     ) -> Segmentation:
         """Segment one scan: a file or DICOM series folder, a nibabel image, a SimpleITK
         image, or a 3-D array with its 4×4 voxel → RAS `affine` (mm). `allow_non_ct`: a
-        DICOM series of another modality (refused otherwise, as `ctseg predict` does)."""
+        DICOM series of another modality (refused otherwise, as `ctseg predict` does). An
+        array of HU: integers or floats (float16 is taken as float32, exactly); a boolean
+        array is a mask, not a CT, and is refused."""
         if isinstance(image, str | Path):
             scan = read_scan(image, allow_non_ct)
         else:
-            scan = scan_from_image(image, affine, name)
+            scan = scan_from_image(_hu_array(image, name), affine, name)
         prediction = self.predictor.predict(scan, with_probabilities)
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
         stats["located"] = prediction.located  # as _stats.json: the region, if one was used
@@ -132,16 +189,35 @@ class Segmenter:
         )
 
 
+def _hu_array(image: Any, name: str) -> Any:
+    """An array of HU as `scan_from_image` takes it: float16 widened to float32 (exactly);
+    CtsegError for a boolean array (a mask, not a CT). Images pass as they are."""
+    if not isinstance(image, np.ndarray):
+        return image
+    if image.dtype == np.bool_:
+        raise CtsegError(
+            f"{name} is a boolean array: a mask, not a CT; give the scan's HU (integers or floats)"
+        )
+    if image.dtype == np.float16:
+        return image.astype(np.float32)
+    return image
+
+
 def segment(
     image: str | Path | nib.spatialimages.SpatialImage | Any,
     runs: str | Path | Sequence[str | Path],
     affine: np.ndarray | None = None,
     out: str | Path | None = None,
+    force: bool = False,
     **options: Any,
 ) -> Segmentation:
     """Segment one scan with `runs` (`Segmenter`'s options as keywords); with `out`, also
-    write the labels there as NIfTI. For many scans, make one `Segmenter` and call it."""
+    write the labels there as NIfTI (checked before the model loads: never a folder, never
+    the scan itself, and an existing file only when it is a label map ctseg wrote, or with
+    `force`). For many scans, make one `Segmenter` and call it."""
+    if out is not None:
+        check_out(out, [Path(image)] if isinstance(image, str | Path) else [], force)
     result = Segmenter(runs, **options)(image, affine)
     if out is not None:
-        result.save(out)
+        result.save(out, force)
     return result

@@ -9,12 +9,25 @@ Named after each input::
 
 A scan's outputs appear together, `_stats.json` last (`atomic.atomic_group`): a scan
 without its stats file is unfinished and is predicted again.
+
+Ownership: the folder's record (`inputs.OUTPUTS_RECORD`, `.ctseg-outputs.json`) lists
+every file ctseg predict wrote there, listed before it is written; a file of an
+output's name that it does not list is someone else's and is replaced only with
+`force`. An input of the call (a scan, a region mask) never, even with `force`
+(`inputs.expand_inputs`, `inputs.keep_inputs`).
+
+Sameness: each stats file records what was asked (`_request`): the model (runs,
+checkpoint steps, TTA, an ensemble's members), the backend's exactness class and the
+region (the mask's path and content hash, or the locator run and step, and the
+margin). Outputs of another request are never taken for this one's: the scan fails
+naming the difference, and `force` replaces them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,10 +40,10 @@ import numpy as np
 from ctseg import atomic
 from ctseg.errors import CtsegError
 from ctseg.inference import postprocess
-from ctseg.inference.inputs import ScanOutcome, output_paths
+from ctseg.inference.inputs import OwnOutputs, ScanOutcome, foreign_outputs, output_paths
 from ctseg.inference.jax_backend import is_out_of_memory
 from ctseg.inference.member import OnGrid
-from ctseg.inference.predictor import PHASES, Predictor, StageProgress, timed
+from ctseg.inference.predictor import PHASES, Predictor, StageProgress, roi_mask, timed
 from ctseg.inference.scan_checks import volume_warnings
 from ctseg.io import dicom_seg, pictures
 from ctseg.io.readers import one_line
@@ -76,9 +89,11 @@ def predict_files(
 
     A scan's outputs appear together, its stats file last: a scan whose stats
     file is missing is unfinished and predicted again. Without `force`, a scan
-    whose outputs are all there, by the same model (its runs, checkpoint steps,
-    TTA), is `done_earlier` and left alone; outputs of another model fail the
-    scan rather than be mixed with this one's. The caller holds `out_dir`'s lock.
+    whose outputs are all there, for the same request (`_request`: its runs,
+    checkpoint steps, TTA, backend class, region), is `done_earlier` and left alone;
+    outputs of another request fail the scan, naming the difference, rather than be
+    taken for this one's, and so does a file of an output's name that ctseg did not
+    write (`OwnOutputs`). The caller holds `out_dir`'s lock.
 
     `output_type`: the label map as NIfTI (`<name>_seg.nii.gz`), or as a DICOM
     Segmentation object referencing its source series (`<name>_seg.dcm`, `dicom-seg`:
@@ -89,7 +104,8 @@ def predict_files(
         raise CtsegError(f"unknown output type {output_type!r}; choose {' or '.join(OUTPUT_TYPES)}")
     out_dir = Path(out_dir)
     model = _model_of(predictor)
-    read = functools.partial(_read, predictor)
+    own = OwnOutputs(out_dir)
+    read = functools.partial(_read, predictor, own)
     with (
         ThreadPoolExecutor(1, thread_name_prefix="ctseg-read") as reader,
         ThreadPoolExecutor(1, thread_name_prefix="ctseg-write") as writer,
@@ -122,7 +138,15 @@ def predict_files(
             if written is not None:
                 yield written.result()
             written = writer.submit(
-                _write, predictor, outcome, prepared, probabilities, out_dir, model, output_type
+                _write,
+                predictor,
+                own,
+                outcome,
+                prepared,
+                probabilities,
+                out_dir,
+                model,
+                output_type,
             )
         if written is not None:
             yield written.result()
@@ -171,8 +195,82 @@ def _model_of(predictor: Predictor) -> dict[str, Any]:
     return {**members[0], "tta": predictor.tta, "ensemble": members if len(members) > 1 else None}
 
 
-def _earlier_prediction(stats_path: Path, model: dict[str, Any]) -> dict[str, Any]:
-    """The stats of an earlier prediction of a scan by this `model`; CtsegError for another's."""
+def _exactness(predictor: Predictor) -> str:
+    """The backend's exactness class: the runtime and the dtype of its activations. Devices,
+    partitions and tiles change no label (tested); another class may, by a rounding."""
+    if predictor.backend != "jax":
+        return f"{predictor.backend} float32"
+    dtypes = sorted({member.model.config.model.dtype for member in predictor.members})
+    return f"jax {'/'.join(dtypes)}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _request(predictor: Predictor, source: Path) -> dict[str, Any]:
+    """What a scan's prediction was asked beyond the model (`_model_of`): the backend's
+    exactness class and the region predicted at full resolution (None: the whole scan)."""
+    region = None
+    if predictor.roi is not None:
+        mask = roi_mask(predictor.roi, source)
+        region = {"mask": str(mask.resolve()), "sha256": _sha256(mask)}
+    elif predictor.locator is not None:
+        locator = predictor.locator.members[0]
+        run_dir = None if locator.run_dir is None else str(Path(locator.run_dir).resolve())
+        region = {"locator": run_dir, "locator_step": locator.model.step}
+    if region is not None:
+        region["margin_mm"] = predictor.margin_mm
+    return {"backend": _exactness(predictor), "region": region}
+
+
+def _region_words(region: Any) -> str:
+    if not isinstance(region, dict):
+        return "the whole scan"
+    if "mask" in region:
+        where = f"the mask {region['mask']} (sha256 {str(region.get('sha256'))[:12]}…)"
+    else:
+        where = f"the locator {region.get('locator')} (step {region.get('locator_step')})"
+    return f"the region of {where}, margin {region.get('margin_mm')} mm"
+
+
+def _differences(earlier: Any, request: dict[str, Any]) -> list[str]:
+    """How an earlier stats file's request differs from `request`, in words."""
+    if not isinstance(earlier, dict):
+        return ["its request is not recorded (an earlier version of ctseg wrote it)"]
+    differences = []
+    if earlier.get("backend") != request["backend"]:
+        differences.append(f"backend {earlier.get('backend')}, not {request['backend']}")
+    then, now = earlier.get("region"), request["region"]
+    if then == now:
+        return differences
+    source = ("mask", "locator", "locator_step")
+    if (
+        isinstance(then, dict)
+        and isinstance(now, dict)
+        and all(then.get(key) == now.get(key) for key in source)
+    ):
+        if then.get("sha256") != now.get("sha256"):
+            differences.append(
+                f"the mask {now.get('mask')} changed since (sha256 "
+                f"{str(then.get('sha256'))[:12]}… then, {str(now.get('sha256'))[:12]}… now)"
+            )
+        if then.get("margin_mm") != now.get("margin_mm"):
+            differences.append(f"margin {then.get('margin_mm')} mm, not {now.get('margin_mm')} mm")
+    else:
+        differences.append(f"{_region_words(then)}, not {_region_words(now)}")
+    return differences
+
+
+def _earlier_prediction(
+    stats_path: Path, model: dict[str, Any], request: dict[str, Any]
+) -> dict[str, Any]:
+    """The stats of an earlier prediction of a scan for this `model` and `request`;
+    CtsegError, naming the difference, for another's."""
     try:
         earlier = json.loads(stats_path.read_text())
     except (OSError, ValueError):
@@ -184,6 +282,8 @@ def _earlier_prediction(stats_path: Path, model: dict[str, Any]) -> dict[str, An
             f"is of another prediction (run {earlier.get('run_dir') or '?'}, step "
             f"{earlier.get('run_step')}{', TTA' if earlier.get('tta') else ''})"
         )
+    elif differences := _differences(earlier.get("request"), request):
+        what = f"is of another request ({'; '.join(differences)})"
     else:
         return earlier
     raise CtsegError(
@@ -194,6 +294,7 @@ def _earlier_prediction(stats_path: Path, model: dict[str, Any]) -> dict[str, An
 
 def _read(
     predictor: Predictor,
+    own: OwnOutputs,
     source: Path,
     out_dir: Path,
     force: bool,
@@ -206,9 +307,17 @@ def _read(
     def read() -> Prepared | None:
         with_probabilities = predictor.config.predict.save_probabilities
         paths = output_paths(out_dir, outcome.name, with_probabilities, output_type)
+        foreign = foreign_outputs(list(paths.values()), own)
+        if foreign and not force:
+            raise CtsegError(
+                f"{foreign[0]} was not written by ctseg predict (the folder's record "
+                f"{own.path.name} does not list it; earlier versions kept none); use --force "
+                "to replace it, or another --out"
+            )
+        outcome.request = _request(predictor, source)
         # Without its stats file a scan is unfinished (see `_write_outputs`): predicted again.
         if paths["stats"].exists() and not force:
-            earlier = _earlier_prediction(paths["stats"], model)
+            earlier = _earlier_prediction(paths["stats"], model, outcome.request)
             if all(path.exists() for path in paths.values()):
                 outcome.done_earlier = True
                 outcome.stats, outcome.outputs = earlier, list(paths.values())
@@ -222,6 +331,7 @@ def _read(
 
 def _write(
     predictor: Predictor,
+    own: OwnOutputs,
     outcome: ScanOutcome,
     prepared: Prepared | None,
     probabilities: np.ndarray | None,
@@ -235,6 +345,7 @@ def _write(
             _WRITING,
             _write_outputs,
             predictor,
+            own,
             outcome,
             prepared,
             probabilities,
@@ -247,6 +358,7 @@ def _write(
 
 def _write_outputs(
     predictor: Predictor,
+    own: OwnOutputs,
     outcome: ScanOutcome,
     prepared: Prepared,
     probabilities: np.ndarray,
@@ -268,6 +380,7 @@ def _write_outputs(
     # Every output under a temporary name, then renamed with the stats file last: a kill
     # half-way leaves no stats file, so the next run predicts the scan again.
     order = [key for key in paths if key != "stats"] + ["stats"]
+    own.claim([paths[key] for key in order], outcome.source)  # listed before it is written
     with atomic.atomic_group([paths[key] for key in order]) as temporaries:
         tmp = dict(zip(order, temporaries, strict=True))
         with timed(seconds, "write"):
@@ -293,6 +406,8 @@ def _write_outputs(
         record = {
             "scan": str(outcome.source),
             **model,
+            # With the model: what makes another prediction of the scan the same one.
+            "request": outcome.request,
             "device": predictor.summary,
             "plan": predictor.plan,
             "shape": list(scan.original_shape),

@@ -1,16 +1,27 @@
 """`ctseg predict`'s inputs and where their outputs go: files, folders and DICOM series
 folders expanded into scans (each failure and each file skipped named), the output names
-of a scan, and the folders predictions must not be written into.
+of a scan, and the folders predictions must not be written into; each scan's region mask
+(`scan_masks`: never the scan itself, never one of two candidates picked without a word);
+and what a command or the API asks of a run's model, checked before anything runs
+(`inference_options`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import operator
+import os
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ctseg import atomic
+from ctseg import config as cfg
+from ctseg.config import InferenceOptions
 from ctseg.data.manifest import MANIFEST
 from ctseg.errors import CtsegError
 from ctseg.io.scans import Skipped, find_scans, scan_name
@@ -32,6 +43,56 @@ class ScanOutcome:
     seconds: dict[str, float] = field(default_factory=dict)
     done_earlier: bool = False  # its outputs, by this model, were all there: left as they were
     checks: list[str] = field(default_factory=list)  # far outside the training data
+    # What was asked of its prediction beyond the model (`ctseg.inference.files`): the
+    # backend's exactness class and the region; recorded in its stats file.
+    request: dict[str, Any] | None = None
+
+
+# The record, in an output folder, of the files `ctseg predict` wrote there: a file it
+# did not write is never replaced without --force.
+OUTPUTS_RECORD = ".ctseg-outputs.json"
+
+
+class OwnOutputs:
+    """The files `ctseg predict` wrote in `out_dir`, as its record (`OUTPUTS_RECORD`)
+    lists them with the scan each was predicted from: what a later call may replace.
+
+    A file is listed before it is written (`claim`), so a kill half-way leaves no file
+    of ours unlisted. Whoever writes holds the folder's lock (`ctseg.lock`); threads of
+    one call share one record."""
+
+    def __init__(self, out_dir: Path):
+        self.path = Path(out_dir) / OUTPUTS_RECORD
+        self._lock = threading.Lock()
+        self.files: dict[str, dict[str, Any]] = {}
+        try:
+            record = json.loads(self.path.read_text())
+            files = record.get("outputs") if isinstance(record, dict) else None
+            self.files = dict(files) if isinstance(files, dict) else {}
+        except (OSError, ValueError):
+            pass  # none yet (or unreadable): nothing here is ours
+
+    def owns(self, path: Path) -> bool:
+        """Whether `path` (a file of `out_dir`) is one that ctseg predict wrote there."""
+        path = Path(path)
+        with self._lock:
+            return path.parent.resolve() == self.path.parent.resolve() and path.name in self.files
+
+    def claim(self, paths: Sequence[Path], source: Path) -> None:
+        """List `paths` as ctseg's, the outputs of the scan read from `source`."""
+        entry = {"scan": str(Path(source).resolve())}
+        with self._lock:
+            if all(self.files.get(Path(path).name) == entry for path in paths):
+                return  # listed already (a re-run): the record stays as it is
+            for path in paths:
+                self.files[Path(path).name] = entry
+            record = {"written_by": "ctseg predict", "outputs": self.files}
+            atomic.write_json(self.path, record)
+
+
+def foreign_outputs(paths: Sequence[Path], own: OwnOutputs) -> list[Path]:
+    """Those of `paths` that exist (a dangling link too) and ctseg did not write."""
+    return [p for p in paths if os.path.lexists(p) and not own.owns(p)]
 
 
 def check_output_folder(out_dir: Path) -> None:
@@ -91,9 +152,30 @@ def expand_inputs(
 
 
 def is_earlier_output(path: Path) -> bool:
-    """A label or probability map that `predict_files` wrote: its stats file lies beside it."""
+    """A label or probability map that `predict_files` wrote: its folder's record lists it,
+    or its stats file lies beside it (as in folders an earlier ctseg wrote)."""
     match = re.fullmatch(r"(.+)_(seg|probs)\.nii\.gz", path.name)
-    return match is not None and (path.parent / f"{match[1]}_stats.json").is_file()
+    if match is None:
+        return False
+    return (path.parent / f"{match[1]}_stats.json").is_file() or OwnOutputs(path.parent).owns(path)
+
+
+def keep_inputs(
+    scans: Sequence[Path], out_dir: Path, protected: Sequence[Path], what: str
+) -> tuple[list[Path], list[ScanOutcome]]:
+    """`scans` whose outputs in `out_dir` overwrite none of the `protected` files (inputs
+    read besides the scans, e.g. region masks, `what` in words), and a failed outcome for
+    each of the others: an input is never replaced, not even with --force."""
+    inputs = {Path(path).resolve() for path in protected}
+    kept, failed = [], []
+    for scan in scans:
+        name = scan_name(scan)
+        if clash := _inputs_overwritten(name, out_dir, inputs):
+            reason = f"its output {clash} would overwrite {what}, an input of this call"
+            failed.append(ScanOutcome(scan, name, error=f"{reason}; use another --out"))
+        else:
+            kept.append(scan)
+    return kept, failed
 
 
 def _inputs_overwritten(name: str, out_dir: Path | None, inputs: set[Path]) -> Path | None:
@@ -116,3 +198,123 @@ def output_paths(
     if with_probabilities:
         paths["probs"] = out_dir / f"{name}_probs.nii.gz"
     return paths
+
+
+# ---------------------------------------------------------------- what is asked of a model
+
+_DEVICES = ("auto", "cpu", "gpu", "tpu")
+_BACKENDS = ("jax", "onnx")  # `ctseg.inference.backends.BACKENDS` (which imports no JAX here)
+
+
+def inference_options(
+    config: cfg.Config,
+    checkpoint: str | int = "best",
+    tile: int | None = None,
+    backend: str | None = None,
+    device: str = "auto",
+    tta: bool | None = None,
+    names: dict[str, str] | None = None,
+) -> InferenceOptions:
+    """`InferenceOptions` of a request on a run of `config`, each value checked before any
+    model loads, one line for each mistake: the CLI's and the API's one check.
+
+    `checkpoint`: best, latest or a step number (an int too); `tile`: checked as the
+    config's predict.tile is (`ctseg.config.check`); `names`: how the caller spells each
+    option in messages (default the API's keywords, e.g. {"tile": "--tile"} for the CLI).
+    """
+    keys = ("checkpoint", "tile", "backend", "device", "tta")
+    names = {key: (names or {}).get(key, key) for key in keys}
+    if isinstance(checkpoint, bool) or not isinstance(checkpoint, str | int):
+        raise CtsegError(
+            f"{names['checkpoint']} must be best, latest or a step number, got {checkpoint!r}"
+        )
+    checkpoint = str(checkpoint)
+    if tile is not None:
+        try:
+            if isinstance(tile, bool):
+                raise TypeError
+            tile = operator.index(tile)  # an int, NumPy's too; not 2.0 or "2"
+        except TypeError:
+            raise CtsegError(
+                f"{names['tile']} must be an integer: -1 (automatic), 0 (whole volume) or an "
+                f"even core size, got {tile!r}"
+            ) from None
+        predict = dataclasses.replace(config.predict, tile=tile)
+        try:  # the config's own check of predict.tile, and nothing else of the run's
+            cfg.check(dataclasses.replace(config, predict=predict))
+        except CtsegError as exc:
+            raise CtsegError(f"{names['tile']} {tile}: {exc}") from None
+    if backend is not None and backend not in _BACKENDS:
+        raise CtsegError(
+            f"{names['backend']} must be {' or '.join(_BACKENDS)} (or None), got {backend!r}"
+        )
+    if device not in _DEVICES:
+        raise CtsegError(f"{names['device']} must be one of {', '.join(_DEVICES)}, got {device!r}")
+    if tta is not None and not isinstance(tta, bool):
+        raise CtsegError(f"{names['tta']} must be True, False or None, got {tta!r}")
+    return InferenceOptions(checkpoint, tile, backend, device, tta)
+
+
+# ---------------------------------------------------------------- region masks
+
+
+def mask_candidates(roi: Path, source: Path) -> list[Path]:
+    """The files of mask folder `roi` named as the scan read from `source`, in the order
+    `ctseg.inference.predictor.roi_mask` looks for them: its file name, `<name>.nii.gz`,
+    `<name>.nii`, `<name>_seg.nii.gz`."""
+    name = scan_name(source)
+    names = (source.name, f"{name}.nii.gz", f"{name}.nii", f"{name}_seg.nii.gz")
+    return [roi / n for n in dict.fromkeys(names) if (roi / n).is_file()]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def scan_masks(
+    roi: Path, scans: Sequence[Path], ours: Callable[[Path], bool] = lambda path: False
+) -> dict[Path, Path]:
+    """Each scan's region mask (`--roi`: one mask for one scan, or a folder of masks named
+    as the scans), found before any scan runs; CtsegError, one line, when a scan has none,
+    when its mask is the scan itself (the input folder given as the mask folder: its
+    "region" would be every voxel above 0 HU), or when the folder holds two candidates for
+    one scan (`mask_candidates`; `ours`: files this call wrote earlier, no candidates).
+    """
+    roi = Path(roi)
+    if not roi.exists():
+        raise CtsegError(f"--roi {roi}: no such mask file or folder")
+    if roi.is_file() and len(scans) != 1:
+        raise CtsegError(
+            f"--roi {roi} is the mask of one scan; give that one scan, or a folder of masks "
+            "named as the scans"
+        )
+    masks = {}
+    for scan in scans:
+        candidates = mask_candidates(roi, scan) if roi.is_dir() else [roi]
+        # The scan itself first: a folder's first candidate is the scan's own file name.
+        if any(_same_file(path, scan) for path in candidates):
+            where = f"--roi {roi}: the mask of {scan.name}" if roi.is_dir() else f"--roi {roi}"
+            raise CtsegError(
+                f"{where} is the scan {scan} itself, not a mask of it; give a liver mask "
+                "(or a folder of masks named as the scans, not the scans' folder)"
+            )
+        found = [path for path in candidates if not (roi.is_dir() and ours(path))]
+        if not found:
+            name = scan_name(scan)
+            own = [path.name for path in candidates if ours(path)]
+            why = f"; {own[0]} is this --out's own earlier output" if own else ""
+            raise CtsegError(
+                f"--roi {roi}: no mask for the scan {scan.name} (looked for {name}.nii.gz, "
+                f"{name}.nii and {name}_seg.nii.gz{why})"
+            )
+        if len(found) > 1:
+            raise CtsegError(
+                f"--roi {roi}: two masks for the scan {scan.name}, "
+                f"{found[0].name} and {found[1].name}; keep one of them"
+            )
+        mask = found[0]
+        masks[scan] = mask
+    return masks

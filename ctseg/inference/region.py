@@ -9,21 +9,50 @@ what the whole pass computes; the labels of a scan voxel need two grid voxels pe
 (linear resampling). Outside the region the scan is background.
 
 A region comes from a liver mask (a locator run's coarse prediction, or a mask the user
-has), as its bounding box plus a margin in millimetres.
+has), as its bounding box plus a margin in millimetres (`check_margin`: finite, not
+negative, and given only where a region is; a margin beyond the scan takes all of it).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ctseg.data.grids import linear_weights
+from ctseg.errors import CtsegError
 from ctseg.labels import bounding_box, liver_mask
 
 Shape = tuple[int, int, int]
+
+
+def check_margin(
+    margin_mm: float | None,
+    region: bool,
+    name: str = "--margin",
+    regions: str = "--locate COARSE_RUN or --roi MASK",
+) -> None:
+    """CtsegError, before anything runs, unless `margin_mm` (None: not given) is a margin:
+    a finite number of millimetres, not negative, given with a region to grow (`region`:
+    a locator or a mask). `name` and `regions`: the option, and those that give a region,
+    as the caller spells them. The one check of `ctseg predict`, `ctseg evaluate` and
+    `Segmenter`."""
+    if margin_mm is None:
+        return
+    if isinstance(margin_mm, bool) or not isinstance(margin_mm, numbers.Real):
+        raise CtsegError(f"{name} must be a number of millimetres, got {margin_mm!r}")
+    if not math.isfinite(margin_mm):
+        raise CtsegError(
+            f"{name} must be a finite number of millimetres, got {margin_mm!r} (a margin "
+            "beyond the scan, say 1e6, takes all of it)"
+        )
+    if margin_mm < 0:
+        raise CtsegError(f"{name} must not be negative, got {margin_mm:g} mm")
+    if not region:
+        raise CtsegError(f"{name} applies only around a region: give {regions}")
 
 
 @dataclass(frozen=True)
@@ -50,7 +79,9 @@ def region_of(
     shape = labels.shape
     if located and (box[2].start == 0 or box[2].stop == shape[2]):
         return None, "the located liver reaches the scan's top or bottom slice (cut?)"
-    grow = [math.ceil(margin_mm / s) for s in spacing]
+    # A margin beyond the scan (1e6 mm, or 1e308, whose voxels overflow a float) takes all.
+    voxels = [float(margin_mm) / float(s) for s in spacing]
+    grow = [n if v >= n else math.ceil(v) for v, n in zip(voxels, shape, strict=True)]
     lo = tuple(int(max(0, b.start - g)) for b, g in zip(box, grow, strict=True))
     hi = tuple(int(min(n, b.stop + g)) for b, n, g in zip(box, shape, grow, strict=True))
     return Region(lo, hi), None

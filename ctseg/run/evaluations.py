@@ -2,7 +2,8 @@
 
 One folder holds one evaluation. ``evaluated.json`` records which: a run (or an
 ensemble) with its checkpoint, the store and the split, or a cross-validation's fold
-runs. A second evaluation of something else replaces it only with ``--force``; any
+runs. A second evaluation of something else replaces a finished one (with its
+summary.json) only with ``--force``, an unfinished one of ctseg's without it; any
 evaluation first clears what an earlier one wrote, so that predictions are never mixed.
 """
 
@@ -83,7 +84,10 @@ def claim(out_dir: Path, evaluation: dict[str, Any], force: bool) -> None:
             written = compat.evaluation_of_summary(json.loads(summary.read_text()))
             earlier = evaluation_record(*written)
     has_files = record.exists() or summary.exists() or (out_dir / PREDICTIONS).exists()
-    if earlier != evaluation and has_files and not force:
+    # An evaluation ctseg began and never finished (its record, no summary: it crashed or
+    # was stopped) holds nothing another would lose: it does not block the next command.
+    unfinished = earlier is not None and record.exists() and not summary.exists()
+    if earlier != evaluation and has_files and not unfinished and not force:
         raise CtsegError(
             f"{out_dir} holds {_described(earlier)}; give another --out, or --force to replace it"
         )

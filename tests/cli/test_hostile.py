@@ -220,7 +220,8 @@ def test_a_rerun_skips_finished_scans_and_redoes_an_interrupted_one(trained, tmp
     assert "done" in words and "earlier" in words
     assert (out / "volume-0_seg.nii.gz").stat().st_mtime_ns == finished
     assert (out / "volume-1_stats.json").is_file() and not stray.exists()
-    assert not list(out.glob(".ctseg*"))  # no temporary file, no lock left behind
+    # No temporary file, no lock left behind: only the record of what predict wrote.
+    assert [path.name for path in out.glob(".ctseg*")] == [".ctseg-outputs.json"]
     stats = json.loads((out / "volume-1_stats.json").read_text())
     assert stats["run_dir"] == str(run_dir.resolve()) and stats["tta"] is False
     # Outputs of another checkpoint are never silently kept beside this one's.
@@ -308,6 +309,31 @@ def test_an_evaluation_of_another_run_is_replaced_only_with_force_and_never_mixe
     cases = {case["case"] for case in json.loads((out / "summary.json").read_text())["cases"]}
     assert {p.name for p in (out / "predictions").iterdir()} == {f"{c}_seg.nii.gz" for c in cases}
     assert json.loads((out / "evaluated.json").read_text())["run_dir"] == str(run_dir.resolve())
+
+
+def test_an_unfinished_evaluation_does_not_block_the_next_one(trained, tmp_path):
+    """A crash or a stop mid-evaluation leaves its record and some predictions but no
+    summary: the next evaluation, of whatever, goes ahead without --force; a foreign
+    folder named like predictions does not count as ctseg's."""
+    run_dir, store, _ = trained
+    out = tmp_path / "eval"
+    args = ["evaluate", str(run_dir), "--data", str(store), "--split", "train", "--out", str(out)]
+    assert runner.invoke(app, args).exit_code == 0
+    record = json.loads((out / "evaluated.json").read_text())
+    record["locate"] = {"run_dir": "/runs/locator", "checkpoint_step": 3, "margin_mm": 20.0}
+    (out / "evaluated.json").write_text(json.dumps(record))
+    (out / "summary.json").unlink()
+    (out / "metrics.csv").unlink()
+    assert runner.invoke(app, args).exit_code == 0
+    assert "locate" not in json.loads((out / "evaluated.json").read_text())
+    assert (out / "summary.json").is_file()
+
+    foreign = tmp_path / "foreign"
+    (foreign / "predictions").mkdir(parents=True)
+    save(foreign / "predictions" / "mine_seg.nii.gz", labels())
+    result = runner.invoke(app, [*args[:-1], str(foreign)])
+    assert "--force" in str(result.exception)
+    assert (foreign / "predictions" / "mine_seg.nii.gz").is_file()
 
 
 def test_a_second_train_on_one_workdir_is_refused_before_it_writes(trained, tmp_path):

@@ -184,13 +184,14 @@ def test_cli_succeeds_on_clean_folders(tmp_path):
     ref.mkdir()
     save(ref / "segmentation-1.nii", labels())
     save(pred / "segmentation-1.nii.gz", labels())
-    save(ref / "segmentation-2.nii", labels())
+    save(ref / "volume-1.nii", labels())  # a LiTS scan beside its reference: no case
+    save(pred / "orphan.nii.gz", labels())  # a prediction of no reference: named, no case
     csv_path = tmp_path / "cases.csv"
     result = CliRunner().invoke(
         app, ["evaluate", "--pred", str(pred), "--ref", str(ref), "--csv", str(csv_path)]
     )
     assert result.exit_code == 0, result.output
-    assert "unpaired references: segmentation-2.nii" in result.output
+    assert "unpaired predictions: orphan.nii.gz; unpaired references: volume-1.nii" in result.output
     assert csv_path.read_text().startswith("case,liver_dice,")
 
 

@@ -3,7 +3,6 @@
 labels there), each case saying whether its region was used, the report naming the
 locator; and the forms it does not apply to refused in one line."""
 
-import inspect
 import json
 from types import SimpleNamespace
 
@@ -12,7 +11,6 @@ import typer
 from typer.testing import CliRunner
 
 import ctseg.cli.main  # noqa: F401  (registers the commands)
-from ctseg.cli import predict as predict_cli
 from ctseg.cli.app import app
 from ctseg.errors import CtsegError
 from ctseg.inference import postprocess
@@ -42,12 +40,12 @@ def test_locate_is_refused_where_it_does_not_apply(trained, tmp_path):
     _refused([*run, *out, "--locate", str(tmp_path / "missing")], "--locate", "not a ctseg run")
     _refused([*run, *out, "--locate", str(tmp_path)], "--locate", "not a ctseg run directory")
     assert not (tmp_path / "eval" / "summary.json").exists()  # nothing claimed or written
-    # One default margin for both commands: predict's option, the predictor's constant
+    # One default margin for both commands: predict's help, the predictor's constant
     # (evaluate's, when --margin is not given), and evaluate's help.
-    margin = inspect.signature(predict_cli.predict).parameters["margin"].default
-    assert margin == DEFAULT_MARGIN_MM
-    evaluate = typer.main.get_command(app).commands["evaluate"]
-    (option,) = [param for param in evaluate.params if param.name == "margin"]
+    commands = typer.main.get_command(app).commands
+    (option,) = [param for param in commands["predict"].params if param.name == "margin"]
+    assert f"default {DEFAULT_MARGIN_MM:g};" in option.help
+    (option,) = [param for param in commands["evaluate"].params if param.name == "margin"]
     assert f"{DEFAULT_MARGIN_MM:g})" in option.help
 
 
