@@ -95,10 +95,12 @@ def draw_augmentation(config: Config, step: int, sample: int) -> Augmentation:
 @dataclass(frozen=True)
 class SampleDraw:
     """One sample's spatial matrix (output offset -> source offset, voxel units) and its
-    intensity parameters (`intensity.apply`'s names; flags are 1.0 or 0.0)."""
+    intensity parameters (`intensity.apply`'s names; flags are 1.0 or 0.0); `warped`:
+    whether it rotates or zooms (else the matrix only flips and turns by quarters)."""
 
     matrix: np.ndarray
     params: dict[str, float] = field(default_factory=dict)
+    warped: bool = False
 
 
 def _factor(rng: np.random.Generator, low: float, high: float) -> float:
@@ -121,6 +123,7 @@ def draw_sample(config: Config, step: int, sample: int, base: Augmentation) -> S
         angles[3 - about :] = rng.uniform(-a.rotation_degrees, a.rotation_degrees, about)
         angles = angles if about == 3 else np.array([0.0, 0.0, angles[2]])
     zoom = float(rng.uniform(*a.scaling)) if rng.random() < a.scaling_p else 1.0
+    warped = a.warps and (bool(np.any(angles)) or zoom != 1.0)
     # Output offsets read source offsets: a patient zoomed by s reads 1/s as far out.
     matrix = base.matrix()
     spatial = matrix @ warp.rotation_matrix(angles) / zoom if a.warps else matrix
@@ -152,19 +155,23 @@ def draw_sample(config: Config, step: int, sample: int, base: Augmentation) -> S
     liver_hu = rng.uniform(*a.phase_liver_hu)
     params["phase_liver"] = float(hu_to_unit(liver_hu, config.data.hu_window))
     params["phase_tumour_share"] = float(rng.uniform(*a.phase_tumour_share))
-    return SampleDraw(warp.exact_matrix(spatial), params)
+    return SampleDraw(warp.exact_matrix(spatial), params, warped)
 
 
 class Augmenter:
     """Makes a step's augmented batch for one (config, mesh, box): `inputs` on the host,
-    then `__call__` on the devices. The devices' program has one input shape per run and
-    is compiled when the augmenter is made, before the first step, never during the run.
+    then `__call__` on the devices. Its programs have one input shape each and are
+    compiled when the augmenter is made, before the first step, never during the run.
 
-    Where boxes are rotated or zoomed, each sample's source is one block of a fixed shape
-    (`block`), the box's preimage clipped to its case's grid, sent to every device of the
-    sample's replica; each device cuts its own slab's points from it. The block is bounded
-    by the case's grid as well as by the warp (`block_extent`): a warp that reads beyond
-    the grid reads air there, which one voxel of fill around the grid gives as well.
+    A batch of which no sample is rotated or zoomed is read slab by slab, each device's
+    own (the flips and quarter turns by index arithmetic). Where a sample is, each
+    sample's source is one block of a fixed shape (`block`), the box's preimage clipped
+    to its case's grid, sent to every device of the sample's replica; each device cuts
+    its own slab's points from it. The block is bounded by the case's grid as well as by
+    the warp (`block_extent`): a warp that reads beyond the grid reads air there, which
+    one voxel of fill around the grid gives as well. Two programs, then, where the
+    config warps (one where it does not): most batches are not warped (64 % of samples
+    at nnU-Net's probabilities), and their slabs cost the host a third of a block.
     """
 
     def __init__(
@@ -190,7 +197,14 @@ class Augmenter:
             )
         self.block = block_extent(config, box, largest_grid) if augment.warps else None
         self._names = tuple(draw_sample(config, 0, 0, Augmentation()).params)
-        self.compiled = jax.jit(self._program_fn()).lower(*self._abstract_inputs()).compile()
+        blocks = (None,) if self.block is None else (None, self.block)
+        self._programs = {b is not None: self._compile(b) for b in blocks}
+
+    @property
+    def compiled(self) -> jax.stages.Compiled:
+        """The program of the largest inputs (blocks where the config warps): what the
+        augmentation takes on the devices (`ctseg plan --target`)."""
+        return self._programs[self.block is not None]
 
     # ------------------------------------------------------------------ host
 
@@ -206,7 +220,7 @@ class Augmenter:
         read from the memory-mapped store for that device only, rearranged by
         `read_slabs[b]` (the sample's flips and quarter turns); warped, each sample's block
         is read once for its replica, and its matrix carries the flips."""
-        if self.block is None:
+        if not any(d.warped for d in draws):
             hu, label = self._slabs(store, case_ids, offsets, read_slabs)
             origins = None
         else:
@@ -301,17 +315,23 @@ class Augmenter:
 
     # ------------------------------------------------------------------ device
 
-    def _abstract_inputs(self) -> tuple[jax.ShapeDtypeStruct | None, ...]:
+    def _compile(self, block: tuple[int, ...] | None) -> jax.stages.Compiled:
+        """The devices' program for slabs (`block` None) or for blocks of that shape."""
+        return jax.jit(self._program_fn(block)).lower(*self._abstract_inputs(block)).compile()
+
+    def _abstract_inputs(
+        self, block: tuple[int, ...] | None
+    ) -> tuple[jax.ShapeDtypeStruct | None, ...]:
         """The program's arguments as shapes: (step, hu, label, origins, drawn)."""
         mesh, batch = self.mesh, self.config.train.batch_size
 
         def abstract(dims: Sequence[int], dtype: Any, spec: P) -> jax.ShapeDtypeStruct:
             return jax.ShapeDtypeStruct(tuple(dims), dtype, sharding=NamedSharding(mesh, spec))
 
-        if self.block is None:
+        if block is None:
             spec, extent, origins = LABEL_SPEC, (self.box,) * 3, None
         else:
-            spec, extent = _PER_SAMPLE, self.block
+            spec, extent = _PER_SAMPLE, block
             origins = abstract([batch, 3], jnp.int32, _PER_SAMPLE)
         return (
             jax.ShapeDtypeStruct((), jnp.int32),
@@ -325,14 +345,14 @@ class Augmenter:
         self, step: int, inputs: tuple[jax.Array | None, ...]
     ) -> tuple[jax.Array, jax.Array]:
         """The augmented (image [B, R, R, R, 1] float32, label [B, R, R, R] int32)."""
-        return self.compiled(jnp.int32(step), *inputs)
+        return self._programs[inputs[2] is not None](jnp.int32(step), *inputs)
 
-    def _program_fn(self):
+    def _program_fn(self, block: tuple[int, ...] | None):
         config, mesh, box, slab = self.config, self.mesh, self.box, self.slab
         augment, window = config.augment, config.data.hu_window
         halo = halo_comm(mesh).halo
         noisy = augment.noise_p > 0
-        source_spec = LABEL_SPEC if self.block is None else _PER_SAMPLE
+        source_spec = LABEL_SPEC if block is None else _PER_SAMPLE
         names = self._names
 
         def body(hu, label, origin, drawn, *noise):
