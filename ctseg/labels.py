@@ -16,7 +16,6 @@ from ctseg.errors import CtsegError
 BACKGROUND, LIVER, TUMOUR = 0, 1, 2
 LABEL_VALUES = (BACKGROUND, LIVER, TUMOUR)
 NUM_CLASSES = len(LABEL_VALUES)
-NAMES = {BACKGROUND: "background", LIVER: "liver", TUMOUR: "tumour"}
 
 # Slices of the first axis checked at a time: at 512 voxels a side, a slab's boolean
 # temporaries take tens of MiB instead of 512 MiB each.

@@ -28,7 +28,6 @@ from ctseg.parallel.partition import Comm
 # The stages of level-wise tiled inference (`ctseg.inference`): an encoder level with its
 # pooling, the bottom level, a decoder level.
 DOWN, BOTTOM, UP = "down", "bottom", "up"
-_DIMS = ("NDHWC", "DHWIO", "NDHWC")
 
 
 class BatchNorm(nnx.Module):

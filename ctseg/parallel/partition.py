@@ -240,11 +240,6 @@ def partitioned(
     raise CtsegError(f"mesh.partitioner must be 'halo' or 'gspmd', got {partitioner!r}")
 
 
-def shard_global(mesh: Mesh, array: np.ndarray | jax.Array, spec: P = ACTIVATION_SPEC) -> jax.Array:
-    """Place a host array on the mesh; each device gets only its block."""
-    return jax.device_put(array, NamedSharding(mesh, spec))
-
-
 def make_global_array(
     mesh: Mesh,
     shape: tuple[int, ...],

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import shard_global
 
 from ctseg import config as cfg
 from ctseg.model import step, unet
@@ -64,8 +65,8 @@ def _loss_grads_and_logits(config, mesh, held_norm=False):
         run(
             params,
             stats,
-            pt.shard_global(mesh, image),
-            pt.shard_global(mesh, label, step.LABEL_SPEC),
+            shard_global(mesh, image),
+            shard_global(mesh, label, step.LABEL_SPEC),
         )
     )
 
@@ -211,7 +212,7 @@ def test_the_moving_average_follows_the_trained_weights_step_by_step():
     graphdef, state = step.init_state(config)
     train_step = jax.jit(step.make_train_step(graphdef, config, mesh))
     image, label = _batch()
-    image, label = pt.shard_global(mesh, image), pt.shard_global(mesh, label, step.LABEL_SPEC)
+    image, label = shard_global(mesh, image), shard_global(mesh, label, step.LABEL_SPEC)
     want = [np.asarray(leaf, np.float64) for leaf in jax.tree.leaves(state.params)]
     for t in range(3):
         state, _ = train_step(state, image, label)

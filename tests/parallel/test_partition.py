@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import shard_global
 
 from ctseg.errors import CtsegError
 from ctseg.parallel import partition as pt
@@ -24,7 +25,7 @@ def test_halo_exchange_equals_slices_of_the_zero_padded_array(kernel, spatial):
             in_specs=pt.ACTIVATION_SPEC,
             out_specs=pt.ACTIVATION_SPEC,
         )
-    )(pt.shard_global(mesh, x))
+    )(shard_global(mesh, x))
     got = np.asarray(padded_blocks)
 
     reference = np.pad(x, [(0, 0)] + [(width, width)] * 3 + [(0, 0)])
@@ -55,7 +56,7 @@ def test_global_sum_covers_every_partition():
             in_specs=pt.ACTIVATION_SPEC,
             out_specs=pt.REPLICATED,
         )
-    )(pt.shard_global(mesh, x))
+    )(shard_global(mesh, x))
     assert float(total) == x.sum()
 
 

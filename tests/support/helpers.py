@@ -29,6 +29,15 @@ SPACING = (0.8, 0.8, 2.0)
 SHAPE = (16, 16, 8)
 
 
+def shard_global(mesh, array, spec=None) -> jax.Array:
+    """Place a host array on the mesh (activations' sharding by default)."""
+    from jax.sharding import NamedSharding
+
+    from ctseg.parallel.partition import ACTIVATION_SPEC
+
+    return jax.device_put(array, NamedSharding(mesh, ACTIVATION_SPEC if spec is None else spec))
+
+
 def tiny_config(*overrides: str) -> cfg.Config:
     """`TINY` (a base-2, depth-2 U-Net on a 16³ grid, one device) with `--set`-style
     overrides on top, e.g. `tiny_config("model.depth=3", "train.steps=4")`."""
