@@ -12,7 +12,12 @@ def __getattr__(name: str):
     # `from ctseg import Segmenter, segment` without importing JAX with `import ctseg`:
     # the commands choose the devices before JAX starts.
     if name in ("Segmenter", "Segmentation", "segment"):
-        from ctseg.inference import api
+        from ctseg.parallel.devices import held_start_output
+
+        # Importing JAX imports the plugins installed beside it (the `targets` extra), which
+        # say on stderr that this machine has no GPU: held, as the commands hold it.
+        with held_start_output():
+            from ctseg.inference import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'ctseg' has no attribute {name!r}")

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from ctseg.cli.app import app
 from ctseg.cli.options import warn
+from ctseg.config import check_seed
 from ctseg.data.manifest import MANIFEST
 from ctseg.data.splits import write_folds
 from ctseg.data.store import Store
@@ -45,6 +46,7 @@ def folds(
     lock), never the arrays. Train one run per fold with `ctseg train --fold I` and
     evaluate them together with `ctseg evaluate RUN_DIR... --cross-validation`.
     """
+    check_seed("--seed", seed)
     result = write_folds(prep_dir, k, seed, force=force, warn=warn)
     console = Console(highlight=False)
     store = result.store

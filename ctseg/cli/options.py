@@ -103,6 +103,7 @@ def start_jax(
     from ctseg.parallel import devices as dev
     from ctseg.parallel import partition  # imports JAX; keep `ctseg --help` fast
 
+    dev.commands_hold_output()  # held below, and shown with --verbose
     dev.restrict_backends(device)
     cache_problem = use_compile_cache(compile_cache_dir(compile_cache))
     partition.initialize_distributed(coordinator, num_processes, process_id)

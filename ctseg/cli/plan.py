@@ -93,14 +93,18 @@ def plan_command(
     ] = None,
     target_devices: Annotated[
         int | None,
-        typer.Option("--devices", help="With a GPU --target: how many GPUs (default 1)."),
+        typer.Option(
+            "--devices",
+            help="With a GPU --target: how many GPUs (default 1; at most 1024, more than 8 in "
+            "hosts of 8).",
+        ),
     ] = None,
     target_file: Annotated[
         Path | None,
         typer.Option(
             "--target-file",
-            help="With --target: your own GPU description (a GpuTargetConfigProto in text "
-            "form, as the files in ctseg/targets/specs/).",
+            help="Instead of --target: your own GPU description (a GpuTargetConfigProto in "
+            "text form, as the files in ctseg/targets/specs/), with --devices of them.",
         ),
     ] = None,
     coordinator: CoordinatorOption = None,
@@ -122,7 +126,8 @@ def plan_command(
         return
     config = load_config(config_path, overrides)
     if json_path is not None:  # before compiling, not after
-        inputs = [] if config_path is None else [config_path]
+        # Never over an input, --force or not: the config, the GPU description.
+        inputs = [path for path in (config_path, target_file) if path is not None]
         atomic.claim_report(json_path, _is_plan_json, inputs, force)
     if target is not None or target_file is not None:
         _plan_target(config, target, target_devices, target_file, json_path)

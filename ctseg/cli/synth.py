@@ -10,8 +10,9 @@ from ctseg import lock
 from ctseg.cli.app import app
 from ctseg.cli.options import warn
 from ctseg.cli.progress import counting
+from ctseg.config import check_seed
 from ctseg.synth.cases import MAX_SLICES_PER_SIZE
-from ctseg.synth.dataset import write_dataset
+from ctseg.synth.dataset import check_size, write_dataset
 
 
 @app.command()
@@ -56,6 +57,9 @@ def synth(
     drawn for each case. OUT_DIR must be new, empty or an earlier synth output,
     unless --force.
     """
+    # Before the lock (which makes the folder): a bad seed or size leaves nothing behind.
+    check_seed("--seed", seed)
+    check_size(size)
     # One writer per folder: two at once would write the same files over each other.
     with lock.hold(out_dir, warn), counting("synth") as report:
         write_dataset(out_dir, cases, size, seed, progress=report, force=force, phases=phases)

@@ -7,7 +7,7 @@ it back; `checks` holds the relations between keys; `reference` generates the
 configuration reference from the fields' docs.
 """
 
-from ctseg.config.checks import check, split_problem
+from ctseg.config.checks import check, check_seed, grid_problem, split_problem
 from ctseg.config.parse import from_dict, load, to_dict, to_toml, with_mesh
 from ctseg.config.reference import reference_markdown
 from ctseg.config.sections import (
@@ -33,7 +33,9 @@ __all__ = [
     "PredictConfig",
     "TrainConfig",
     "check",
+    "check_seed",
     "from_dict",
+    "grid_problem",
     "load",
     "reference_markdown",
     "split_problem",

@@ -17,6 +17,40 @@ from ctseg.config.sections import (
 )
 from ctseg.errors import CtsegError
 
+# JAX computes with 32-bit integers (its default, without x64): a step count, a seed, an
+# index into a volume. Every integer key stays within them, and so does a volume's voxel
+# count, or XLA's indexing overflows (an OverflowError, or wrong addresses, mid-run).
+LARGEST_INT = 2**31 - 1
+# The finest and coarsest voxels of any CT scan, in mm: a grid finer than 0.1 mm would
+# hold thousands of voxels per scan side (terabytes), one coarser than 50 mm no organ.
+SPACING_MM = (0.1, 50.0)
+# HU values beyond these are no tissue (air −1000, metal a few thousand): the window's and
+# a contrast phase's bounds.
+HU_RANGE = (-2000.0, 10000.0)
+
+
+def check_seed(name: str, value: int) -> None:
+    """A seed numpy's and JAX's generators both take: 0 … 2^31 − 1 (one definition, for the
+    config's seeds and `ctseg synth --seed`)."""
+    _require(value >= 0, f"{name} must not be negative, got {value}")
+    _require(
+        value <= LARGEST_INT,
+        f"{name} must be a seed from 0 to {LARGEST_INT} (2^31 − 1), got {value}",
+    )
+
+
+def grid_problem(shape: typing.Sequence[int]) -> str | None:
+    """Why a volume of `shape` voxels is too large for JAX to index, in words after "…
+    would be"; None when it is not."""
+    voxels = math.prod(int(n) for n in shape)
+    if voxels <= LARGEST_INT:
+        return None
+    sides = "×".join(str(int(n)) for n in shape)
+    return (
+        f"{sides} = {voxels:.3g} voxels, beyond the 2^31 − 1 a volume can hold (JAX indexes "
+        "it with 32-bit integers)"
+    )
+
 
 def check(config: Config) -> None:
     """Check the relations between fields; raise CtsegError naming the key."""
@@ -35,9 +69,26 @@ def _require(ok: bool, message: str) -> None:
 
 def _validate_data(d: DataConfig) -> None:
     _require(d.resolution >= 1, f"data.resolution must be positive, got {d.resolution}")
+    problem = grid_problem((d.resolution,) * 3)
+    _require(
+        problem is None,
+        f"data.resolution = {d.resolution} is too large: an R³ box would be {problem}; "
+        "R is at most 1290",
+    )
+    low, high = SPACING_MM
     _require(
         all(math.isfinite(v) and v > 0 for v in d.spacing),
         f"data.spacing = {list(d.spacing)} must be three positive voxel sizes in mm",
+    )
+    _require(
+        all(low <= v <= high for v in d.spacing),
+        f"data.spacing = {list(d.spacing)} must be voxel sizes from {low:g} to {high:g} mm, "
+        "as CT scans have: a finer grid would not fit any machine's memory",
+    )
+    _require(
+        all(HU_RANGE[0] <= v <= HU_RANGE[1] for v in d.hu_window),
+        f"data.hu_window = {list(d.hu_window)} must lie within {HU_RANGE[0]:g} … "
+        f"{HU_RANGE[1]:g} HU",
     )
     _require(
         d.hu_window[0] < d.hu_window[1],
@@ -47,8 +98,7 @@ def _validate_data(d: DataConfig) -> None:
     _require(
         0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}"
     )
-    # numpy's generators, which draw the split and the augmentation, take no negative seeds.
-    _require(d.split_seed >= 0, f"data.split_seed must not be negative, got {d.split_seed}")
+    check_seed("data.split_seed", d.split_seed)
     _require(
         d.folds == 0 or d.folds >= 2,
         f"data.folds must be 0 (none) or at least 2, got {d.folds}",
@@ -65,7 +115,18 @@ def _validate_model(m: ModelConfig) -> None:
     _require(
         0.0 <= m.bn_momentum < 1.0, f"model.bn_momentum must be in [0, 1), got {m.bn_momentum}"
     )
-    _require(m.bn_epsilon > 0, f"model.bn_epsilon must be positive, got {m.bn_epsilon}")
+    _require(0 < m.bn_epsilon <= 1, f"model.bn_epsilon must be in (0, 1], got {m.bn_epsilon}")
+    _require(m.depth <= 16, f"model.depth must be at most 16, got {m.depth}")
+    _require(m.kernel_size <= 15, f"model.kernel_size must be at most 15, got {m.kernel_size}")
+    # The deepest level's convolution holds kernel³ × channels² weights: an array JAX indexes.
+    deepest = m.base_filters * 2 ** (m.depth - 1)
+    weights = m.kernel_size**3 * deepest**2
+    _require(
+        weights <= LARGEST_INT,
+        f"model.base_filters = {m.base_filters} is too large for model.depth = {m.depth}: the "
+        f"deepest level's {m.kernel_size}³ kernel of {deepest} channels would hold "
+        f"{weights:.3g} weights, beyond the 2^31 − 1 an array can hold",
+    )
 
 
 def _validate_mesh(config: Config) -> None:
@@ -129,11 +190,15 @@ def _validate_train(t: TrainConfig, mesh: MeshConfig) -> None:
         "weight_decay",
         "dice_weight",
         "intensity_shift",
-        "seed",
         "bn_population_volumes",
     ):
         value = getattr(t, key)
         _require(value >= 0, f"train.{key} must not be negative, got {value}")
+    check_seed("train.seed", t.seed)
+    # Beyond these the loss or the weights leave float32's range: NaN, not training.
+    for key, most in (("weight_decay", 1.0), ("dice_weight", 1000.0), ("intensity_shift", 2.0)):
+        value = getattr(t, key)
+        _require(value <= most, f"train.{key} must be at most {most:g}, got {value}")
     # At least one step normalises by its own batch, so the held statistics are pooled
     # through trained weights, never the initial ones.
     _require(
@@ -153,6 +218,10 @@ def _validate_train(t: TrainConfig, mesh: MeshConfig) -> None:
     _require(
         min(t.class_weights) >= 0 and max(t.class_weights) > 0,
         f"train.class_weights must be non-negative and not all 0, got {list(t.class_weights)}",
+    )
+    _require(
+        max(t.class_weights) <= 1000,
+        f"train.class_weights must be at most 1000 each, got {list(t.class_weights)}",
     )
 
 
@@ -184,6 +253,26 @@ def _validate_augment(a: AugmentConfig) -> None:
         a.blur_sigma[1] <= 3,
         f"augment.blur_sigma must be at most 3 voxels, got {list(a.blur_sigma)}",
     )
+    # Every other range within what still looks like CT (nnU-Net's ranges are well inside):
+    # beyond, intensities leave float32's range and the loss is NaN.
+    for key, low, high, unit in _AUGMENT_RANGES:
+        value = list(getattr(a, key))
+        _require(
+            low <= value[0] and value[1] <= high,
+            f"augment.{key} must lie within {low:g} … {high:g}{unit}, got {value}",
+        )
+
+
+# [augment]'s ranges: key, lowest low, highest high, unit (nnU-Net's ranges lie inside).
+_AUGMENT_RANGES = (
+    ("scaling", 0.25, 4.0, " (a zoom)"),
+    ("noise_std", 0.0, 1.0, " (1 = half the HU window)"),
+    ("brightness", 0.1, 10.0, " (a factor)"),
+    ("contrast", 0.1, 10.0, " (a factor)"),
+    ("gamma", 0.1, 10.0, ""),
+    ("phase_liver_hu", 0.0, 1000.0, " HU"),
+    ("phase_tumour_share", 0.0, 10.0, ""),
+)
 
 
 def _validate_predict(config: Config) -> None:

@@ -6,15 +6,25 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import stat
 import tomllib
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
 from ctseg import compat
-from ctseg.config.checks import check
+from ctseg.config.checks import LARGEST_INT, check
 from ctseg.config.sections import SECTION_TYPES, SECTIONS, Config
 from ctseg.errors import CtsegError
+
+# Keys of earlier versions, which `compat.config` reads in a run's config.toml, and what
+# replaced them: a `--set` of one is a user's mistake (beside a config that sets the new
+# key, it would be silently overridden), refused naming its replacement.
+LEGACY_KEYS = {
+    ("train", "held_norm_steps"): (
+        "train.held_norm_share, a share of train.steps (e.g. 0.25 holds the last quarter)"
+    ),
+}
 
 
 def _closest(name: str, allowed: list[str]) -> str:
@@ -45,6 +55,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise CtsegError(f"{key} must be an integer, got {value!r}")
+        if not -LARGEST_INT - 1 <= value <= LARGEST_INT:
+            raise CtsegError(
+                f"{key} = {value} is beyond the integers JAX computes with "
+                f"(−2^31 … 2^31 − 1 = {LARGEST_INT})"
+            )
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -84,6 +99,38 @@ def from_dict(raw: dict[str, Any]) -> Config:
     config = Config(**sections)
     check(config)
     return config
+
+
+def _refuse_legacy_override(section: str, key: str) -> None:
+    new = LEGACY_KEYS.get((section, key))
+    if new is not None:
+        raise CtsegError(
+            f"--set {section}.{key}: an earlier version's key (read only in old runs' "
+            f"config.toml), replaced by {new}"
+        )
+
+
+def _config_file_problem(path: Path) -> str | None:
+    """Why `path` cannot be a config file (missing, a folder, a device, a FIFO …), without
+    opening it: reading a FIFO would wait for a writer."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return f"config file not found: {path}"
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return f"{path} is a folder, not a config file (see configs/)"
+    kinds = (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    what = next((words for test, words in kinds if test(mode)), "not a file")
+    return f"{path} is {what}, not a regular file: give a TOML config file (see configs/)"
 
 
 def to_dict(config: Config) -> dict[str, dict[str, Any]]:
@@ -126,10 +173,9 @@ def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        if path.is_dir():
-            raise CtsegError(f"{path} is a folder, not a config file (see configs/)")
-        if not path.is_file():
-            raise CtsegError(f"config file not found: {path}")
+        problem = _config_file_problem(path)
+        if problem is not None:
+            raise CtsegError(problem)
         try:
             # TOML is UTF-8 whatever the locale (GDCM's writer, for one, can set it to C).
             raw = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -147,6 +193,7 @@ def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -
             raise CtsegError(
                 f"unknown config section '{section}'; {_closest(section, list(SECTIONS))}"
             )
+        _refuse_legacy_override(section, key)
         raw.setdefault(section, {})[key] = value
     return from_dict(raw)
 

@@ -15,6 +15,7 @@ import dataclasses
 import errno
 import functools
 import json
+import math
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ import numpy as np
 
 from ctseg import compat, lock
 from ctseg.atomic import claim_folder, write_json, write_npy
-from ctseg.config import Config
+from ctseg.config import Config, grid_problem
 from ctseg.data import grids, splits, store
 from ctseg.data.grids import GridSpec
 from ctseg.data.manifest import MANIFEST, grid_keys, manifest_file, read_manifest, write_manifest
@@ -36,10 +37,14 @@ from ctseg.data.workers import each_in_workers, usable_workers
 from ctseg.errors import CtsegError
 from ctseg.io.scans import Scan, geometry_difference, read_scan
 from ctseg.labels import LABEL_VALUES, check_labels
+from ctseg.memory import host_memory, human_bytes
 from ctseg.progress import Progress
 
 Status = Literal["prepared", "resumed", "failed"]
 _WORKER_DIED = "the worker process died (out of memory?); re-run with fewer --workers"
+# Bytes a case's grid takes while it is made: the int16 image, the uint8 labels and one
+# boolean temporary of the grid's size (the source scan comes on top).
+GRID_BYTES_PER_VOXEL = 4
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,9 @@ def write_store(
     """
     workers = usable_workers(workers)
     out_dir = Path(out_dir)
+    grid = GridSpec.of(config.data)
+    if grid.kind == "cube":  # every case's grid is known: refused before anything is written
+        check_grid_size(grid, (grid.resolution,) * 3, "every case's grid")
     # One writer per store: two preprocesses at once would write one case's arrays twice.
     with lock.hold(out_dir, warn):
         return _write(layout, out_dir, config, progress, force, workers, warn)
@@ -242,9 +250,31 @@ def _prepare_or_reason(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntr
         return "out of memory; re-run with fewer --workers or more memory"
 
 
+def check_grid_size(grid: GridSpec, shape: Sequence[int], what: str) -> None:
+    """CtsegError naming the config key when `what`'s grid of `shape` voxels is more than JAX
+    can index or more than this machine's memory holds, before it is allocated."""
+    key = (
+        f"data.resolution = {grid.resolution}"
+        if grid.kind == "cube"
+        else f"data.spacing = {list(grid.spacing)} mm"
+    )
+    remedy = "a smaller data.resolution" if grid.kind == "cube" else "a coarser data.spacing"
+    problem = grid_problem(shape)
+    if problem is not None:
+        raise CtsegError(f"{what} at {key} would be {problem}; use {remedy}")
+    needed, available = math.prod(shape) * GRID_BYTES_PER_VOXEL, host_memory()
+    if needed > available:
+        sides = "×".join(str(int(n)) for n in shape)
+        raise CtsegError(
+            f"{what} at {key} would be {sides} voxels, {human_bytes(needed)} to prepare, more "
+            f"than the {human_bytes(available)} of memory available here; use {remedy}"
+        )
+
+
 def _prepare_case(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry:
     image = read_scan(case.image)
     grid_shape = grid.grid_of(image.array.shape, image.spacing)
+    check_grid_size(grid, grid_shape, f"the grid of {case.image.name}")
     label_counts = None
     labels = None if case.label is None else _labels(image, case.label)
     # The whole grid is stored; the case's box is where validation looks: on the cube the

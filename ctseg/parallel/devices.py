@@ -13,11 +13,15 @@ runs on the chosen devices is decided elsewhere: the layout of a training run in
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import logging
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from ctseg.errors import CtsegError
@@ -25,6 +29,13 @@ from ctseg.memory import host_memory
 
 DEVICE_CHOICES = ("auto", "cpu", "gpu", "tpu")
 ACCELERATORS = ("gpu", "tpu")
+_log = logging.getLogger(__name__)
+# Whether `visible` holds what JAX's plugins print while the backends start (the library's
+# way); a command holds it itself, to show it with --verbose (`commands_hold_output`).
+_hold_start_output = True
+# One holder of the stderr descriptor at a time (API calls from several threads); nested
+# holds in one thread are each other's.
+_holding = threading.RLock()
 
 
 class Device(Protocol):
@@ -52,6 +63,93 @@ def restrict_backends(request: str) -> None:
         import jax
 
         jax.config.update("jax_platforms", "cpu")
+
+
+def commands_hold_output() -> None:
+    """Called by the commands before JAX starts: they hold what libraries print themselves
+    (`ctseg.cli.library_output`), and show it with --verbose."""
+    global _hold_start_output
+    _hold_start_output = False
+
+
+def _platforms_chosen() -> bool:
+    """Whether the user (JAX_PLATFORMS, or `jax.config` in a notebook) or an earlier call
+    chose JAX's platforms, or JAX already started its backends: then they stay as they are."""
+    import jax
+
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+        return True
+    return _backends_started()
+
+
+def _backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # another JAX: assume started, change nothing
+        return True
+
+
+def start_quietly(request: str = "auto") -> Found:
+    """For the Python API, as `restrict_backends` and the commands' held output are for the
+    commands: where the user chose no platforms and JAX has not started, only the CPU starts
+    for `request` cpu, or auto on a machine without accelerators; the backends start with
+    what JAX's plugins print held (logged at debug level). Returns what `visible` found."""
+    if request not in DEVICE_CHOICES:
+        raise CtsegError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {request!r}")
+    with held_start_output():  # importing JAX imports its plugins, which speak too
+        cpu_only = request == "cpu" or (request == "auto" and no_accelerator())
+        if cpu_only and not _platforms_chosen():
+            import jax
+
+            jax.config.update("jax_platforms", "cpu")
+        return visible()
+
+
+@contextlib.contextmanager
+def held_start_output() -> Iterator[None]:
+    """While JAX imports its plugins and starts its backends: what they print on the stderr
+    file descriptor (the CUDA plugin's "Could not find cuda drivers" on a machine without a
+    GPU, libtpu's TPU_WORKER_HOSTNAMES errors) and log without a handler of their own (JAX's
+    "Jax plugin configuration error" traceback) is held, then logged at debug level here.
+
+    The library's counterpart of the commands' `ctseg.cli.library_output.held`; a no-op
+    where a command holds the output itself (`commands_hold_output`)."""
+    if not _hold_start_output:
+        yield
+        return
+    with _holding:
+        yield from _held()
+
+
+def _held() -> Iterator[None]:
+    try:
+        terminal = os.dup(2)
+    except OSError:  # no stderr to hold
+        yield
+        return
+    last_resort = logging.lastResort
+    with tempfile.TemporaryFile() as held:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.dup2(held.fileno(), 2)
+        log = open(os.dup(2), "w", encoding="utf-8", errors="replace")  # noqa: SIM115
+        logging.lastResort = logging.StreamHandler(log)
+        logging.lastResort.setLevel(logging.WARNING)
+        try:
+            yield
+        finally:
+            logging.lastResort = last_resort
+            log.close()
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(terminal, 2)
+            os.close(terminal)
+            held.seek(0)
+            text = held.read().decode("utf-8", "replace").strip()
+    if text:
+        _log.debug("what JAX and its plugins printed on starting:\n%s", text)
 
 
 # Device files of attached accelerators (Linux): NVIDIA's driver, AMD's (ROCm), TPUs.
@@ -125,16 +223,18 @@ def visible(local: bool = True) -> Found:
 
     listing = jax.local_devices if local else jax.devices
     found = Found(platforms=os.environ.get("JAX_PLATFORMS") or None)
-    for platform in (*ACCELERATORS, "cpu"):
-        # A plugin's start failure surfaces once; the backends started before it are
-        # served from the next call on, so a failure is asked again once.
-        for _ in range(2):
-            try:
-                found[platform] = list(listing(backend=platform))
-                break
-            except RuntimeError as exc:
-                if not _note_failure(str(exc), found):
+    starting = not _backends_started()
+    with held_start_output() if starting else contextlib.nullcontext():
+        for platform in (*ACCELERATORS, "cpu"):
+            # A plugin's start failure surfaces once; the backends started before it are
+            # served from the next call on, so a failure is asked again once.
+            for _ in range(2):
+                try:
+                    found[platform] = list(listing(backend=platform))
                     break
+                except RuntimeError as exc:
+                    if not _note_failure(str(exc), found):
+                        break
     found.faults.update(_faults)
     return found
 

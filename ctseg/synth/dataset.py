@@ -10,6 +10,9 @@ import nibabel as nib
 import numpy as np
 
 from ctseg.atomic import atomic_path, claim_folder, is_json_with, write_json, write_text
+from ctseg.config import check_seed
+from ctseg.errors import CtsegError
+from ctseg.memory import host_memory, human_bytes
 from ctseg.progress import Progress
 from ctseg.synth.cases import (
     ABDOMINAL,
@@ -17,14 +20,20 @@ from ctseg.synth.cases import (
     EXTENT_GROUP_BOUNDS_MM,
     KINDS,
     LIVER_ONLY,
+    MAX_SLICES_PER_SIZE,
     RAW_INTERCEPT,
     RAW_MAX,
     Case,
     Geometry,
+    max_slices,
     random_case,
 )
 from ctseg.synth.phantoms import Phantom, make_phantom
 
+# Bytes a case takes while it is drawn, per voxel of its largest scan: the phantom's HU
+# (float64), its labels and the stored int16 copy, with numpy's temporaries (measured:
+# 16 at 128 and 192 pixels).
+BYTES_PER_VOXEL = 24
 MARKER = ".ctseg-synth"  # written first into the output folder: synth's own folder
 SIDECAR = "synth.json"  # what was drawn for each case
 
@@ -143,6 +152,26 @@ def _write_sidecar(out_dir: Path, entries: dict[str, dict]) -> None:
     )
 
 
+def check_size(size: int, available: int | None = None) -> None:
+    """CtsegError when a case of `size` pixels a side (its largest scan: `max_slices` slices)
+    would not fit the memory `available` (default: this machine's), before anything is
+    written or allocated."""
+    if size < 1:
+        raise CtsegError(f"--size must be positive, got {size}")
+    voxels = size * size * max_slices(size)
+    needed = voxels * BYTES_PER_VOXEL
+    available = host_memory() if available is None else available
+    if needed > available:
+        largest = int((available / (MAX_SLICES_PER_SIZE * BYTES_PER_VOXEL)) ** (1 / 3)) + 1
+        while largest > 1 and largest**2 * max_slices(largest) * BYTES_PER_VOXEL > available:
+            largest -= 1
+        raise CtsegError(
+            f"--size {size}: a case of up to {size}×{size}×{max_slices(size)} voxels needs "
+            f"about {human_bytes(needed)} of memory while it is drawn, more than the "
+            f"{human_bytes(available)} available here; use --size {largest} or less"
+        )
+
+
 def write_dataset(
     out_dir: str | Path,
     cases: int,
@@ -159,6 +188,8 @@ def write_dataset(
     Into a new or empty folder, one that synth wrote before, or (`force`) any folder:
     pointed at real data by mistake, it must not overwrite a LiTS volume-0.nii.gz.
     """
+    check_seed("--seed", seed)
+    check_size(size)
     out_dir = claim_folder(out_dir, (MARKER,), force)
     # An earlier synth's cases that this run leaves keep their entries (another's
     # synth.json, in a folder written into with `force`, is replaced).

@@ -36,6 +36,27 @@ _SLICES = {
 # Each GPU spec's memory, read once from its file, is the number users compare with.
 _MEMORY = re.compile(r"device_memory_size:\s*(\d+)")
 _GPUS_PER_HOST = 8
+# A GPU's memory, from the smallest any GPU has to beyond any made (an H100: 80 GiB).
+# Below, XLA compiles for a budget far under what a program needs, which it does not
+# finish (a 16³ model for 64 KiB, a 64³ one for 1 MiB: minutes, no answer) or dies of
+# (SIGFPE for 1000 bytes); at 0 it never answers.
+GPU_MEMORY = (GIB, 16 * 1024 * GIB)
+# Fields of a GPU description that XLA divides by: each must be a positive number.
+_POSITIVE_FIELDS = (
+    "core_count",
+    "threads_per_warp",
+    "clock_rate_ghz",
+    "memory_bandwidth",
+    "fpus_per_core",
+    "threads_per_block_limit",
+    "threads_per_core_limit",
+)
+# The most devices a plan is made for (GPUs: 128 hosts of 8): the inference planner tries
+# its splits over every device, which takes seconds for 1024 of them, and for 4096 more
+# minutes than anyone waits (a million: no answer at all).
+MOST_DEVICES = 1024
+# A TPU generation's largest slice, in chips (its pod; v5p's by Google's figures).
+_POD_CHIPS = {"v4": 4096, "v5e": 256, "v5p": 8960, "v6e": 256}
 
 
 @dataclass(frozen=True)
@@ -82,9 +103,17 @@ def resolve(name: str, devices: int | None = None, target_file: Path | None = No
     """The target `name` (`h100`, `tpu-v5e:4x4`, …) with `devices` GPUs (default 1; a TPU's
     count comes from its topology), or the GPU that `target_file` describes; CtsegError in
     one line for a name, topology or file that is not one."""
-    if devices is not None and devices < 1:
-        raise CtsegError(f"--devices must be at least 1, got {devices}")
+    if devices is not None and not 1 <= devices <= MOST_DEVICES:
+        raise CtsegError(
+            f"--devices must be from 1 to {MOST_DEVICES} GPUs ({MOST_DEVICES // _GPUS_PER_HOST} "
+            f"hosts of {_GPUS_PER_HOST}), got {devices}"
+        )
     if target_file is not None:
+        if name:
+            raise CtsegError(
+                f"--target {name} and --target-file {target_file} both name the target: give "
+                "--target-file alone for your own GPU description, or --target alone"
+            )
         return _gpu(target_file.stem, _read_spec(target_file), devices or 1)
     if name.startswith("tpu-"):
         if devices is not None:
@@ -109,6 +138,23 @@ def _read_spec(path: Path) -> str:
             f"{path} is not a GPU target description: a GpuTargetConfigProto in text form "
             "with gpu_device_info { … device_memory_size: BYTES … } (see ctseg/targets/specs/)"
         )
+    memory = int(_MEMORY.search(text).group(1))
+    low, high = GPU_MEMORY
+    if not low <= memory <= high:
+        raise CtsegError(
+            f"{path}: device_memory_size: {memory} is no GPU's memory; give its bytes, from "
+            f"{low} (1 GiB) to {high} (16 TiB): an H100's is 85899345920"
+        )
+    for name in _POSITIVE_FIELDS:
+        for value in re.findall(rf"\b{name}:\s*([-+0-9.eE]+)", text):
+            try:
+                positive = float(value) > 0
+            except ValueError:
+                positive = False
+            if not positive:
+                raise CtsegError(
+                    f"{path}: {name}: {value} must be a positive number (XLA divides by it)"
+                )
     return text
 
 
@@ -143,15 +189,30 @@ def _tpu(name: str) -> Target:
     generation, topology = match.group(1), match.group(2)
     libtpu_name, memory, accelerator, dims = _TPUS[generation]
     sides = [int(side) for side in topology.split("x")]
-    if len(sides) != dims or min(sides) < 1:
-        example = "x".join(["2"] * dims)
+    example = "x".join(["2"] * dims)
+    if len(sides) != dims:
         raise CtsegError(
             f"--target {name}: a {generation} topology has {dims} sides, e.g. "
+            f"tpu-{generation}:{example}"
+        )
+    if min(sides) < 1:
+        raise CtsegError(
+            f"--target {name}: every side of a topology must be at least 1 chip, e.g. "
             f"tpu-{generation}:{example}"
         )
     chips = 1
     for side in sides:
         chips *= side
+    if chips > _POD_CHIPS[generation]:
+        raise CtsegError(
+            f"--target {name} is {chips} chips, more than a {generation} pod's "
+            f"{_POD_CHIPS[generation]}: no such slice exists"
+        )
+    if chips > MOST_DEVICES:
+        raise CtsegError(
+            f"--target {name} is {chips} chips; ctseg plans for at most {MOST_DEVICES} devices "
+            "(beyond, planning takes more minutes than anyone waits): plan for a smaller slice"
+        )
     # libtpu names a slice by its TensorCores (v4, v5p: 2 per chip) or chips (v5e, v6e).
     cores = chips * (2 if dims == 3 else 1)
     return Target(

@@ -433,3 +433,10 @@ def test_cross_validation_refuses_missing_repeated_or_foreign_folds(
     )
     with pytest.raises(CtsegError, match="re-assigned since; its 'val' split cannot be told apart"):
         evaluate_run(moved, reassigned, "val", tmp_path / "eval")
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**31), str(2**70)])
+def test_a_seed_numpy_cannot_take_is_one_line_before_the_store_is_read(tmp_path, seed):
+    result = runner.invoke(app, ["folds", str(tmp_path / "no-store"), "--k", "2", "--seed", seed])
+    assert isinstance(result.exception, CtsegError), result.output
+    assert str(result.exception).startswith("--seed must")

@@ -6,6 +6,7 @@ its halo exchanges are collective-permutes, the tiled inference loop runs on the
 without host transfers, and a plan that does not fit is reported as such.
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -125,9 +126,11 @@ def test_a_plan_that_does_not_fit_says_so_and_what_would(h100s, tmp_path):
     config = tiny_config(*SMALL)
     needed = plan.memory_of(_train_step(config, h100s[1][:1])).total
     memory = int(0.7 * needed)
-    spec = resolve("h100").gpu_spec.replace(str(80 * 2**30), str(memory))
-    (tmp_path / "small-gpu.txtpb").write_text(spec)
-    target = resolve("", target_file=tmp_path / "small-gpu.txtpb")
+    # Far smaller than any GPU, so that it compiles in seconds: a target file of it would be
+    # refused (below 1 GiB), so the target is made here.
+    h100 = resolve("h100")
+    spec = h100.gpu_spec.replace(str(80 * 2**30), str(memory))
+    target = dataclasses.replace(h100, name="small-gpu", memory=memory, gpu_spec=spec)
     result = target_compile.plan_target(config, target)
     # XLA rematerialises to the device's memory (less than `needed`), but not enough.
     assert result["train"]["fits"] is False
