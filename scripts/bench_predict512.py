@@ -13,8 +13,12 @@ scan is a synthetic size×size phantom (`ctseg synth --size`), copied under N na
 `--cold-only` skips it). For each run: wall seconds, the process's peak resident
 memory, the network's seconds per scan (`infer` in the scans' `_stats.json`: the
 grid from host memory to the devices, the network, the probabilities back), the
-compile seconds, and with several scans the network's seconds per scan after the
-first and the wall seconds each further scan adds.
+first scan's compile seconds, each scan's seconds per phase (read, resample: to the
+grid and back, infer, postprocess, write) and its host seconds (all but infer), and
+with several scans the network's seconds per scan after the first, the wall seconds of
+the same call on one scan, warm (`one_scan_wall_seconds`), the wall seconds each
+further scan adds, and of those the seconds not overlapped with the network
+(`not_overlapped_seconds_per_scan`: the host's work on the critical path).
 
 `--roi` also runs `ctseg predict --roi` on the same scans, the region taken from the
 phantom's own liver mask, and gives `roi_vs_whole`: its wall seconds and peak memory
@@ -53,16 +57,24 @@ CTSEG = str(Path(sys.executable).with_name("ctseg"))
 CONFIG = REPO / "configs" / "lits512_16way.toml"
 ANCHOR = REPO / "scripts" / "monai_anchor.py"
 UNTRAINED = "--untrained-run"  # the child's argument: make the run directory, nothing else
+# A scan's phases as its `_stats.json` records them ("resample": to the grid and back),
+# and those the host does: one scan's, or with several each scan's not overlapped with
+# the network (`not_overlapped_seconds_per_scan`).
+SCAN_PHASES = ("read", "resample", "infer", "postprocess", "write")
+HOST_PHASES = ("read", "resample", "postprocess", "write")
 
 
 def make_untrained_run(run_dir: Path, config_path: Path) -> None:
     """A run directory with the config and a step-0 checkpoint of freshly initialised weights
     (in the child process, `untrained_run`)."""
+    import logging
+
     from ctseg import config as cfg
     from ctseg.model.step import init_state
     from ctseg.run import rundir
     from ctseg.run.checkpoints import Checkpoints
 
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on saving a step 0
     config = cfg.load(config_path)
     run_dir.mkdir(parents=True, exist_ok=True)
     rundir.write_or_check_config(run_dir, config)
@@ -136,13 +148,18 @@ def predict(
     if status != 0:
         sys.exit(f"ctseg predict failed (exit status {status}); measured so far: {args.result}")
     stats = [json.loads((out / f"{s.name[:-7]}_stats.json").read_text()) for s in scans]
+    seconds = {phase: [s["seconds"][phase] for s in stats] for phase in SCAN_PHASES}
     run = {
         "wall_seconds": wall,
         "peak_gib": peak,
         "device": stats[0]["device"],
-        "infer_seconds": [s["seconds"]["infer"] for s in stats],
-        "compile_seconds": stats[-1]["seconds"]["compile"],
+        "infer_seconds": seconds["infer"],
+        # The first scan's: it compiles the programs (a later scan's record holds only
+        # what it compiled itself, none when the programs serve every extent).
+        "compile_seconds": stats[0]["seconds"]["compile"],
         "compiled": stats[-1]["compiled"],
+        "seconds": seconds,
+        "host_seconds": [sum(seconds[p][i] for p in HOST_PHASES) for i in range(len(stats))],
     }
     if len(scans) > 1:
         later = run["infer_seconds"][1:]
@@ -216,6 +233,10 @@ def main() -> None:
         single = predict(args, run_dir, scans[:1], out)
         per_scan = (result["warm"]["wall_seconds"] - single["wall_seconds"]) / (args.scans - 1)
         result["warm"]["wall_seconds_per_scan_after_first"] = per_scan
+        result["warm"]["one_scan_wall_seconds"] = single["wall_seconds"]
+        # What each further scan adds beyond its network: the host's work on the critical path.
+        network = result["warm"]["infer_seconds_after_first"]
+        result["warm"]["not_overlapped_seconds_per_scan"] = per_scan - network
         atomic.write_json(args.result, result)
     if args.roi:
         mask = args.workdir / "liver-mask.nii.gz"

@@ -19,7 +19,7 @@ import numpy as np
 from ctseg.data import grids
 from ctseg.data.grids import GridSpec
 from ctseg.errors import CtsegError
-from ctseg.inference import tiling
+from ctseg.inference import scan_space, tiling
 from ctseg.inference.engine import Engine, class_probabilities
 from ctseg.inference.jax_backend import is_out_of_memory
 from ctseg.inference.region import Region, Window, window_of
@@ -29,8 +29,9 @@ from ctseg.model import unet
 from ctseg.parallel import devices as dev
 from ctseg.run.trained import TrainedModel
 
-# Spacing-grid boxes are rounded up to this many voxels (or the alignment, if larger):
-# scans of similar extent share one compiled program, at ≤ 15 voxels of air per side.
+# Spacing-grid boxes are rounded up to a rung of this multiple's ladder under JAX (or the
+# alignment's, if larger; `grids.inference_box`): scans of different extents share one
+# compiled program. Under ONNX Runtime, to the next multiple: ≤ 15 voxels of air a side.
 BOX_MULTIPLE = 16
 
 
@@ -42,7 +43,9 @@ _ENGINES_KEPT = 4
 class OnGrid:
     """A scan brought to the run's grid, ready for the network."""
 
-    unit: np.ndarray  # the HU-windowed box [x, y, z], float32: the grid, padded on the spacing grid
+    # The HU-windowed box [x, y, z], float32: the grid, padded on the spacing grid; on the
+    # devices under JAX, a host array under ONNX Runtime.
+    unit: np.ndarray | jax.Array
     grid: Shape  # the scan's grid, the box's first voxels
     window: Window | None = None  # a region's box of the grid; None: the whole grid
     located: dict[str, Any] | None = None  # how the region was found, for the stats file
@@ -101,21 +104,36 @@ class Member:
         return f"the scan at {self.grid.voxel_size}, boxes of its extent"
 
     def to_grid(self, scan: Scan, region: Region | None = None) -> OnGrid:
-        """The scan on the run's grid, HU-windowed: exactly the training preprocessing. On
-        the spacing grid the box holds the scan's whole grid, padded with air to the
-        model's alignment; with a `region`, only the box of the grid that gives its
-        labels exactly (`ctseg.inference.region`)."""
+        """The scan on the run's grid, HU-windowed: the training preprocessing, on the
+        devices (`scan_space.unit_box`). On the spacing grid the box holds the scan's whole
+        grid, padded with air: to a rung of the ladder under JAX (`grids.inference_box`:
+        its compiled programs serve scans of other extents), to the next multiple of
+        `BOX_MULTIPLE` under ONNX Runtime; with a `region`, only the box of the grid that
+        gives its labels exactly (`ctseg.inference.region`)."""
         grid = self.grid.grid_of(scan.array.shape, scan.spacing)
         box, offset, window = grid, (0, 0, 0), None
         multiple = max(self.config.alignment, BOX_MULTIPLE)
         if self.grid.kind == "spacing":
-            box = grids.inference_box(grid, multiple)
+            box = grids.inference_box(grid, multiple, ladder=self.backend == "jax")
         if region is not None:
             radius = unet.receptive_field_radius(self.config.model)
             window = window_of(region, scan.array.shape, grid, box, radius, multiple)
             box, offset = window.box, window.offset
-        hu = grids.to_box(scan.array, grid, offset, box, order=1)  # int16, as stored
-        return OnGrid(grids.hu_to_unit(hu, self.config.data.hu_window), grid, window)
+        unit = scan_space.unit_box(
+            scan.array, grid, offset, box, self.config.data.hu_window, self._grid_device
+        )
+        # Waited for here, off the network's thread: a failure is this scan's reading
+        # failure, and its seconds are the resampling's, not the next program's.
+        unit = jax.block_until_ready(unit)
+        if self.backend == "onnx":  # ONNX Runtime reads host arrays
+            unit = np.asarray(jax.device_get(unit))
+        return OnGrid(unit, grid, window)
+
+    @property
+    def _grid_device(self) -> Any:
+        """Where the scan is brought to the grid: the engine's first device (JAX), else
+        this process's first (the host's CPU under ONNX Runtime)."""
+        return (self.devices or jax.local_devices())[0]
 
     def infer(
         self,

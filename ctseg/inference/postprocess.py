@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import cc3d
 import numpy as np
 from scipy import ndimage, spatial
 
 from ctseg.labels import LIVER, bounding_box, liver_mask, tumour_burden, tumour_mask
 
-_CONNECTIVITY = ndimage.generate_binary_structure(3, 3)
 # Tumours (the largest by volume) whose largest diameter `scan_stats` measures: RECIST
 # follows at most 5 target lesions, and a noisy prediction can have tens of thousands.
 MEASURED_TUMOURS = 20
@@ -24,26 +24,38 @@ _SURFACE_FROM = 1000
 _CHUNK = 1024
 
 
+def components(mask: np.ndarray) -> tuple[np.ndarray, int]:
+    """The 26-connected components of a boolean mask, numbered 1 … count as
+    `scipy.ndimage.label` numbers them (in C order of their first voxel), and their count.
+
+    cc3d labels a 512×512×300 mask in 0.2 s where scipy takes 2.1 s (one core each). It
+    numbers a C-contiguous array's components in that order; a view is copied to one."""
+    pieces = cc3d.connected_components(np.ascontiguousarray(mask), connectivity=26)
+    return pieces, int(pieces.max(initial=0))
+
+
 def largest_component(mask: np.ndarray) -> np.ndarray:
-    """The largest 26-connected component of a boolean mask (all False if it is empty)."""
+    """The largest 26-connected component of a boolean mask (all False if it is empty; of
+    equal largest ones, the first in C order), found in the mask's bounding box."""
     box = bounding_box(mask)
     kept = np.zeros(mask.shape, dtype=bool)
     if box is None:
         return kept
-    components, count = ndimage.label(mask[box], structure=_CONNECTIVITY)
+    pieces, count = components(mask[box])
     if count > 1:
-        sizes = np.bincount(components.ravel())
+        # Counted over the mask's voxels only: a bincount of every voxel's uint32 takes 10×.
+        sizes = np.bincount(pieces[mask[box]], minlength=count + 1)
         sizes[0] = 0
-        kept[box] = components == sizes.argmax()
+        kept[box] = pieces == sizes.argmax()
     else:
-        kept[box] = components > 0
+        kept[box] = pieces > 0
     return kept
 
 
 def clean_labels(
     labels: np.ndarray, keep_largest_liver: bool, tumour_inside_liver: bool
 ) -> np.ndarray:
-    """Post-processed copy of a label map.
+    """Post-processed copy of a label map, computed in the liver's bounding box.
 
     `keep_largest_liver`: only the largest connected piece of liver (tumour
     included) survives; tumour in the dropped pieces goes with them.
@@ -51,16 +63,20 @@ def clean_labels(
     at all (tumour floating outside any liver) are dropped.
     """
     labels = np.array(labels, dtype=np.uint8)
+    box = bounding_box(liver_mask(labels))
+    if box is None:
+        return labels
+    inside = labels[box]  # a view: what changes here changes `labels`
     if keep_largest_liver:
-        labels[~largest_component(liver_mask(labels))] = 0
-    if tumour_inside_liver:
-        box = bounding_box(liver_mask(labels))
-        if box is not None:
-            pieces, count = ndimage.label(labels[box] >= LIVER, structure=_CONNECTIVITY)
-            has_liver = np.zeros(count + 1, dtype=bool)
-            has_liver[np.unique(pieces[labels[box] == LIVER])] = True
-            has_liver[0] = True  # background stays what it is
-            labels[box][~has_liver[pieces]] = 0
+        inside[~largest_component(inside >= LIVER)] = 0
+        # One piece is left: with `tumour_inside_liver`, it stays only if it holds liver.
+        if tumour_inside_liver and not np.any(inside == LIVER):
+            inside[...] = 0
+    elif tumour_inside_liver:
+        pieces, count = components(inside >= LIVER)
+        has_liver = np.bincount(pieces[inside == LIVER], minlength=count + 1) > 0
+        has_liver[0] = True  # background stays what it is
+        inside[~has_liver[pieces]] = 0
     return labels
 
 
@@ -79,6 +95,15 @@ def max_diameter_mm(voxels: np.ndarray, affine: np.ndarray) -> float:
     if len(points) < 2:
         return 0.0
     return _farthest_pair(_hull_vertices(points))
+
+
+def _measured_voxels(mask: np.ndarray) -> np.ndarray:
+    """The voxels [n, 3] of a tumour's mask that its diameter is measured on: its surface
+    alone where it is large (as `max_diameter_mm` does), found on the mask itself rather
+    than on a mask rebuilt from millions of voxel indices."""
+    if np.count_nonzero(mask) > _SURFACE_FROM:
+        mask = mask & ~ndimage.binary_erosion(mask, border_value=0)
+    return np.argwhere(mask)
 
 
 def _surface(voxels: np.ndarray) -> np.ndarray:
@@ -139,8 +164,8 @@ def scan_stats(labels: np.ndarray, affine: np.ndarray) -> dict[str, Any]:
     box = bounding_box(tumour)
     if box is not None:
         origin = np.array([s.start for s in box])
-        pieces, count = ndimage.label(tumour[box], structure=_CONNECTIVITY)
-        sizes = np.bincount(pieces.ravel())[1:]
+        pieces, count = components(tumour[box])
+        sizes = np.bincount(pieces[tumour[box]], minlength=count + 1)[1:]
         objects = ndimage.find_objects(pieces)
         # Where each tumour is: the centre of its bounding box, in mm.
         centres = np.array([[(s.start + s.stop - 1) / 2 for s in o] for o in objects]) + origin
@@ -154,7 +179,7 @@ def scan_stats(labels: np.ndarray, affine: np.ndarray) -> dict[str, Any]:
             if rank < MEASURED_TUMOURS:
                 where = objects[piece]
                 corner = np.array([s.start for s in where]) + origin
-                voxels = np.argwhere(pieces[where] == piece + 1) + corner
+                voxels = _measured_voxels(pieces[where] == piece + 1) + corner
                 entry["diameter_mm"] = max_diameter_mm(voxels.astype(float), affine)
             tumours.append(entry)
     burden = tumour_burden(labels)

@@ -28,9 +28,11 @@ from ctseg.errors import CtsegError
 from ctseg.inference import postprocess, scan_checks, scan_space
 from ctseg.inference.backends import choose_backend, onnx_available
 from ctseg.inference.engine import Engine
+from ctseg.inference.inputs import mask_candidates
 from ctseg.inference.jax_backend import COMPILED_SHARE
 from ctseg.inference.member import Member, OnGrid
 from ctseg.inference.region import Region, region_of
+from ctseg.inference.tiling import Shape
 from ctseg.io.scans import Scan, geometry_difference, read_scan, scan_name
 from ctseg.memory import human_bytes
 from ctseg.parallel import devices as dev
@@ -55,8 +57,9 @@ class Prediction:
     """A scan's prediction in canonical (RAS) voxel order, plus what was noticed on the way."""
 
     labels: np.ndarray  # post-processed, uint8, the scan's canonical shape
-    grid_probabilities: Any  # [x, y, z, 3] on the run's grid, on the engine's devices (ONNX:
-    # a host array); None for an ensemble
+    # [x, y, z, 3] on the box whose first voxels are the run's grid (`grid`), on the engine's
+    # devices (ONNX: a host array); None for an ensemble or a region's window
+    grid_probabilities: Any
     probabilities: np.ndarray | None  # [..., 3] float32 on the scan's voxels, when asked for
     warnings: list[str] = field(default_factory=list)
     seconds: Seconds = field(default_factory=dict)  # this scan's own phases
@@ -65,6 +68,7 @@ class Prediction:
     # The region predicted at full resolution and where it came from (`Predictor.locate`);
     # None: the whole scan was predicted as asked.
     located: dict[str, Any] | None = None
+    grid: Shape | None = None  # the run's grid of the scan, the first voxels of the box
 
     @property
     def grid_labels(self) -> np.ndarray | None:
@@ -72,7 +76,7 @@ class Prediction:
         None for an ensemble (its members' grids differ)."""
         if self.grid_probabilities is None:
             return None
-        return scan_space.grid_labels(self.grid_probabilities)
+        return scan_space.grid_labels(self.grid_probabilities, self.grid)
 
 
 @contextlib.contextmanager
@@ -93,27 +97,40 @@ def _fallback_warning(located: dict | None) -> list[str]:
 
 def roi_mask(roi: Path, source: Path) -> Path:
     """The region mask of the scan read from `source`: `roi` itself, or in a folder `roi`
-    the mask named as the scan (its file name, `<name>.nii.gz`, or `<name>_seg.nii.gz`, as
-    `ctseg predict` and TotalSegmentator-style tools name per-scan outputs)."""
+    the mask named as the scan (`inputs.mask_candidates`: its file name, `<name>.nii.gz`,
+    or `<name>_seg.nii.gz`, as `ctseg predict` and TotalSegmentator-style tools name
+    per-scan outputs)."""
     if not roi.is_dir():
         return roi
     name = scan_name(source)
-    for candidate in (source.name, f"{name}.nii.gz", f"{name}.nii", f"{name}_seg.nii.gz"):
-        if (roi / candidate).is_file():
-            return roi / candidate
+    if candidates := mask_candidates(roi, source):
+        return candidates[0]
     raise CtsegError(
         f"--roi {roi}: no mask for the scan {source.name} (looked for {name}.nii.gz, "
         f"{name}.nii and {name}_seg.nii.gz)"
     )
 
 
+# A mask holds labels: a file with values below 0 or above this is a scan, not a mask.
+_MASK_LABELS_UP_TO = 255
+
+
 def read_roi(path: Path, scan: Scan) -> np.ndarray:
-    """A region mask of `scan`'s geometry (any label > 0 is the region), canonical."""
+    """A region mask of `scan`'s voxels (any label > 0 is the region), canonical. Its
+    voxels may be stored in another order (mirrored, transposed, with the affine to
+    match): in canonical order they are the scan's."""
     mask = read_scan(path)
-    if geometry_difference(
-        mask.original_shape, mask.original_affine, scan.original_shape, scan.original_affine
-    ):
-        raise CtsegError(f"the region mask {path} does not have the scan's geometry")
+    difference = geometry_difference(mask.array.shape, mask.affine, scan.array.shape, scan.affine)
+    if difference:
+        raise CtsegError(
+            f"the region mask {path} is not on the scan's voxels in RAS order: {difference}"
+        )
+    low, high = float(np.min(mask.array)), float(np.max(mask.array))
+    if low < 0 or high > _MASK_LABELS_UP_TO:
+        raise CtsegError(
+            f"the region mask {path} holds values from {low:g} to {high:g}: a scan, not a "
+            f"mask of labels (0 outside, 1–{_MASK_LABELS_UP_TO} inside)"
+        )
     return (mask.array > 0).astype(np.uint8)
 
 
@@ -358,29 +375,28 @@ class Predictor:
             # On the engine's devices: only the labels (and asked-for probabilities) come back.
             shape = scan.array.shape
             if on_grids[0].window is not None:
-                cropped = [None]  # the grid is not whole: no grid Dice
                 labels, on_scan = scan_space.window_labels(
                     probabilities, on_grids, shape, with_probabilities
                 )
+            elif len(probabilities) == 1:
+                labels, on_scan = scan_space.scan_labels(
+                    probabilities[0], shape, with_probabilities, on_grids[0].grid
+                )
             else:
-                cropped = [
-                    scan_space.crop(p, g.grid) for p, g in zip(probabilities, on_grids, strict=True)
-                ]
-                if len(cropped) == 1:
-                    labels, on_scan = scan_space.scan_labels(cropped[0], shape, with_probabilities)
-                else:
-                    labels, on_scan = scan_space.mean_scan_labels(
-                        cropped, shape, with_probabilities
-                    )
+                labels, on_scan = scan_space.mean_scan_labels(
+                    probabilities, shape, with_probabilities, [g.grid for g in on_grids]
+                )
         with timed(seconds, "postprocess"):
             labels = postprocess.clean_labels(
                 labels, options.keep_largest_liver, options.tumour_inside_liver
             )
             checks = scan_checks.checks(self.fingerprint, scan, labels)
+        # On the grid: a lone run's whole one (training validates there); an ensemble has none.
+        whole = len(probabilities) == 1 and on_grids[0].window is None
         return Prediction(
             labels=labels,
-            # On the grid: a lone run's (training validates there); an ensemble has none.
-            grid_probabilities=cropped[0] if len(cropped) == 1 else None,
+            grid_probabilities=probabilities[0] if whole else None,
+            grid=on_grids[0].grid if whole else None,
             probabilities=on_scan,
             warnings=scan_checks.hu_warnings(scan.array)
             + scan_checks.geometry_warnings(scan)

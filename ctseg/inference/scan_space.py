@@ -1,7 +1,16 @@
-"""Class probabilities on the run's grid brought back to a scan's own voxels: cropped to the
-scan's grid, resampled linearly, argmax, an ensemble's mean, all where the backend runs
-(under JAX on the devices: what comes back to the host is the uint8 label map, and
-probabilities only where a caller asks for them).
+"""Between a scan's own voxels and the run's grid, where the backend runs.
+
+The way there (`unit_box`): the scan's int16 HU sent to the devices once, resampled
+linearly onto a box of the grid, rounded to int16 HU and HU-windowed, as training's
+preprocessing does on the host (`ctseg.data.grids`). The way back: class probabilities of
+the box cropped to the scan's grid, resampled linearly, argmax, an ensemble's mean (under
+JAX on the devices: what comes back to the host is the uint8 label map, and probabilities
+only where a caller asks for them).
+
+On the devices a scan is padded to a rung of a ladder of sizes (`padded`) and the
+resampling reads tables of source voxels and weights (`grids.axis_table`) as arguments, so
+every program depends on the rungs and the box, not on the scan's extent: scans of other
+extents reuse the programs the first one compiled. The crop is the host's view.
 """
 
 from __future__ import annotations
@@ -16,67 +25,119 @@ import numpy as np
 from scipy import ndimage
 
 from ctseg.data import grids
-from ctseg.data.grids import linear_weights
+from ctseg.data.grids import Shape, linear_weights
+
+_INT16 = np.iinfo(np.int16)
 
 
-@partial(jax.jit, static_argnums=1)
-def _resampled(probabilities: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Grid probabilities [x, y, z, C] resampled linearly onto `shape` (the scan's voxels)."""
-    x = probabilities
-    # Shrinking axes first keeps the intermediates small (a 512³ grid onto 63 slices).
-    for axis in sorted(range(3), key=lambda a: shape[a] / x.shape[a]):
-        if shape[axis] == x.shape[axis]:
-            continue
-        x = _lerp(x, *linear_weights(x.shape[axis], shape[axis]), axis)
+# Scans are padded to a rung of this multiple's ladder (`grids.ladder_rung`) on the devices,
+# so that the programs between a scan and a grid depend on the rungs, not on the extents.
+SCAN_MULTIPLE = 16
+Tables = tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]  # per axis: first, second, weight
+
+
+def padded(shape: Sequence[int]) -> Shape:
+    """A scan's shape padded to the ladder, as the devices hold it."""
+    return tuple(grids.ladder_rung(n, SCAN_MULTIPLE) for n in shape)
+
+
+def axis_order(scan_shape: Sequence[int], grid: Sequence[int]) -> tuple[int, ...]:
+    """The order of the axes the way back resamples: shrinking axes first keeps the
+    intermediates small (a 512³ grid onto 63 slices). From the ladder's rungs, so that the
+    scans one program serves share it, and the same in a window's way (`window_probabilities`)
+    as in the whole scan's: the order changes the float32 rounding."""
+    scan, box = padded(scan_shape), padded(grid)
+    return tuple(sorted(range(3), key=lambda a: scan[a] / box[a]))
+
+
+def _tables(tables: Sequence[grids.AxisTable]) -> Tables:
+    return tuple((t.first, t.second, t.weight) for t in tables)
+
+
+def _back_tables(grid: Sequence[int], shape: Sequence[int]) -> Tables:
+    """From a box whose first voxels are the grid onto the padded scan: the crop is the
+    tables' (they read grid voxels only), and the padding reads voxel 0."""
+    return _tables(
+        grids.axis_table(g, n, 0, p) for g, n, p in zip(grid, shape, padded(shape), strict=True)
+    )
+
+
+@partial(jax.jit, static_argnums=2)
+def _resampled(x: jax.Array, tables: Tables, order: tuple[int, ...]) -> jax.Array:
+    """`x` [x, y, z, ...] resampled linearly along each axis, in `order`, by its table."""
+    for axis in order:
+        x = _lerp(x, *tables[axis], axis)
     return x
 
 
-@partial(jax.jit, static_argnums=(1, 2))
+@partial(jax.jit, static_argnums=(2, 3))
 def _on_scan(
-    probabilities: jax.Array, shape: tuple[int, ...], with_probabilities: bool
+    probabilities: jax.Array, tables: Tables, order: tuple[int, ...], with_probabilities: bool
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Grid probabilities [x, y, z, C] resampled linearly onto `shape`, and their argmax."""
-    x = _resampled(probabilities, shape)
+    """Box probabilities [x, y, z, C] resampled onto the padded scan, and their argmax."""
+    x = _resampled(probabilities, tables, order)
     labels = jnp.argmax(x, axis=-1).astype(jnp.uint8)
     return labels, (x if with_probabilities else None)
 
 
+def _cropped(array: np.ndarray | None, shape: Sequence[int]) -> np.ndarray | None:
+    """The scan's voxels of an array of its padded shape (a view)."""
+    return None if array is None else array[: shape[0], : shape[1], : shape[2]]
+
+
 def scan_labels(
-    probabilities: np.ndarray | jax.Array, shape: Sequence[int], with_probabilities: bool = False
+    probabilities: np.ndarray | jax.Array,
+    shape: Sequence[int],
+    with_probabilities: bool = False,
+    grid: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Labels (uint8) on the scan's canonical voxels from grid probabilities [x, y, z, 3]:
-    linear on the probabilities, then the argmax (smoother borders than resampling
-    labels). With `with_probabilities`, the resampled probabilities too."""
+    """Labels (uint8) on the scan's canonical voxels from probabilities [x, y, z, 3] of a
+    box whose first voxels are the `grid` (default: the box is the grid): linear on the
+    probabilities, then the argmax (smoother borders than resampling labels). With
+    `with_probabilities`, the resampled probabilities too.
+
+    On the devices the program depends on the box's and the padded scan's shapes only."""
     shape = tuple(int(n) for n in shape)
+    grid = tuple(probabilities.shape[:3]) if grid is None else tuple(int(n) for n in grid)
     if isinstance(probabilities, np.ndarray):
-        on_scan = grids.from_grid(probabilities, shape, order=1)
+        on_grid = probabilities[: grid[0], : grid[1], : grid[2]]
+        on_scan = grids.from_grid(on_grid, shape, order=1)
         return on_scan.argmax(-1).astype(np.uint8), on_scan if with_probabilities else None
-    labels, on_scan = jax.device_get(_on_scan(probabilities, shape, with_probabilities))
-    return labels, on_scan
+    tables, order = _back_tables(grid, shape), axis_order(shape, grid)
+    labels, on_scan = jax.device_get(_on_scan(probabilities, tables, order, with_probabilities))
+    return _cropped(labels, shape), _cropped(on_scan, shape)
 
 
 def mean_scan_labels(
     probabilities: Sequence[np.ndarray | jax.Array],
     shape: Sequence[int],
     with_probabilities: bool = False,
+    grids_of: Sequence[Sequence[int]] | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """`scan_labels` of the mean of several grids' probabilities (an ensemble's members,
-    each on its own grid), averaged on the scan's voxels, where the backend runs."""
+    """`scan_labels` of the mean of several boxes' probabilities (an ensemble's members,
+    each on its own grid, `grids_of`: default the boxes), averaged on the scan's voxels,
+    where the backend runs."""
     shape = tuple(int(n) for n in shape)
+    if grids_of is None:
+        grids_of = [p.shape[:3] for p in probabilities]
+    grids_of = [tuple(int(n) for n in g) for g in grids_of]
     if all(isinstance(p, np.ndarray) for p in probabilities):
-        total = grids.from_grid(probabilities[0], shape, order=1)
-        for member in probabilities[1:]:
-            total += grids.from_grid(member, shape, order=1)
+        total = None
+        for member, grid in zip(probabilities, grids_of, strict=True):
+            on_scan = grids.from_grid(member[: grid[0], : grid[1], : grid[2]], shape, order=1)
+            total = on_scan if total is None else np.add(total, on_scan, out=total)
         total /= len(probabilities)
         return total.argmax(-1).astype(np.uint8), total if with_probabilities else None
     # Every member's probabilities onto one device (device to device), summed there.
     device = min(probabilities[0].devices(), key=lambda d: d.id)
     total = None
-    for member in probabilities:
-        on_scan = _resampled(jax.device_put(member, device), shape)
+    for member, grid in zip(probabilities, grids_of, strict=True):
+        tables, order = _back_tables(grid, shape), axis_order(shape, grid)
+        on_scan = _resampled(jax.device_put(member, device), tables, order)
         total = on_scan if total is None else _sum(total, on_scan)
     labels, mean = _mean_labels(total, len(probabilities))
-    return jax.device_get(labels), jax.device_get(mean) if with_probabilities else None
+    mean = jax.device_get(mean) if with_probabilities else None
+    return _cropped(jax.device_get(labels), shape), _cropped(mean, shape)
 
 
 @jax.jit
@@ -90,32 +151,75 @@ def _mean_labels(total: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
     return jnp.argmax(mean, axis=-1).astype(jnp.uint8), mean
 
 
-def crop(probabilities: np.ndarray | jax.Array, shape: Sequence[int]) -> np.ndarray | jax.Array:
-    """The first `shape` voxels of a box's probabilities: the grid a padded box holds."""
-    shape = tuple(int(n) for n in shape)
-    if tuple(probabilities.shape[:3]) == shape:
-        return probabilities
+def grid_labels(
+    probabilities: np.ndarray | jax.Array, grid: Sequence[int] | None = None
+) -> np.ndarray:
+    """The argmax on the grid (uint8), where training's validation Dice is measured: of
+    a box whose first voxels are the `grid` (default: the box is the grid)."""
+    grid = tuple(probabilities.shape[:3]) if grid is None else tuple(int(n) for n in grid)
     if isinstance(probabilities, np.ndarray):
-        return probabilities[: shape[0], : shape[1], : shape[2]]
-    return _crop(probabilities, shape)
-
-
-@partial(jax.jit, static_argnums=1)
-def _crop(probabilities: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    # Jitted: an eager index of a sharded array would send the index from the host.
-    return probabilities[: shape[0], : shape[1], : shape[2]]
-
-
-def grid_labels(probabilities: np.ndarray | jax.Array) -> np.ndarray:
-    """The argmax on the grid (uint8), where training's validation Dice is measured."""
-    if isinstance(probabilities, np.ndarray):
-        return probabilities.argmax(-1).astype(np.uint8)
-    return jax.device_get(_grid_argmax(probabilities))
+        labels = probabilities.argmax(-1).astype(np.uint8)
+    else:
+        labels = jax.device_get(_grid_argmax(probabilities))
+    return np.ascontiguousarray(labels[: grid[0], : grid[1], : grid[2]])
 
 
 @jax.jit
 def _grid_argmax(probabilities: jax.Array) -> jax.Array:
     return jnp.argmax(probabilities, axis=-1).astype(jnp.uint8)
+
+
+# --------------------------------------------------------------------------- scan to grid
+
+
+def unit_box(
+    hu: np.ndarray,
+    grid: Sequence[int],
+    offset: Sequence[int],
+    box: Sequence[int],
+    window: Sequence[float],
+    device: Any,
+) -> jax.Array:
+    """`grids.hu_to_unit(grids.to_box(hu, grid, offset, box, order=1), window)` on `device`:
+    the scan's HU sent once (int16 where they fit, padded to the ladder), resampled
+    linearly there in float32, rounded to int16 HU as training's store holds them, and
+    HU-windowed.
+
+    scipy's resampling runs in float64: a voxel whose value lies within ~1e-4 HU of a
+    rounding boundary may round the other way (1 HU apart). The program depends on the
+    padded scan's shape, the box's and the window only."""
+    scan = np.zeros(padded(hu.shape), _sent_dtype(hu))
+    scan[: hu.shape[0], : hu.shape[1], : hu.shape[2]] = hu
+    axes = [
+        grids.axis_table(n, g, o, b) for n, g, o, b in zip(hu.shape, grid, offset, box, strict=True)
+    ]
+    inside = tuple(t.inside for t in axes)
+    order = tuple(sorted(range(3), key=lambda a: box[a] / scan.shape[a]))
+    window = (float(window[0]), float(window[1]))
+    return _unit_box(jax.device_put(scan, device), _tables(axes), inside, order, window)
+
+
+def _sent_dtype(hu: np.ndarray) -> np.dtype:
+    """int16 for integer HU that fit it (CT as stored: half the bytes), else float32."""
+    if hu.dtype.kind in "biu" and (
+        hu.dtype.itemsize <= 1 or (hu.size and _INT16.min <= hu.min() and hu.max() <= _INT16.max)
+    ):
+        return np.dtype(np.int16)
+    return np.dtype(np.float32)
+
+
+@partial(jax.jit, static_argnums=(3, 4))
+def _unit_box(
+    scan: jax.Array,
+    tables: Tables,
+    inside: tuple[np.ndarray, ...],
+    order: tuple[int, ...],
+    window: tuple[float, float],
+) -> jax.Array:
+    hu = _resampled(scan.astype(jnp.float32), tables, order)
+    hu = jnp.clip(jnp.rint(hu), _INT16.min, _INT16.max)
+    mask = inside[0][:, None, None] & inside[1][None, :, None] & inside[2][None, None, :]
+    return grids.hu_to_unit(jnp.where(mask, hu, grids.AIR_HU), window, jnp)
 
 
 def window_probabilities(
@@ -135,8 +239,8 @@ def window_probabilities(
     if isinstance(probabilities, np.ndarray):
         return _host_window(probabilities, grid, offset, scan_shape, lo, hi)
     x = probabilities
-    for axis in sorted(range(3), key=lambda a: scan_shape[a] / grid[a]):
-        if scan_shape[axis] == grid[axis]:  # the whole pass takes this axis as it is
+    for axis in axis_order(scan_shape, grid):
+        if scan_shape[axis] == grid[axis]:  # the whole pass's weights are 0 there: as it is
             x = _take_slice(x, int(lo[axis] - offset[axis]), int(hi[axis] - lo[axis]), axis)
             continue
         first, second, weight = linear_weights(grid[axis], scan_shape[axis])

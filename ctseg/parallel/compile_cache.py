@@ -53,6 +53,14 @@ def use_compile_cache(directory: Path | None) -> str | None:
     # Even the small programs: a stage of a tiny model compiles in under a second, but a
     # second `ctseg predict` should compile nothing at all.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # Every entry whatever its size (-1: no size left to the file system's choice), and
+    # XLA's own caches beside them (the GPU autotuner's results: cuDNN algorithms, fusion
+    # configurations), so that a program of a new shape does not autotune again what an
+    # earlier one did.
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update(
+        "jax_persistent_cache_enable_xla_caches", "xla_gpu_per_fusion_autotune_cache_dir"
+    )
     # An entry that cannot be read (cut short, from another build) or written (a full
     # disk) is a cache miss: JAX compiles and goes on, and says so in a library warning
     # that would come back on every run. The run's outcome is the same; keep it quiet.

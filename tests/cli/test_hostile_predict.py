@@ -192,3 +192,29 @@ def test_a_margin_beyond_the_scan_takes_all_of_it(scan, tmp_path):
     located = json.loads((out / "volume-0_stats.json").read_text())["located"]
     assert located["region"]["lo"] == [0, 0, 0]
     assert sorted(located["region"]["hi"]) == sorted(nib.load(volume).shape)
+
+
+def test_a_copy_of_the_scan_as_its_mask_is_a_failed_row_and_a_mirrored_mask_is_the_mask(
+    scan, tmp_path
+):
+    """A copy of the scan given as its mask holds HU, not labels: its row fails saying so.
+    A mask stored mirrored along x with its affine to match lies on the scan's voxels: it
+    gives the mask's own region."""
+    run_dir, volume, reference = scan
+    copy = tmp_path / "copy" / "volume-0.nii.gz"
+    copy.parent.mkdir()
+    shutil.copy(volume, copy)
+    code, output = _predict(run_dir, volume, "--out", tmp_path / "a", "--roi", copy)
+    assert code == 1 and "a scan, not a mask of labels" in output, output
+
+    image = nib.load(reference)
+    flip = np.diag([-1.0, 1.0, 1.0, 1.0])
+    flip[0, 3] = image.shape[0] - 1  # voxel i of the mirror is voxel n − 1 − i
+    mirrored = nib.Nifti1Image(np.asarray(image.dataobj)[::-1], image.affine @ flip)
+    nib.save(mirrored, tmp_path / "mirrored.nii.gz")
+    located = []
+    for mask, out in ((reference, "b"), (tmp_path / "mirrored.nii.gz", "c")):
+        code, output = _predict(run_dir, volume, "--out", tmp_path / out, "--roi", mask)
+        assert code == 0, output
+        located.append(json.loads((tmp_path / out / "volume-0_stats.json").read_text())["located"])
+    assert located[0]["region"] == located[1]["region"]

@@ -5,11 +5,12 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from scipy import spatial
+from scipy import ndimage, spatial
 
 from ctseg.inference.postprocess import (
     MEASURED_TUMOURS,
     clean_labels,
+    components,
     largest_component,
     max_diameter_mm,
     scan_stats,
@@ -176,3 +177,66 @@ def test_stats_on_a_negative_determinant_affine_equal_those_on_ras():
         [v for t in want.pop("tumours") for v in (t["volume_ml"], t["diameter_mm"])]
     )
     assert got == pytest.approx(want)  # where each tumour is mirrors along x; its size does not
+
+
+def _scipy_clean_labels(labels: np.ndarray, keep_largest: bool, inside_liver: bool) -> np.ndarray:
+    """`clean_labels` as scipy.ndimage.label made it on the whole map: the reference."""
+    full = ndimage.generate_binary_structure(3, 3)
+    labels = labels.copy()
+    if keep_largest and (labels >= 1).any():
+        pieces, _ = ndimage.label(labels >= 1, structure=full)
+        sizes = np.bincount(pieces.ravel())
+        sizes[0] = 0
+        labels[pieces != sizes.argmax()] = 0
+    if inside_liver:
+        pieces, count = ndimage.label(labels >= 1, structure=full)
+        has_liver = np.zeros(count + 1, bool)
+        has_liver[np.unique(pieces[labels == 1])] = True
+        has_liver[0] = True
+        labels[~has_liver[pieces]] = 0
+    return labels
+
+
+def _hand_built_maps() -> list[np.ndarray]:
+    """Pieces touching only at an edge or a corner (26- but not 6-connected), two equal
+    largest pieces (the first in C order wins), tumour alone, and noise."""
+    maps = []
+    corner = np.zeros((8, 8, 8), np.uint8)
+    corner[1:3, 1:3, 1:3] = 1
+    corner[3:5, 3:5, 3:5] = 2  # meets the first block at one corner voxel
+    corner[6:8, 0:2, 6:8] = 1
+    maps.append(corner)
+    ties = np.zeros((10, 6, 6), np.uint8)
+    ties[6:9, 1:4, 1:4] = 1  # equal size, later in C order
+    ties[1:4, 1:4, 1:4] = 1
+    ties[2, 2, 2] = 2
+    maps.append(ties)
+    alone = np.zeros((6, 6, 6), np.uint8)
+    alone[1:3, 1:3, 1:3] = 2  # the largest piece holds no liver
+    alone[4, 4, 4] = 1
+    maps.append(alone)
+    rng = np.random.default_rng(5)
+    for density in (0.1, 0.3):
+        maps.append(rng.choice(3, size=(17, 13, 11), p=[1 - density, density / 2, density / 2]))
+    return [m.astype(np.uint8) for m in maps]
+
+
+@pytest.mark.parametrize("rules", [(True, True), (True, False), (False, True), (False, False)])
+def test_clean_labels_equals_scipy_s(rules):
+    for labels in _hand_built_maps():
+        np.testing.assert_array_equal(
+            clean_labels(labels, *rules), _scipy_clean_labels(labels, *rules)
+        )
+
+
+def test_components_are_numbered_as_scipy_numbers_them():
+    """cc3d's numbering (C order of each piece's first voxel) is scipy's, on views too:
+    `scan_stats` lists tumours of equal volume in that order."""
+    full = ndimage.generate_binary_structure(3, 3)
+    for labels in _hand_built_maps():
+        mask = labels >= 1
+        for view in (mask, mask[1:, ::2], mask[::-1], np.asfortranarray(mask)):
+            pieces, count = components(view)
+            expected, expected_count = ndimage.label(view, structure=full)
+            assert count == expected_count
+            np.testing.assert_array_equal(pieces, expected)
