@@ -214,6 +214,19 @@ def _check_form(
         )
 
 
+def _quality_line(quality: dict) -> str:
+    """The prediction quality's power against the truth, in one line."""
+
+    def number(value: float | None) -> str:
+        return "–" if value is None else f"{value:.2f}"
+
+    return (
+        f"quality against the truth: AUROC liver {number(quality['liver']['auroc'])}, "
+        f"tumour {number(quality['tumour']['auroc'])}; good cases sent to review "
+        f"{number(quality['good_flagged'])} (provisional thresholds)"
+    )
+
+
 @app.command()
 def evaluate(
     run_dirs: Annotated[
@@ -366,6 +379,8 @@ def evaluate(
     if result["cases"]:
         console.print(_case_table(result["cases"]))
         console.print(_summary_table(result["summary"]))
+        if quality := result["summary"].get("quality"):
+            console.print(_quality_line(quality))
     unpaired = result["unpaired"]
     if unpaired["pred"] or unpaired["ref"]:
         console.print(

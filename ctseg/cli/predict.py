@@ -73,15 +73,33 @@ TtaOption = Annotated[
 ]
 
 
+# The quality verdicts (`ctseg.inference.quality.VERDICTS`) as the table shows them.
+_VERDICT_STYLES = {"ok": "green", "review": "yellow", "unlike the training data": "red"}
+
+
+def _verdict(stats: dict | None) -> str | None:
+    """A scan's quality verdict from its stats (None: predicted before verdicts existed)."""
+    quality = (stats or {}).get("quality")
+    return quality.get("verdict") if isinstance(quality, dict) else None
+
+
+def _verdict_cell(stats: dict | None) -> str:
+    verdict = _verdict(stats)
+    if verdict is None:
+        return ""
+    return f"[{_VERDICT_STYLES.get(verdict, 'yellow')}]{escape(verdict)}[/]"
+
+
 def _stats_table(outcomes: list) -> Table:
     table = Table(title="Predictions")
     table.add_column("scan")
     for heading in ("liver mL", "tumour mL", "tumours", "largest mm", "burden %"):
         table.add_column(heading, justify="right")
     table.add_column("status")
+    table.add_column("verdict")
     for o in outcomes:
         if o.error is not None:  # its reason in full below the table, not folded in a column
-            table.add_row(escape(o.name), "", "", "", "", "", "[red]failed[/]")
+            table.add_row(escape(o.name), "", "", "", "", "", "[red]failed[/]", "")
             continue
         s = o.stats
         status = "[yellow]warning[/]" if o.warnings else "[green]ok[/]"
@@ -96,8 +114,30 @@ def _stats_table(outcomes: list) -> Table:
             f"{s['largest_tumour_diameter_mm']:.1f}",
             f"{s['tumour_burden_percent']:.2f}",
             status,
+            _verdict_cell(s),
         )
     return table
+
+
+def _quality_lines(outcomes: list) -> list[str]:
+    """Below the table: why each flagged scan is flagged, and the batch's count, e.g.
+    `quality: 3 of 40 to review (provisional thresholds)`."""
+    from ctseg.inference.quality import OK, batch_line
+
+    lines = []
+    verdicts = []
+    for o in outcomes:
+        if o.error is not None:
+            continue
+        verdict = _verdict(o.stats)
+        verdicts.append(verdict)
+        if verdict is not None and verdict != OK:
+            reason = (o.stats["quality"].get("reason") or "").strip()
+            lines.append(f"[yellow]{escape(verdict)}:[/] {escape(o.name)}: {escape(reason)}")
+    summary = batch_line(verdicts)
+    if summary is not None:
+        lines.append(f"quality: {summary} (provisional thresholds, not yet calibrated)")
+    return lines
 
 
 @app.command()
@@ -297,6 +337,8 @@ def predict(
                         console.print(f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in seconds))
                     bar.advance(scan_task)
         console.print(_stats_table(outcomes))
+        for line in _quality_lines(outcomes):
+            console.print(line, soft_wrap=True)
         for outcome in outcomes:  # in full, one paragraph each, however narrow the terminal
             if outcome.error is not None:
                 text = f"[bold red]failed:[/] {escape(outcome.name)}: {escape(outcome.error)}"

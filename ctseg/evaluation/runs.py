@@ -34,7 +34,9 @@ from ctseg.data.manifest import SPLITS
 from ctseg.data.store import CaseEntry, Store
 from ctseg.errors import CtsegError
 from ctseg.evaluation import metrics
+from ctseg.evaluation import quality as quality_power
 from ctseg.evaluation.scoring import evaluate_arrays, score_cases, write_reports
+from ctseg.inference import quality
 from ctseg.inference.region import check_margin
 from ctseg.io import scans
 from ctseg.progress import Progress
@@ -215,16 +217,18 @@ def score_run(
     progress: Progress | None,
 ) -> tuple[list[dict], list[dict]]:
     """Predict and score `cases` with one run's model (`score_cases` over `_evaluate_case`)."""
+    training = quality.Reference.of_run(predictor.members[0].run_dir)
 
     def score(case: CaseEntry) -> dict:
-        return _evaluate_case(predictor, store, case, out_dir)
+        return _evaluate_case(predictor, store, case, out_dir, training)
 
     return score_cases(cases, lambda case: case.id, score, progress)
 
 
 def summary_of(records: list[dict]) -> dict:
-    """`metrics.summarize`, plus the mean grid Dice of a run's evaluation and, with a
-    locator, how many cases it gave a region and how many fell back to the whole scan."""
+    """`metrics.summarize`, plus the mean grid Dice of a run's evaluation, with a locator
+    how many cases it gave a region and how many fell back to the whole scan, and the
+    prediction quality's power to find the bad cases (`ctseg.evaluation.quality`)."""
     summary = metrics.summarize(records)
     summary["grid_dice"] = {
         key: metrics.mean_defined([r["grid_dice"][key] for r in records])
@@ -234,14 +238,24 @@ def summary_of(records: list[dict]) -> dict:
     if located:
         regions = sum(entry["region"] is not None for entry in located)
         summary["located"] = {"region": regions, "whole_scan": len(located) - regions}
+    power = quality_power.summarize(records)
+    if power is not None:
+        summary["quality"] = power
     return summary
 
 
 # ---------------------------------------------------------------- cross-validation
 
 
-def _evaluate_case(predictor: Predictor, store: Store, case: CaseEntry, out_dir: Path) -> dict:
-    """Predict one case from its original scan and score it there and on the grid."""
+def _evaluate_case(
+    predictor: Predictor,
+    store: Store,
+    case: CaseEntry,
+    out_dir: Path,
+    training: quality.Reference | None = None,
+) -> dict:
+    """Predict one case from its original scan and score it there and on the grid, with
+    the prediction's quality (as `ctseg predict` records it) beside its metrics."""
     scan = scans.read_scan(case.image_source)
     # A source is outside the store: use it only while it is the scan the case was made from.
     if scans.geometry_difference(
@@ -267,6 +281,8 @@ def _evaluate_case(predictor: Predictor, store: Store, case: CaseEntry, out_dir:
     record = evaluate_arrays(case.id, prediction.labels, reference.array, scan.spacing)
     if prediction.located is not None:  # a locator's region, or why the whole scan
         record["located"] = prediction.located
+    # What the training data says of it (`training`: the run's fingerprint).
+    record["quality"] = quality.of_prediction(prediction, scan, training).to_json()
     # On the grid (the run's and the store's: the same scan, the same resampling), against
     # the store's labels. An ensemble has no one grid, nor has a prediction on a region's
     # window of it.

@@ -30,12 +30,15 @@ from ctseg import compat
 from ctseg.atomic import claim_report, is_json_with, write_text
 from ctseg.errors import CtsegError
 from ctseg.evaluation import metrics
+from ctseg.evaluation import quality as quality_power
 from ctseg.io import scans
 from ctseg.labels import check_labels
 from ctseg.progress import Progress
 
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
 CSV_SECTIONS = ("liver", "tumour", "detection", "burden")
+# A case's prediction quality (`ctseg.inference.quality`) in metrics.csv, where it has one.
+QUALITY_COLUMNS = ("verdict", "score", "liver", "tumour")
 Case = TypeVar("Case")
 
 
@@ -154,7 +157,32 @@ def evaluate_pair(pair: CasePair) -> dict:
         raise CtsegError(f"the prediction's geometry is not the reference's: {difference}")
     # Both are in canonical order, a flip or permutation of the files' own, and the spacing
     # is the canonical voxel's (from the affine): the metrics equal those in file order.
-    return evaluate_arrays(pair.case, pred.array, ref.array, ref.spacing)
+    record = evaluate_arrays(pair.case, pred.array, ref.array, ref.spacing)
+    judged = _predicted_quality(pair.pred)
+    if judged is not None:
+        record["quality"] = judged
+    return record
+
+
+def _stats_beside(pred: Path) -> Path | None:
+    """The `ctseg predict` stats file beside a prediction `<scan>_seg.nii.gz`, if any."""
+    stem = nifti_stem(pred) or ""
+    stats_path = pred.with_name(f"{stem.removesuffix('_seg')}_stats.json")
+    return stats_path if stem.endswith("_seg") and stats_path.is_file() else None
+
+
+def _predicted_quality(pred: Path) -> dict | None:
+    """The quality `ctseg predict` recorded for a prediction (its stats' "quality")."""
+    stats_path = _stats_beside(pred)
+    try:
+        judged = json.loads(stats_path.read_text()).get("quality") if stats_path else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(judged, dict) or not isinstance(judged.get("verdict"), str):
+        return None
+    if not all(isinstance(judged.get(key), int | float) for key in ("score", "liver", "tumour")):
+        return None
+    return judged
 
 
 # ---------------------------------------------------------------- many cases
@@ -190,9 +218,13 @@ def evaluate_pairs(pairs: Sequence[CasePair], progress: Progress | None = None) 
     `evaluate_folders` fills them).
     """
     cases, errors = score_cases(pairs, lambda pair: pair.case, evaluate_pair, progress)
+    summary = metrics.summarize(cases)
+    power = quality_power.summarize(cases)  # where `ctseg predict` recorded the quality
+    if power is not None:
+        summary["quality"] = power
     return {
         "cases": cases,
-        "summary": metrics.summarize(cases),
+        "summary": summary,
         "errors": errors,
         "unpaired": {"pred": [], "ref": []},
     }
@@ -203,9 +235,8 @@ def _models(pairs: Sequence[CasePair]) -> set[tuple]:
     predictions (`<scan>_seg.nii.gz` beside `<scan>_stats.json`)."""
     models = set()
     for pair in pairs:
-        stem = nifti_stem(pair.pred) or ""
-        stats_path = pair.pred.with_name(f"{stem.removesuffix('_seg')}_stats.json")
-        if not stem.endswith("_seg") or not stats_path.is_file():
+        stats_path = _stats_beside(pair.pred)
+        if stats_path is None:
             continue
         try:
             stats = json.loads(stats_path.read_text())
@@ -301,18 +332,23 @@ def evaluate_folders(pred_dir: Path, ref_dir: Path, progress: Progress | None = 
 
 
 def case_row(case: dict) -> dict[str, Any]:
-    """One flat CSV row: "case", then "<section>_<metric>" for every per-case value."""
+    """One flat CSV row: "case", then "<section>_<metric>" for every per-case value, and
+    the prediction's quality (`quality_verdict`, `quality_score`, …) where it has one."""
     row: dict[str, Any] = {"case": case["case"]}
     for section in CSV_SECTIONS:
         for key, value in case[section].items():
             row[f"{section}_{key}"] = value
+    judged = case.get("quality")
+    if isinstance(judged, dict):
+        for key in QUALITY_COLUMNS:
+            row[f"quality_{key}"] = judged.get(key)
     return row
 
 
 def cases_csv(cases: Sequence[dict]) -> str:
     """The per-case table as CSV text; undefined values are empty cells."""
     rows = [case_row(case) for case in cases]
-    columns = list(rows[0]) if rows else ["case"]
+    columns = list(dict.fromkeys(column for row in rows for column in row)) or ["case"]
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
@@ -331,7 +367,7 @@ def is_cases_csv(path: Path) -> bool:
     except OSError:
         return False
     columns = header.split(",")
-    sections = (*CSV_SECTIONS, *compat.OLD_REPORT_SECTIONS)
+    sections = (*CSV_SECTIONS, "quality", *compat.OLD_REPORT_SECTIONS)
     return columns[0] == "case" and all(c.split("_")[0] in sections for c in columns[1:])
 
 

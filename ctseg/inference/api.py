@@ -6,12 +6,15 @@
     segmenter = Segmenter("runs/lits256")            # or ["runs/fold0", "runs/fold1", …]
     result = segmenter(nib.load("volume-7.nii.gz"))   # or a path, a SimpleITK image, an array
     result.labels, result.affine, result.stats        # in the input's own voxel order
+    result.quality.verdict, result.quality.reason     # "ok", "review" or "unlike the training
+                                                      # data", and the one reason why
     result.save("volume-7_seg.nii.gz")                # only when asked
 
 Each call reads (or takes) one scan, predicts it exactly as `ctseg predict` does
 (the same device policy, grid, tiles, TTA and post-processing), and returns the label
-map in the scan's own geometry with its statistics, writing nothing. `segment` does
-it once.
+map in the scan's own geometry with its statistics and its quality (`result.quality`,
+`ctseg.inference.quality.Quality`: the verdict, the one reason that weighs most, the
+scores; thresholds provisional), writing nothing. `segment` does it once.
 
 Every option is checked before a model loads, as the CLI checks it
 (`inputs.inference_options`, `region.check_margin`). `save` and `segment(out=…)` never
@@ -19,8 +22,10 @@ write over the scan read, nor over a file that is not a label map ctseg wrote, u
 `force`.
 
 Devices: the GPUs or TPUs JAX sees (`device="auto"`), else the CPU, as the commands
-choose them. Unlike the commands, the library never configures JAX's platforms or
-simulated devices itself: a notebook that imported JAX first keeps its settings.
+choose them. Where the user chose no platforms and JAX has not started, a machine
+without accelerators starts only the CPU, with what JAX's plugins print on starting held
+out of the user's terminal (`devices.start_quietly`); the library never sets up simulated
+devices: a notebook that imported JAX first keeps its settings.
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ import numpy as np
 
 from ctseg import atomic
 from ctseg.errors import CtsegError
-from ctseg.inference import postprocess
+from ctseg.inference import postprocess, quality
 from ctseg.inference.inputs import inference_options
 from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Predictor
+from ctseg.inference.quality import Quality
 from ctseg.inference.region import check_margin
 from ctseg.inference.scan_checks import volume_warnings
 from ctseg.io.scans import Scan, nifti_image, read_scan, scan_from_image, to_original_order
+from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_cache_dir, use_compile_cache
 from ctseg.run.rundir import load_config, member_runs
 
@@ -93,6 +100,9 @@ class Segmentation:
     checks: list[str] = field(default_factory=list)  # far outside the training data
     probabilities: np.ndarray | None = None  # [..., 3] float32, when asked for
     scan: Scan | None = field(default=None, repr=False)  # the input, as read
+    # Whether to trust it: verdict ("ok", "review", "unlike the training data"), reason,
+    # scores (`ctseg.inference.quality`; its thresholds are provisional, not yet calibrated).
+    quality: Quality | None = None
 
     def to_nifti(self) -> nib.Nifti1Image:
         """The labels as a NIfTI image of the input's geometry (its header, for NIfTI)."""
@@ -146,7 +156,9 @@ class Segmenter:
         problem = use_compile_cache(compile_cache_dir(compile_cache))
         if problem is not None:
             _log.warning("%s", problem)
+        dev.start_quietly(options.device)  # before JAX starts: its plugins' lines held
         self.predictor = Predictor.from_run(run_dirs, options, configs)
+        self.reference = quality.Reference.of_run(run_dirs[0])  # what the quality compares with
         if locate is not None:
             margin_mm = DEFAULT_MARGIN_MM if margin_mm is None else margin_mm
             self.predictor.predict_region(Path(locate), None, margin_mm, options)
@@ -177,6 +189,7 @@ class Segmenter:
         prediction = self.predictor.predict(scan, with_probabilities)
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
         stats["located"] = prediction.located  # as _stats.json: the region, if one was used
+        judged = quality.of_prediction(prediction, scan, self.reference)
         probabilities = prediction.probabilities
         return Segmentation(
             labels=to_original_order(scan, prediction.labels),
@@ -186,6 +199,7 @@ class Segmenter:
             checks=prediction.checks,
             probabilities=None if probabilities is None else to_original_order(scan, probabilities),
             scan=scan,
+            quality=judged,
         )
 
 

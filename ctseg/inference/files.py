@@ -4,7 +4,8 @@ Named after each input::
 
     OUT_DIR/<name>_seg.nii.gz     labels 0/1/2 in exactly the input's geometry
     OUT_DIR/<name>_probs.nii.gz   class probabilities (only with predict.save_probabilities)
-    OUT_DIR/<name>_stats.json     volumes, tumour count and size, burden; the model; timings
+    OUT_DIR/<name>_stats.json     volumes, tumour count and size, burden; the model; timings;
+                                  the prediction's quality and verdict (`quality`)
     OUT_DIR/<name>_preview.png    three slices through the liver with the labels overlaid
 
 A scan's outputs appear together, `_stats.json` last (`atomic.atomic_group`): a scan
@@ -39,7 +40,7 @@ import numpy as np
 
 from ctseg import atomic
 from ctseg.errors import CtsegError
-from ctseg.inference import postprocess
+from ctseg.inference import postprocess, quality
 from ctseg.inference.inputs import OwnOutputs, ScanOutcome, foreign_outputs, output_paths
 from ctseg.inference.jax_backend import is_out_of_memory
 from ctseg.inference.member import OnGrid
@@ -106,6 +107,7 @@ def predict_files(
     model = _model_of(predictor)
     own = OwnOutputs(out_dir)
     read = functools.partial(_read, predictor, own)
+    reference = quality.Reference.of_run(predictor.members[0].run_dir)
     with (
         ThreadPoolExecutor(1, thread_name_prefix="ctseg-read") as reader,
         ThreadPoolExecutor(1, thread_name_prefix="ctseg-write") as writer,
@@ -147,6 +149,7 @@ def predict_files(
                 out_dir,
                 model,
                 output_type,
+                reference,
             )
         if written is not None:
             yield written.result()
@@ -338,6 +341,7 @@ def _write(
     out_dir: Path,
     model: dict[str, Any],
     output_type: str,
+    reference: quality.Reference,
 ) -> ScanOutcome:
     if prepared is not None and probabilities is not None:
         _guarded(
@@ -352,6 +356,7 @@ def _write(
             out_dir,
             model,
             output_type,
+            reference,
         )
     return outcome
 
@@ -365,6 +370,7 @@ def _write_outputs(
     out_dir: Path,
     model: dict[str, Any],
     output_type: str,
+    reference: quality.Reference,
 ) -> None:
     scan, seconds = prepared.scan, outcome.seconds
     with_probabilities = predictor.config.predict.save_probabilities
@@ -374,6 +380,9 @@ def _write_outputs(
     del probabilities
     with timed(seconds, "postprocess"):
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
+        # From the grid's probabilities where they are (six scalars come back) and the labels.
+        judged = quality.of_prediction(prediction, scan, reference)
+    prediction.grid_probabilities = None  # freed before writing
     outcome.warnings += prediction.warnings + volume_warnings(stats)
     outcome.checks += prediction.checks
     paths = output_paths(out_dir, outcome.name, with_probabilities, output_type)
@@ -385,7 +394,9 @@ def _write_outputs(
         tmp = dict(zip(order, temporaries, strict=True))
         with timed(seconds, "write"):
             if output_type == "dicom-seg":
-                dicom_seg.write_dicom_seg(scan, prediction.labels, tmp["seg"])
+                dicom_seg.write_dicom_seg(
+                    scan, prediction.labels, tmp["seg"], verdict=judged.verdict
+                )
             else:
                 write_labels(scan, prediction.labels, tmp["seg"])
             if prediction.probabilities is not None:
@@ -415,6 +426,9 @@ def _write_outputs(
             **stats,
             "warnings": outcome.warnings,
             "checks": outcome.checks,  # where it lies far outside the training data
+            # Whether to trust it: ok, review or unlike the training data, the reason, the
+            # scores and their components (`ctseg.inference.quality`; thresholds provisional).
+            "quality": judged.to_json(),
             # The region predicted at full resolution (`--locate`, `--roi`): its source,
             # margin, scan voxels [lo, hi), or why the whole scan was predicted.
             "located": prediction.located,
@@ -432,5 +446,5 @@ def _write_outputs(
             },
         }
         tmp["stats"].write_text(json.dumps(record, indent=2) + "\n")
-    outcome.stats = stats
+    outcome.stats = {**stats, "quality": record["quality"]}  # as a done-earlier scan's
     outcome.outputs = list(paths.values())

@@ -260,7 +260,7 @@ def inference_options(
 
 def mask_candidates(roi: Path, source: Path) -> list[Path]:
     """The files of mask folder `roi` named as the scan read from `source`, in the order
-    `ctseg.inference.predictor.roi_mask` looks for them: its file name, `<name>.nii.gz`,
+    `ctseg.inference.predictor.roi_mask` takes them: its file name, `<name>.nii.gz`,
     `<name>.nii`, `<name>_seg.nii.gz`."""
     name = scan_name(source)
     names = (source.name, f"{name}.nii.gz", f"{name}.nii", f"{name}_seg.nii.gz")

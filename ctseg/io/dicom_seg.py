@@ -42,6 +42,7 @@ INSTALL_HINT = "pip install 'ctseg[dicom]'"
 
 SERIES_NUMBER = 900
 SERIES_DESCRIPTION = "ctseg liver segmentation"
+CONTENT_DESCRIPTION = "ctseg liver/tumour segmentation"
 MANUFACTURER = "ctseg"
 ALGORITHM_NAME = "ctseg"
 
@@ -94,6 +95,7 @@ def write_dicom_seg(
     *,
     algorithm_version: str | None = None,
     series_number: int = SERIES_NUMBER,
+    verdict: str | None = None,
 ) -> None:
     """Write `labels` as a DICOM SEG file at `out_path` that references `scan`'s series.
 
@@ -105,7 +107,10 @@ def write_dicom_seg(
     source instance gets the slice of the label map at its own Image Position
     (Patient), whatever the file names' order. New series and instance UIDs; the
     study, patient and frame of reference are the source's. `algorithm_version`
-    defaults to ctseg's version. The file appears complete or not at all
+    defaults to ctseg's version. `verdict`, the prediction's quality verdict
+    (`ctseg.inference.quality`: ok, review, unlike the training data), is written into the
+    Content Description (`content_description`: a DICOM LO, 64 characters at most), where
+    a viewer shows it beside the segments. The file appears complete or not at all
     (`atomic_path`). CtsegError, in one line, for a source that is no DICOM series,
     no longer matches the scan, or lacks what a SEG needs (one study, a frame of
     reference, slice positions), and when highdicom is not installed.
@@ -147,7 +152,7 @@ def write_dicom_seg(
             software_versions=version,
             device_serial_number=_DEVICE_SERIAL_NUMBER,
             series_description=SERIES_DESCRIPTION,
-            content_description="ctseg liver and liver tumour segmentation",
+            content_description=content_description(verdict),
             content_qualification=hd.ContentQualificationValues.RESEARCH,
             # Frames without a voxel are left out; with none anywhere highdicom would
             # keep them all anyway (a SEG needs a frame), and log that it did.
@@ -157,6 +162,15 @@ def write_dicom_seg(
         raise CtsegError(f"cannot write a DICOM SEG for {folder}: {one_line(exc)}") from None
     with atomic_path(out_path) as tmp:
         seg.save_as(tmp, enforce_file_format=True)
+
+
+def content_description(verdict: str | None) -> str:
+    """The SEG's Content Description: what it is, and the quality verdict where one is
+    given, e.g. `ctseg liver/tumour segmentation, QC: review` (at most 64 characters, a
+    DICOM LO)."""
+    if verdict is None:
+        return CONTENT_DESCRIPTION
+    return f"{CONTENT_DESCRIPTION}, QC: {verdict}"[:64]
 
 
 # --- helpers -----------------------------------------------------------------------------

@@ -233,7 +233,7 @@ def test_the_status_column_tells_checks_from_warnings():
     console = Console(record=True, width=200)
     console.print(_stats_table(outcomes))
     rows = {
-        line.split("│")[1].strip(): line.split("│")[-2].strip()
+        line.split("│")[1].strip(): line.split("│")[-3].strip()  # status, before the verdict
         for line in console.export_text().splitlines()
         if line.startswith("│")
     }
@@ -272,7 +272,7 @@ def test_predict_says_a_scan_is_outside_the_training_data(trained, tmp_path, mon
     result = runner.invoke(app, ["predict", str(run_dir), str(scan), "--out", str(out)], env=WIDE)
     assert result.exit_code == 0, result.output
     row = next(line for line in result.output.splitlines() if line.startswith("│ volume-1"))
-    assert row.split("│")[-2].strip() == STATUS
+    assert row.split("│")[-3].strip() == STATUS
     stats = json.loads((out / "volume-1_stats.json").read_text())
     assert stats["warnings"] == []
     starts = [check.split(",")[0] for check in stats["checks"]]
@@ -293,7 +293,7 @@ def test_a_run_without_fingerprint_predicts_as_before(trained, tmp_path, monkeyp
     result = runner.invoke(app, ["predict", str(old), str(scan), "--out", str(out)], env=WIDE)
     assert result.exit_code == 0, result.output
     row = next(line for line in result.output.splitlines() if line.startswith("│ volume-1"))
-    assert row.split("│")[-2].strip() == "ok"
+    assert row.split("│")[-3].strip() == "ok"
     stats = json.loads((out / "volume-1_stats.json").read_text())
     assert stats["warnings"] == stats["checks"] == []
     assert "warning" not in result.output

@@ -1,0 +1,274 @@
+"""Per-scan quality (`ctseg.inference.quality`): each component on hand-built probabilities,
+scans and livers; the verdict the same whole, tiled and partitioned; wired into `ctseg
+predict`'s stats and table, the API's `result.quality` and the DICOM SEG's description."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from typer.testing import CliRunner
+
+import ctseg.cli.main  # noqa: F401  (registers the commands)
+from ctseg.cli.app import app
+from ctseg.config import InferenceOptions
+from ctseg.inference import quality
+from ctseg.inference.scan_checks import liver_checks
+from ctseg.io import dicom_seg
+from ctseg.io.scans import read_scan
+from ctseg.run.fingerprint import Fingerprint
+from ctseg.run.trained import load_model
+
+runner = CliRunner()
+SHAPE = (32, 16, 8)
+AFFINE = np.diag([2.0, 2.0, 5.0, 1.0])  # 20 µL voxels
+REFERENCE = quality.Reference(liver_hu_median=60.0, liver_hu_sd=30.0, liver_volume_ml=(5.0, 20.0))
+
+
+def _labels(tumour: bool = True) -> np.ndarray:
+    labels = np.zeros(SHAPE, np.uint8)
+    labels[4:28, 3:13, 2:6] = 1  # 960 voxels: 19.2 mL
+    if tumour:
+        labels[10:16, 6:10, 3:5] = 2
+    return labels
+
+
+def _hu(liver_hu: float = 60.0) -> np.ndarray:
+    hu = np.full(SHAPE, -80.0, np.float32)
+    hu[_labels() >= 1] = liver_hu
+    return hu
+
+
+def _probabilities(labels: np.ndarray, sure: float) -> np.ndarray:
+    """`sure` on each voxel's label, the rest shared by the other two classes."""
+    p = np.full((*labels.shape, 3), (1.0 - sure) / 2, np.float32)
+    np.put_along_axis(p, labels[..., None].astype(np.int64), sure, axis=-1)
+    return p
+
+
+def _concern(judged: quality.Quality, name: str) -> quality.Concern:
+    return next(c for c in judged.concerns if c.name == name)
+
+
+def test_a_confident_prediction_is_ok_and_an_uncertain_one_is_reviewed():
+    labels = _labels()
+    sure = quality.assess(labels, AFFINE, _hu(), _probabilities(labels, 0.98), None, (), REFERENCE)
+    assert sure.verdict == quality.OK and sure.reason is None and sure.score < quality.REVIEW_AT
+    assert _concern(sure, "liver_uncertainty").value < 0.02
+    assert json.loads(json.dumps(sure.to_json(), allow_nan=False))["verdict"] == "ok"
+
+    # The liver at 0.55 against background 0.45, and a rim of background at 0.45 liver.
+    unsure = np.zeros((*SHAPE, 3), np.float32)
+    unsure[..., 0] = 1.0
+    rim = np.zeros(SHAPE, bool)
+    rim[3:29, 2:14, 1:7] = True
+    unsure[rim] = (0.55, 0.45, 0.0)
+    unsure[labels >= 1] = (0.45, 0.55, 0.0)
+    judged = quality.assess(labels, AFFINE, _hu(), unsure, None, (), REFERENCE)
+    liver = _concern(judged, "liver_uncertainty")
+    inside, count = 0.55 * 960, 960  # Σ_pred p, |pred|; the rim's 0.45 counts in Σ p
+    mass = inside + 0.45 * (rim.sum() - 960)
+    expected = (2 * inside + quality.SMOOTH_VOXELS) / (count + mass + quality.SMOOTH_VOXELS)
+    assert liver.value == pytest.approx(1 - expected, rel=1e-5)
+    assert judged.verdict == quality.REVIEW and "unsure of the liver" in judged.reason
+    assert judged.liver >= quality.REVIEW_AT and judged.tumour >= judged.liver
+
+
+def test_a_voxel_that_is_not_a_number_does_not_poison_the_score():
+    p = _probabilities(_labels(), 0.98)
+    p[0, 0, 0] = np.nan  # argmax: background, below every floor
+    judged = quality.assess(_labels(), AFFINE, _hu(), p, None, (), REFERENCE)
+    assert judged.verdict == quality.OK
+    json.dumps(judged.to_json(), allow_nan=False)
+    nan = quality.Concern("x", quality.LIVER, math.nan, quality._ramp(math.nan, 0.1), "…")
+    assert nan.concern == 1.0 and nan.to_json()["value"] is None
+
+
+def test_a_likely_tumour_that_was_not_predicted_is_reviewed():
+    labels = _labels(tumour=False)
+    p = _probabilities(labels, 0.98)
+    p[10:16, 6:10, 3:5] = (0.0, 0.6, 0.4)  # tumour likely, the argmax says liver
+    judged = quality.assess(labels, AFFINE, _hu(), p, None, (), REFERENCE)
+    assert judged.verdict == quality.REVIEW
+    assert "tumours" in judged.reason and "none predicted" in judged.reason
+    assert judged.liver < quality.REVIEW_AT <= judged.tumour
+
+
+def test_the_uncertainty_is_the_same_on_the_host_and_on_16_devices():
+    labels = _labels()
+    p = _probabilities(labels, 0.7)
+    padded = np.zeros((SHAPE[0], SHAPE[1] + 4, SHAPE[2], 3), np.float32)  # a box beyond the grid
+    padded[:, : SHAPE[1], :] = p
+    padded[:, SHAPE[1] :, :, 1] = 1.0  # would be "liver" if the crop were missed
+    host = quality.probability_sums(padded, SHAPE)
+    mesh = Mesh(np.array(jax.devices()[:16]), ("x",))
+    sharded = jax.device_put(jnp.asarray(padded), NamedSharding(mesh, PartitionSpec("x")))
+    on_devices = quality.probability_sums(sharded, SHAPE)
+    np.testing.assert_allclose(on_devices, host, rtol=1e-5)
+    np.testing.assert_allclose(host, quality.probability_sums(p), rtol=1e-6)
+
+
+def test_a_scan_inside_and_far_outside_the_training_intensities():
+    labels = _labels()
+    fingerprint = Fingerprint(
+        spacing=(np.full(3, 0.5), np.full(3, 5.0)),
+        extent=(np.full(3, 10.0), np.full(3, 500.0)),
+        liver_volume=(5.0, 20.0),
+        liver_extent=None,
+        liver_hu=(-50.0, 150.0),
+    )
+    inside = _hu(70.0)
+    checks = liver_checks(fingerprint, labels, inside, AFFINE)
+    judged = quality.assess(labels, AFFINE, inside, None, None, checks, REFERENCE)
+    assert checks == [] and judged.verdict == quality.OK
+    assert _concern(judged, "intensity").value == pytest.approx(10 / 30)
+
+    shifted = _hu(100.0)  # within the training voxels' range, 1.3 SD from their median
+    judged = quality.assess(labels, AFFINE, shifted, None, None, (), REFERENCE)
+    assert judged.verdict == quality.REVIEW and "median intensity, 100 HU" in judged.reason
+
+    far = _hu(400.0)  # no liver has it: the fingerprint's check says so
+    checks = liver_checks(fingerprint, labels, far, AFFINE)
+    judged = quality.assess(labels, AFFINE, far, None, None, checks, REFERENCE)
+    assert judged.verdict == quality.UNLIKE and judged.reason == checks[0]
+    assert judged.score == judged.liver == judged.tumour == 1.0
+    assert judged.to_json()["verdict"] == "unlike the training data"
+
+
+def test_plausibility_no_liver_a_small_liver_and_one_in_pieces():
+    none = quality.assess(np.zeros(SHAPE, np.uint8), AFFINE, _hu(), None, None, (), REFERENCE)
+    assert (none.verdict, none.reason, none.score) == (quality.REVIEW, "no liver was found", 1.0)
+
+    small = np.zeros(SHAPE, np.uint8)
+    small[4:10, 3:8, 2:5] = 1  # 90 voxels: 1.8 mL, 2.8× below the smallest training liver
+    judged = quality.assess(small, AFFINE, _hu(), None, None, (), REFERENCE)
+    assert judged.verdict == quality.REVIEW and "1.8 mL" in judged.reason
+    assert _concern(judged, "liver_volume").value == pytest.approx(5.0 / 1.8)
+
+    pieces = np.zeros(SHAPE, np.uint8)
+    pieces[2:12, 3:13, 2:6] = 1
+    pieces[20:30, 3:13, 2:6] = 1  # two livers of one size: half outside the largest
+    judged = quality.assess(pieces, AFFINE, _hu(), None, None, (), REFERENCE)
+    assert _concern(judged, "fragments").value == pytest.approx(0.5)
+    assert judged.verdict == quality.REVIEW and "2 pieces" in judged.reason
+
+    plain = quality.assess(_labels(), AFFINE, _hu(), None, None, (), REFERENCE)
+    assert plain.verdict == quality.OK and _concern(plain, "fragments").value == 0.0
+    assert _concern(plain, "liver_volume").value == 1.0  # inside the training range
+
+
+def test_the_ramp_the_reference_and_the_batch_line(trained):
+    assert quality._ramp(0.0, 0.1) == 0.0 and quality._ramp(0.1, 0.1) == quality.REVIEW_AT
+    assert quality._ramp(5.0, 0.1) == 1.0 and quality._ramp(math.nan, 0.1) == 1.0
+    run_dir, _, _ = trained
+    raw = json.loads((run_dir / "fingerprint.json").read_text())
+    reference = quality.Reference.of_run(run_dir)
+    assert reference.liver_hu_median == raw["liver_hu"]["median"]
+    assert reference.liver_volume_ml == (
+        raw["liver_volume_ml"]["min"],
+        raw["liver_volume_ml"]["max"],
+    )
+    assert quality.Reference.of_run(None) == quality.Reference()
+    assert quality.Reference.from_json({"liver_hu": "garbage"}) == quality.Reference()
+    # Without probabilities or a fingerprint: the plausibility alone.
+    alone = quality.assess(_labels(), AFFINE)
+    assert alone.verdict == quality.OK and {c.name for c in alone.concerns} == {"fragments"}
+    verdicts = ["ok", "review", None, "unlike the training data", "ok"]
+    assert quality.batch_line(verdicts) == "2 of 4 to review (1 unlike the training data)"
+    assert quality.batch_line(["ok"]) == "0 of 1 to review" and quality.batch_line([None]) is None
+    assert dicom_seg.content_description(None) == "ctseg liver/tumour segmentation"
+    for verdict in quality.VERDICTS:
+        description = dicom_seg.content_description(verdict)
+        assert description.endswith(f"QC: {verdict}") and len(description) <= 64
+
+
+def test_the_verdict_is_the_same_whole_tiled_and_partitioned(trained):
+    from ctseg.inference.predictor import Predictor
+    from ctseg.run import fingerprint
+
+    run_dir, _, raw = trained
+    scan = read_scan(raw / "volume-0.nii.gz")
+    reference = quality.Reference.of_run(run_dir)
+    model = load_model(run_dir, "latest")
+    judged = []
+    for tile, devices in ((0, 1), (8, 1), (0, 4)):
+        predictor = Predictor(model, InferenceOptions(tile=tile), jax.devices()[:devices])
+        predictor.fingerprint = fingerprint.load(run_dir)
+        prediction = predictor.predict(scan)
+        assert prediction.grid_probabilities is not None  # the uncertainty is measured
+        judged.append(quality.of_prediction(prediction, scan, reference))
+    names = {c.name for c in judged[0].concerns}
+    assert {"liver_uncertainty", "tumour_uncertainty"} <= names
+    for other in judged[1:]:
+        assert other.verdict == judged[0].verdict and other.reason == judged[0].reason
+        for mine, theirs in zip(judged[0].concerns, other.concerns, strict=True):
+            assert mine.name == theirs.name
+            assert mine.value == pytest.approx(theirs.value, abs=1e-4)
+
+
+def _blob(labels, *options):
+    """Post-processing that returns a liver with a tumour, whatever the 2-step model saw."""
+    out = np.zeros_like(labels)
+    x, y, z = (n // 4 for n in labels.shape)
+    out[x : 3 * x, y : 3 * y, z : 3 * z] = 1
+    out[x : 2 * x, y : 2 * y, z : 2 * z] = 2
+    return out
+
+
+def test_predict_writes_every_readable_scans_quality_and_the_api_returns_it(
+    trained, tmp_path, monkeypatch
+):
+    from ctseg.inference import postprocess
+
+    monkeypatch.setattr(postprocess, "clean_labels", _blob)  # a liver to judge
+    run_dir, _, raw = trained
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for name in ("volume-0.nii.gz", "volume-1.nii.gz"):
+        (inputs / name).write_bytes((raw / name).read_bytes())
+    (inputs / "broken.nii.gz").write_bytes(b"not a nifti")
+    out = tmp_path / "out"
+    args = ["predict", str(run_dir), str(inputs), "--out", str(out), "--checkpoint", "latest"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output  # the broken scan failed; the others not
+    verdicts = []
+    for name in ("volume-0", "volume-1"):
+        stats = json.loads((out / f"{name}_stats.json").read_text())
+        assert stats["quality"]["verdict"] in quality.VERDICTS
+        assert stats["quality"]["thresholds"] == "provisional"
+        assert 0.0 <= stats["quality"]["score"] <= 1.0
+        assert {"liver_uncertainty", "intensity", "liver_volume"} <= set(
+            stats["quality"]["concerns"]
+        )
+        verdicts.append(stats["quality"]["verdict"])
+    assert "verdi" in result.output  # the column's heading (cut short in 80 columns)
+    assert f"quality: {quality.batch_line(verdicts)}" in " ".join(result.output.split())
+
+    again = runner.invoke(app, args)  # done earlier: the verdicts come from the stats files
+    assert f"quality: {quality.batch_line(verdicts)}" in " ".join(again.output.split())
+
+    from ctseg import Segmenter
+
+    api = Segmenter(run_dir, checkpoint="latest")(raw / "volume-0.nii.gz")
+    assert isinstance(api.quality, quality.Quality)
+    written = json.loads((out / "volume-0_stats.json").read_text())["quality"]
+    assert api.quality.verdict == written["verdict"]
+    assert api.quality.to_json()["score"] == pytest.approx(written["score"], abs=1e-3)
+
+
+def test_the_dicom_seg_names_the_verdict_in_its_description(tmp_path):
+    hd = pytest.importorskip("highdicom")
+    import SimpleITK as sitk
+    from dicom_series import write_dicom_series
+
+    hu = np.random.default_rng(0).integers(-200, 200, (6, 10, 12)).astype(np.int16)  # z, y, x
+    write_dicom_series(tmp_path / "series", sitk.GetImageFromArray(hu), one_study=True)
+    scan = read_scan(tmp_path / "series")
+    labels = np.zeros(scan.array.shape, np.uint8)
+    labels[2:6, 2:6, 1:4] = 1
+    dicom_seg.write_dicom_seg(scan, labels, tmp_path / "seg.dcm", verdict=quality.UNLIKE)
+    written = hd.seg.segread(tmp_path / "seg.dcm")
+    assert written.ContentDescription == "ctseg liver/tumour segmentation, QC: " + quality.UNLIKE
