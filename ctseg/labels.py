@@ -31,6 +31,29 @@ def tumour_mask(labels: Any) -> Any:
     return labels == TUMOUR
 
 
+# ---- Dice, below evaluation (which reports it) and training (which validates with it)
+
+
+def dice_from_counts(intersection: float, n_pred: float, n_ref: float) -> float:
+    """Dice = 2|P∩R| / (|P|+|R|); 1 when both are empty."""
+    total = float(n_pred) + float(n_ref)
+    return 1.0 if total == 0 else 2.0 * float(intersection) / total
+
+
+def mask_dice(pred: np.ndarray, ref: np.ndarray) -> float:
+    """Dice of two boolean masks; 1 when both are empty."""
+    counts = np.count_nonzero(pred & ref), np.count_nonzero(pred), np.count_nonzero(ref)
+    return dice_from_counts(*counts)
+
+
+def grid_dice(pred_labels: np.ndarray, ref_labels: np.ndarray) -> dict[str, float]:
+    """Liver and tumour Dice only: the cheap report on the training grid."""
+    return {
+        "liver": mask_dice(liver_mask(pred_labels), liver_mask(ref_labels)),
+        "tumour": mask_dice(tumour_mask(pred_labels), tumour_mask(ref_labels)),
+    }
+
+
 def check_labels(labels: np.ndarray, name: str) -> np.ndarray:
     """The label map as uint8, or CtsegError naming the values other than 0, 1, 2 it holds
     (non-integer values such as 1.5 included: LiTS stores some segmentations as floats)."""

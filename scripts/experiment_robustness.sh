@@ -40,7 +40,7 @@ last=$((HELDOUT - 1))
 [ -f "$OUT/heldout/segmentation-$last.nii.gz" ] ||
   "$CTSEG" synth "$OUT/heldout" --cases "$HELDOUT" --size 96 --seed 1000
 [ -f "$OUT/sets/contrast/segmentation-$last.nii.gz" ] ||
-  "$PY" -m ctseg.synth.reacquire "$OUT/heldout" "$OUT/sets"
+  "$PY" scripts/reacquire.py "$OUT/heldout" "$OUT/sets"
 "$CTSEG" preprocess "$OUT/raw" "$OUT/prep" --config "$CONFIG" --workers 2
 mkdir -p "$OUT/scores"
 for variant in "${VARIANTS[@]}"; do

@@ -19,8 +19,7 @@ import nibabel as nib
 import numpy as np
 
 from ctseg import Segmenter
-from ctseg.evaluation.metrics import mask_dice
-from ctseg.labels import LIVER, TUMOUR
+from ctseg.labels import LIVER, TUMOUR, mask_dice
 from ctseg.synth.reacquire import enhance
 
 # (liver, tumour) HU: as acquired, the robustness set's portal venous phase, the liver

@@ -22,7 +22,7 @@ from pathlib import Path
 from ctseg import config as cfg
 from ctseg.errors import CtsegError
 from ctseg.targets.catalogue import resolve
-from ctseg.targets.run import plan_on_target
+from ctseg.targets.process import plan_on_target
 from ctseg.targets.table import CONFIGS, END, START, TARGETS, cell_name, render
 
 REPO = Path(__file__).resolve().parent.parent

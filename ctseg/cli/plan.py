@@ -29,7 +29,7 @@ from ctseg.model.plan import LayoutPlan, plan, plan_layout
 from ctseg.parallel.layouts import fit_training
 from ctseg.targets.catalogue import names as target_names
 from ctseg.targets.catalogue import resolve
-from ctseg.targets.run import plan_on_target
+from ctseg.targets.process import plan_on_target
 
 console = Console(highlight=False)
 

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 from scipy import ndimage
 
-from ctseg.labels import bounding_box, liver_mask, tumour_burden, tumour_mask
+from ctseg.labels import bounding_box, dice_from_counts, liver_mask, tumour_burden, tumour_mask
 
 DETECTION_IOU = 0.5  # the LiTS detection threshold
 SURFACE_DISTANCE_KEYS = ("assd", "hd95", "mssd")
@@ -64,12 +64,6 @@ Spacing = Sequence[float]
 
 
 # ---------------------------------------------------------------- overlap
-
-
-def dice_from_counts(intersection: float, n_pred: float, n_ref: float) -> float:
-    """Dice = 2|P∩R| / (|P|+|R|); 1 when both are empty."""
-    total = float(n_pred) + float(n_ref)
-    return 1.0 if total == 0 else 2.0 * float(intersection) / total
 
 
 def jaccard_from_counts(intersection: float, n_pred: float, n_ref: float) -> float:
@@ -218,20 +212,6 @@ def case_metrics(pred_labels: np.ndarray, ref_labels: np.ndarray, spacing: Spaci
         "tumour": structure_metrics(pred_tumour, ref_tumour, spacing),
         "detection": lesion_detection(pred_tumour, ref_tumour),
         "burden": burden_metrics(pred_labels, ref_labels),
-    }
-
-
-def mask_dice(pred: np.ndarray, ref: np.ndarray) -> float:
-    """Dice of two boolean masks; 1 when both are empty."""
-    counts = np.count_nonzero(pred & ref), np.count_nonzero(pred), np.count_nonzero(ref)
-    return dice_from_counts(*counts)
-
-
-def grid_dice(pred_labels: np.ndarray, ref_labels: np.ndarray) -> dict[str, float]:
-    """Liver and tumour Dice only: the cheap report on the training grid."""
-    return {
-        "liver": mask_dice(liver_mask(pred_labels), liver_mask(ref_labels)),
-        "tumour": mask_dice(tumour_mask(pred_labels), tumour_mask(ref_labels)),
     }
 
 

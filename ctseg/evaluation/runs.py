@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ctseg import atomic, lock
+from ctseg import atomic, labels, lock
 from ctseg.config import Config, InferenceOptions
 from ctseg.data.manifest import SPLITS
 from ctseg.data.store import CaseEntry, Store
@@ -290,5 +290,5 @@ def _evaluate_case(
     if on_grid is None:
         record["grid_dice"] = {"liver": None, "tumour": None}
         return record
-    record["grid_dice"] = metrics.grid_dice(on_grid, np.asarray(store.label(case.id)))
+    record["grid_dice"] = labels.grid_dice(on_grid, np.asarray(store.label(case.id)))
     return record

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ctseg.config import Config
+from ctseg.config import Config, tile_problem
 from ctseg.errors import CtsegError
 from ctseg.inference import tiling
 from ctseg.inference.backends import BACKENDS
@@ -62,14 +62,8 @@ class Engine:
         """
         if backend not in BACKENDS:
             raise CtsegError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-        if tile < -1:
-            raise CtsegError(
-                f"--tile must be -1 (automatic), 0 (whole volume) or an even size, got {tile}"
-            )
-        if tile >= 0 and tile % 2:
-            raise CtsegError(
-                f"--tile {tile} must be even: level-wise tiles are pooled in pairs of voxels"
-            )
+        if problem := tile_problem(tile):
+            raise CtsegError(f"tile {problem}")
         config = model.config
         self.model = model
         self.shape = tiling.grid_shape(config) if shape is None else tuple(shape)

@@ -22,7 +22,7 @@ from ctseg.errors import CtsegError
 from ctseg.inference import scan_space, tiling
 from ctseg.inference.engine import Engine, class_probabilities
 from ctseg.inference.jax_backend import is_out_of_memory
-from ctseg.inference.region import Region, Window, window_of
+from ctseg.inference.region import GridWindow, Region, window_of
 from ctseg.inference.tiling import Shape, Span, TileProgress
 from ctseg.io.scans import Scan
 from ctseg.model import unet
@@ -47,7 +47,7 @@ class OnGrid:
     # devices under JAX, a host array under ONNX Runtime.
     unit: np.ndarray | jax.Array
     grid: Shape  # the scan's grid, the box's first voxels
-    window: Window | None = None  # a region's box of the grid; None: the whole grid
+    window: GridWindow | None = None  # a region's box of the grid; None: the whole grid
     located: dict[str, Any] | None = None  # how the region was found, for the stats file
 
 

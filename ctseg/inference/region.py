@@ -88,7 +88,7 @@ def region_of(
 
 
 @dataclass(frozen=True)
-class Window:
+class GridWindow:
     """The box of a run's grid that a region needs: box voxel b is grid voxel b + `offset`;
     scan voxels [`lo`, `hi`) get exactly the whole pass's labels from its voxels `need`
     (per axis [lo, hi), the box's voxels their resampling reads)."""
@@ -107,7 +107,7 @@ def window_of(
     whole_box: Sequence[int],
     radius: int,
     multiple: int,
-) -> Window:
+) -> GridWindow:
     """The grid box for `region` (scan voxels) on a grid of `grid` voxels whose whole pass
     runs on `whole_box` (the grid padded to the model's alignment): it starts on a multiple
     of `multiple` (the alignment, or more, so that boxes share compiled programs) and
@@ -133,4 +133,4 @@ def window_of(
         # No scan voxel to give: nothing narrows the box's computation either.
         reads = (int(first[lo[-1]]), int(second[hi[-1] - 1]) + 1) if inside.size else (start, stop)
         need.append((reads[0] - start, reads[1] - start))
-    return Window(tuple(offset), tuple(box), tuple(lo), tuple(hi), tuple(need))
+    return GridWindow(tuple(offset), tuple(box), tuple(lo), tuple(hi), tuple(need))

@@ -73,7 +73,7 @@ MIN_AUTO_CORE = 32
 
 
 @dataclass(frozen=True)
-class Window:
+class Tile:
     """One tile: the window fed to the network and where its core goes in the output."""
 
     window: tuple[slice, slice, slice]  # in grid coordinates
@@ -110,7 +110,7 @@ def shape_text(shape: Shape) -> str:
     return f"{shape[0]}³" if len(set(shape)) == 1 else "×".join(str(n) for n in shape)
 
 
-def plan_windows(size: Shape, core: Shape, context: int, span: Span | None = None) -> list[Window]:
+def plan_windows(size: Shape, core: Shape, context: int, span: Span | None = None) -> list[Tile]:
     """Windows covering a grid of `size` (or its `span`) with cores of `core` voxels; all
     of one shape.
 
@@ -132,7 +132,7 @@ def plan_windows(size: Shape, core: Shape, context: int, span: Span | None = Non
                     slice(c.start - w.start, c.stop - w.start)
                     for w, c in zip(window, cores, strict=True)
                 )
-                windows.append(Window(window, cores, inner))
+                windows.append(Tile(window, cores, inner))
     return windows
 
 
@@ -172,7 +172,7 @@ class Stage:
         """Input voxels per output voxel along an axis: 2 for a down stage, else 1."""
         return 2 if self.kind == DOWN else 1
 
-    def windows(self, span: Span | None = None) -> list[Window]:
+    def windows(self, span: Span | None = None) -> list[Tile]:
         """The windows whose cores cover the stage's input level, or its `span` there."""
         return plan_windows(self.size, self.core, self.context, span)
 

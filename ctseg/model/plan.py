@@ -90,7 +90,7 @@ def global_image_shape(config: Config) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- abstract inputs
 
 
-def abstract_state(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, step.TrainState]:
+def replicated_abstract_state(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, step.TrainState]:
     """The train state's shapes (no values), replicated over `mesh`, and the model's graphdef."""
     graphdef, shapes = step.abstract_state(config)
     return graphdef, replicated_shapes(shapes, mesh)
@@ -234,7 +234,7 @@ def plan_layout(
     """Compile the training step and the inference pass for `config`'s layout on `devices`
     (default: JAX's default devices); account both."""
     mesh = make_mesh(config.mesh.spatial, config.mesh.data, devices)
-    graphdef, state = abstract_state(config, mesh)
+    graphdef, state = replicated_abstract_state(config, mesh)
     image, label = abstract_batch(config, mesh)
     compilers = {
         "train": lambda: compile_train_step(graphdef, config, mesh, state, image, label),

@@ -7,14 +7,12 @@ voxel order, voxel sizes from the affine) and gives the same patient as that oth
 acquisition would have shown it: geometric changes move image and labels together
 (linear for HU, nearest for labels); the others change the HU alone.
 
-    python -m ctseg.synth.reacquire HELDOUT_DIR OUT_DIR   # OUT_DIR/<change>/… per change
-
-`make experiment-robustness` scores models on every set.
+`write_sets` writes every change of a folder of held-out pairs (`scripts/reacquire.py`
+runs it); `make experiment-robustness` scores models on every set.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -134,17 +132,3 @@ def write_sets(heldout: Path, out: Path, changes: list[str] | None = None) -> li
                     nib.save(nib.Nifti1Image(array, affine), tmp)
         folders.append(folder)
     return folders
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("heldout", type=Path, help="folder of volume-N / segmentation-N pairs")
-    parser.add_argument("out", type=Path, help="a folder per change is written here")
-    parser.add_argument("--changes", nargs="*", choices=list(CHANGES), default=None)
-    args = parser.parse_args()
-    for folder in write_sets(args.heldout, args.out, args.changes):
-        print(f"{folder}: {CHANGES[folder.name]}")
-
-
-if __name__ == "__main__":
-    main()

@@ -3,7 +3,7 @@ config, the target, whether to search), `compile.plan_target`'s result as JSON o
 output. A user's mistake is ``{"error": "…"}``; anything else fails with its traceback on
 standard error, which the parent keeps for the message.
 
-The child ends with its parent (`ctseg.targets.run` names it in CTSEG_PARENT_PID): on
+The child ends with its parent (`ctseg.targets.process` names it in CTSEG_PARENT_PID): on
 Linux the kernel sends it SIGKILL when the parent dies (PR_SET_PDEATHSIG); elsewhere a
 thread polls the parent's id. A compile for a command that is gone is no use to anyone.
 """
@@ -22,7 +22,7 @@ import time
 from ctseg import config as cfg
 from ctseg.errors import CtsegError
 from ctseg.targets.catalogue import Target
-from ctseg.targets.run import PARENT_ENV
+from ctseg.targets.process import PARENT_ENV
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _POLL_SECONDS = 1.0

@@ -1,6 +1,6 @@
 """Compiling ctseg's programs for devices that are not here, and reading what XLA says.
 
-Runs in the child process `ctseg.targets.run` starts (its own JAX_PLATFORMS, so that the
+Runs in the child process `ctseg.targets.process` starts (its own JAX_PLATFORMS, so that the
 compile-only plugins never touch the command's own process), or in a test's. Given a
 `Target`, it asks XLA for compile-only devices (`jax.experimental.topologies`), fits the
 config's layout to them as `ctseg train` fits it to real ones, compiles the training step

@@ -76,7 +76,7 @@ def open_store(data_dir: Path, config: cfg.Config) -> Store:
         try:
             store = store.for_fold(config.train.fold)
         except CtsegError as exc:
-            raise CtsegError(f"--fold {config.train.fold}: {exc}") from None
+            raise CtsegError(f"train.fold = {config.train.fold}: {exc}") from None
     if not store.split("train"):
         raise CtsegError(f"{data_dir} has no training cases")
     return store

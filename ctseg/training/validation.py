@@ -14,7 +14,7 @@ from jax.experimental import multihost_utils
 
 from ctseg.config import Config
 from ctseg.data.store import Store
-from ctseg.evaluation.metrics import grid_dice
+from ctseg.labels import grid_dice
 from ctseg.model.step import TrainState
 from ctseg.training.pipeline import statistics_batches, validation_batches
 

@@ -325,7 +325,7 @@ def test_resuming_a_fold_run_with_another_fold_or_other_folds_is_refused(
 
 def test_a_fold_the_store_does_not_have_is_one_error_line(fold_store, raw, tmp_path):
     for fold, message in [
-        (3, "--fold 3: fold 3 is not a fold of the store at .*: it has 3 folds, 0–2"),
+        (3, "train.fold = 3: fold 3 is not a fold of the store at .*: it has 3 folds, 0–2"),
     ]:
         with pytest.raises(CtsegError, match=message):
             train_and_evaluate(tiny_config(*RUN, f"train.fold={fold}"), fold_store, tmp_path / "r")
@@ -336,7 +336,7 @@ def test_a_fold_the_store_does_not_have_is_one_error_line(fold_store, raw, tmp_p
         + [f"--set={o}" for o in ("data.resolution=16", "model.base_filters=2", "model.depth=2")],
     )
     assert isinstance(result.exception, CtsegError)
-    assert str(result.exception).startswith("--fold 0: the store at")
+    assert str(result.exception).startswith("train.fold = 0: the store at")
     assert "has no cross-validation folds" in str(result.exception)
     assert not (tmp_path / "r").exists()
 

@@ -209,7 +209,7 @@ def test_tile_must_be_even():
     model = random_model(3)
     with pytest.raises(CtsegError, match="must be even"):
         Engine(model, tile=7)
-    with pytest.raises(CtsegError, match=r"--tile must be -1 \(automatic\), 0 .* got -2"):
+    with pytest.raises(CtsegError, match=r"tile must be -1 \(auto\), 0 .* got -2"):
         Engine(model, tile=-2)  # not a quiet whole volume
     assert Engine(model, tile=6).tile == 6  # no longer a multiple of 2^(depth-1)
     assert Engine(model, tile=32).tile == 0  # a core as large as the grid is whole

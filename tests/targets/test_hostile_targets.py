@@ -18,13 +18,13 @@ from typer.testing import CliRunner
 import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg.cli.app import app
 from ctseg.errors import CtsegError
-from ctseg.targets import run
+from ctseg.targets import process
 from ctseg.targets.catalogue import MOST_DEVICES, resolve
 
 runner = CliRunner()
 H100 = (REPO / "ctseg" / "targets" / "specs" / "h100.txtpb").read_text()
 gpu_plugin = pytest.mark.skipif(
-    not run.plugin_installed("cuda"), reason="the targets extra is not installed"
+    not process.plugin_installed("cuda"), reason="the targets extra is not installed"
 )
 
 
@@ -111,10 +111,10 @@ def test_a_child_killed_by_a_signal_is_named_and_library_lines_are_not_the_cause
         "on your machine, GPU will not be used.\n"
     )
     done = subprocess.CompletedProcess([], -signal.SIGFPE, "", stub)
-    cause = run._cause(done)
+    cause = process._cause(done)
     assert cause.startswith("the compiler crashed with SIGFPE") and "cudart" not in cause
     traceback = stub + "Traceback (most recent call last):\nValueError: no such thing\n"
-    assert run._cause(subprocess.CompletedProcess([], 1, "", traceback)) == (
+    assert process._cause(subprocess.CompletedProcess([], 1, "", traceback)) == (
         "ValueError: no such thing"
     )
 

@@ -21,16 +21,16 @@ from ctseg.model import plan, unet
 from ctseg.parallel.partition import make_mesh
 from ctseg.run.trained import TrainedModel
 from ctseg.targets import compile as target_compile
-from ctseg.targets import run, table
+from ctseg.targets import process, table
 from ctseg.targets.catalogue import names, resolve
 
 # 32³ boxes of a base-2, depth-2 U-Net: split [2, 2, 1], each device holds a quarter.
 SMALL = ("data.resolution=32",)
 gpu_plugin = pytest.mark.skipif(
-    not run.plugin_installed("cuda"), reason="the targets extra is not installed"
+    not process.plugin_installed("cuda"), reason="the targets extra is not installed"
 )
 tpu_plugin = pytest.mark.skipif(
-    not run.plugin_installed("tpu"), reason="the targets extra is not installed"
+    not process.plugin_installed("tpu"), reason="the targets extra is not installed"
 )
 
 
@@ -59,9 +59,9 @@ def test_targets_are_named_and_bad_ones_are_one_line(tmp_path):
 
 
 def test_without_the_extra_the_target_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(run, "plugin_installed", lambda platform: False)
+    monkeypatch.setattr(process, "plugin_installed", lambda platform: False)
     with pytest.raises(CtsegError, match=r"needs libtpu, which is not installed: pip install"):
-        run.plan_on_target(tiny_config(*SMALL), resolve("tpu-v5e:2x2"))
+        process.plan_on_target(tiny_config(*SMALL), resolve("tpu-v5e:2x2"))
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def h100s():
 
 def _train_step(config, devices):
     mesh = make_mesh(config.mesh.spatial, 1, devices)
-    graphdef, state = plan.abstract_state(config, mesh)
+    graphdef, state = plan.replicated_abstract_state(config, mesh)
     image, label = plan.abstract_batch(config, mesh)
     return plan.compile_train_step(graphdef, config, mesh, state, image, label)
 
