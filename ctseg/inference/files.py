@@ -17,7 +17,7 @@ output's name that it does not list is someone else's and is replaced only with
 `force`. An input of the call (a scan, a region mask) never, even with `force`
 (`inputs.expand_inputs`, `inputs.keep_inputs`).
 
-Sameness: each stats file records what was asked (`_request`): the model (runs,
+Sameness: each stats file records what was asked (`ctseg.inference.requests`): the model (runs,
 checkpoint steps, TTA, an ensemble's members), the backend's exactness class and the
 region (the mask's path and content hash, or the locator run and step, and the
 margin). Outputs of another request are never taken for this one's: the scan fails
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,11 +39,17 @@ import numpy as np
 
 from ctseg import atomic
 from ctseg.errors import CtsegError
-from ctseg.inference import postprocess, quality
+from ctseg.inference import postprocess, quality, requests
 from ctseg.inference.inputs import OwnOutputs, ScanOutcome, foreign_outputs, output_paths
 from ctseg.inference.jax_backend import is_out_of_memory
 from ctseg.inference.member import OnGrid
-from ctseg.inference.predictor import PHASES, Predictor, StageProgress, roi_mask, timed
+from ctseg.inference.predictor import (
+    PHASES,
+    Prediction,
+    Predictor,
+    StageProgress,
+    timed,
+)
 from ctseg.inference.scan_checks import volume_warnings
 from ctseg.io import dicom_seg, pictures
 from ctseg.io.readers import one_line
@@ -90,7 +95,7 @@ def predict_files(
 
     A scan's outputs appear together, its stats file last: a scan whose stats
     file is missing is unfinished and predicted again. Without `force`, a scan
-    whose outputs are all there, for the same request (`_request`: its runs,
+    whose outputs are all there, for the same request (`requests.request_of`: its runs,
     checkpoint steps, TTA, backend class, region), is `done_earlier` and left alone;
     outputs of another request fail the scan, naming the difference, rather than be
     taken for this one's, and so does a file of an output's name that ctseg did not
@@ -104,7 +109,7 @@ def predict_files(
     if output_type not in OUTPUT_TYPES:
         raise CtsegError(f"unknown output type {output_type!r}; choose {' or '.join(OUTPUT_TYPES)}")
     out_dir = Path(out_dir)
-    model = _model_of(predictor)
+    model = requests.model_of(predictor)
     own = OwnOutputs(out_dir)
     read = functools.partial(_read, predictor, own)
     reference = quality.Reference.of_run(predictor.members[0].run_dir)
@@ -185,116 +190,6 @@ def _guarded(outcome: ScanOutcome, doing: str, fn: Callable[..., Any], *args: An
     return None
 
 
-def _model_of(predictor: Predictor) -> dict[str, Any]:
-    """What makes two predictions of a scan the same, as its stats file records it: the
-    (first) run and checkpoint step, TTA, and an ensemble's members (None for one run)."""
-    members = [
-        {
-            "run_dir": None if m.run_dir is None else str(Path(m.run_dir).resolve()),
-            "run_step": m.model.step,
-        }
-        for m in predictor.members
-    ]
-    return {**members[0], "tta": predictor.tta, "ensemble": members if len(members) > 1 else None}
-
-
-def _exactness(predictor: Predictor) -> str:
-    """The backend's exactness class: the runtime and the dtype of its activations. Devices,
-    partitions and tiles change no label (tested); another class may, by a rounding."""
-    if predictor.backend != "jax":
-        return f"{predictor.backend} float32"
-    dtypes = sorted({member.model.config.model.dtype for member in predictor.members})
-    return f"jax {'/'.join(dtypes)}"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _request(predictor: Predictor, source: Path) -> dict[str, Any]:
-    """What a scan's prediction was asked beyond the model (`_model_of`): the backend's
-    exactness class and the region predicted at full resolution (None: the whole scan)."""
-    region = None
-    if predictor.roi is not None:
-        mask = roi_mask(predictor.roi, source)
-        region = {"mask": str(mask.resolve()), "sha256": _sha256(mask)}
-    elif predictor.locator is not None:
-        locator = predictor.locator.members[0]
-        run_dir = None if locator.run_dir is None else str(Path(locator.run_dir).resolve())
-        region = {"locator": run_dir, "locator_step": locator.model.step}
-    if region is not None:
-        region["margin_mm"] = predictor.margin_mm
-    return {"backend": _exactness(predictor), "region": region}
-
-
-def _region_words(region: Any) -> str:
-    if not isinstance(region, dict):
-        return "the whole scan"
-    if "mask" in region:
-        where = f"the mask {region['mask']} (sha256 {str(region.get('sha256'))[:12]}…)"
-    else:
-        where = f"the locator {region.get('locator')} (step {region.get('locator_step')})"
-    return f"the region of {where}, margin {region.get('margin_mm')} mm"
-
-
-def _differences(earlier: Any, request: dict[str, Any]) -> list[str]:
-    """How an earlier stats file's request differs from `request`, in words."""
-    if not isinstance(earlier, dict):
-        return ["its request is not recorded (an earlier version of ctseg wrote it)"]
-    differences = []
-    if earlier.get("backend") != request["backend"]:
-        differences.append(f"backend {earlier.get('backend')}, not {request['backend']}")
-    then, now = earlier.get("region"), request["region"]
-    if then == now:
-        return differences
-    source = ("mask", "locator", "locator_step")
-    if (
-        isinstance(then, dict)
-        and isinstance(now, dict)
-        and all(then.get(key) == now.get(key) for key in source)
-    ):
-        if then.get("sha256") != now.get("sha256"):
-            differences.append(
-                f"the mask {now.get('mask')} changed since (sha256 "
-                f"{str(then.get('sha256'))[:12]}… then, {str(now.get('sha256'))[:12]}… now)"
-            )
-        if then.get("margin_mm") != now.get("margin_mm"):
-            differences.append(f"margin {then.get('margin_mm')} mm, not {now.get('margin_mm')} mm")
-    else:
-        differences.append(f"{_region_words(then)}, not {_region_words(now)}")
-    return differences
-
-
-def _earlier_prediction(
-    stats_path: Path, model: dict[str, Any], request: dict[str, Any]
-) -> dict[str, Any]:
-    """The stats of an earlier prediction of a scan for this `model` and `request`;
-    CtsegError, naming the difference, for another's."""
-    try:
-        earlier = json.loads(stats_path.read_text())
-    except (OSError, ValueError):
-        earlier = None
-    if not isinstance(earlier, dict):
-        what = "cannot be read as the stats of an earlier prediction"
-    elif any(earlier.get(key) != model[key] for key in model):
-        what = (
-            f"is of another prediction (run {earlier.get('run_dir') or '?'}, step "
-            f"{earlier.get('run_step')}{', TTA' if earlier.get('tta') else ''})"
-        )
-    elif differences := _differences(earlier.get("request"), request):
-        what = f"is of another request ({'; '.join(differences)})"
-    else:
-        return earlier
-    raise CtsegError(
-        f"{stats_path.name} in {stats_path.parent} {what}; use --force to replace it, "
-        "or another --out"
-    )
-
-
 def _read(
     predictor: Predictor,
     own: OwnOutputs,
@@ -317,10 +212,10 @@ def _read(
                 f"{own.path.name} does not list it; earlier versions kept none); use --force "
                 "to replace it, or another --out"
             )
-        outcome.request = _request(predictor, source)
+        outcome.request = requests.request_of(predictor, source)
         # Without its stats file a scan is unfinished (see `_write_outputs`): predicted again.
         if paths["stats"].exists() and not force:
-            earlier = _earlier_prediction(paths["stats"], model, outcome.request)
+            earlier = requests.earlier_prediction(paths["stats"], model, outcome.request)
             if all(path.exists() for path in paths.values()):
                 outcome.done_earlier = True
                 outcome.stats, outcome.outputs = earlier, list(paths.values())
@@ -393,58 +288,82 @@ def _write_outputs(
     with atomic.atomic_group([paths[key] for key in order]) as temporaries:
         tmp = dict(zip(order, temporaries, strict=True))
         with timed(seconds, "write"):
-            if output_type == "dicom-seg":
-                dicom_seg.write_dicom_seg(
-                    scan, prediction.labels, tmp["seg"], verdict=judged.verdict
-                )
-            else:
-                write_labels(scan, prediction.labels, tmp["seg"])
-            if prediction.probabilities is not None:
-                write_volume(scan, prediction.probabilities, tmp["probs"], np.float32)
-            pictures.plot_preview(
-                scan.array,
-                prediction.labels,
-                scan.spacing,
-                tmp["preview"],
-                title=outcome.name,
-                window=predictor.config.data.hu_window,
-            )
-        # The call's one-off costs (loading, compiling ahead) beside this scan's own phases.
-        with_one_off_costs = {
-            phase: round(predictor.seconds.get(phase, 0.0) + seconds.get(phase, 0.0), 3)
-            for phase in PHASES
-        }
-        record = {
-            "scan": str(outcome.source),
-            **model,
-            # With the model: what makes another prediction of the scan the same one.
-            "request": outcome.request,
-            "device": predictor.summary,
-            "plan": predictor.plan,
-            "shape": list(scan.original_shape),
-            "spacing_mm": list(scan.spacing),
-            **stats,
-            "warnings": outcome.warnings,
-            "checks": outcome.checks,  # where it lies far outside the training data
-            # Whether to trust it: ok, review or unlike the training data, the reason, the
-            # scores and their components (`ctseg.inference.quality`; thresholds provisional).
-            "quality": judged.to_json(),
-            # The region predicted at full resolution (`--locate`, `--roi`): its source,
-            # margin, scan voxels [lo, hi), or why the whole scan was predicted.
-            "located": prediction.located,
-            "seconds": with_one_off_costs,
-            # An ensemble's members' network seconds, in the order of "ensemble".
-            "member_seconds": [
-                round(seconds.get(f"infer.{i}", 0.0), 3) for i in range(len(predictor.members))
-            ]
-            if len(predictor.members) > 1
-            else None,
-            # Programs this call compiled so far, and how many came from the persistent cache.
-            "compiled": {
-                "programs": predictor.clock.programs,
-                "from_cache": predictor.clock.cache_hits,
-            },
-        }
+            _write_images(predictor, outcome, scan, prediction, tmp, output_type, judged)
+        record = _stats_record(predictor, outcome, scan, prediction, stats, model, judged)
         tmp["stats"].write_text(json.dumps(record, indent=2) + "\n")
     outcome.stats = {**stats, "quality": record["quality"]}  # as a done-earlier scan's
     outcome.outputs = list(paths.values())
+
+
+def _write_images(
+    predictor: Predictor,
+    outcome: ScanOutcome,
+    scan: Scan,
+    prediction: Prediction,
+    tmp: dict[str, Path],
+    output_type: str,
+    judged: quality.Quality,
+) -> None:
+    """The label map (NIfTI or DICOM SEG), the probabilities where asked, the preview."""
+    if output_type == "dicom-seg":
+        dicom_seg.write_dicom_seg(scan, prediction.labels, tmp["seg"], verdict=judged.verdict)
+    else:
+        write_labels(scan, prediction.labels, tmp["seg"])
+    if prediction.probabilities is not None:
+        write_volume(scan, prediction.probabilities, tmp["probs"], np.float32)
+    pictures.plot_preview(
+        scan.array,
+        prediction.labels,
+        scan.spacing,
+        tmp["preview"],
+        title=outcome.name,
+        window=predictor.config.data.hu_window,
+    )
+
+
+def _stats_record(
+    predictor: Predictor,
+    outcome: ScanOutcome,
+    scan: Scan,
+    prediction: Prediction,
+    stats: dict[str, Any],
+    model: dict[str, Any],
+    judged: quality.Quality,
+) -> dict[str, Any]:
+    """The scan's `_stats.json` (docs/reference/file-formats.md)."""
+    seconds = outcome.seconds
+    # The call's one-off costs (loading, compiling ahead) beside this scan's own phases.
+    with_one_off_costs = {
+        phase: round(predictor.seconds.get(phase, 0.0) + seconds.get(phase, 0.0), 3)
+        for phase in PHASES
+    }
+    members = len(predictor.members)
+    return {
+        "scan": str(outcome.source),
+        **model,
+        # With the model: what makes another prediction of the scan the same one.
+        "request": outcome.request,
+        "device": predictor.summary,
+        "plan": predictor.plan,
+        "shape": list(scan.original_shape),
+        "spacing_mm": list(scan.spacing),
+        **stats,
+        "warnings": outcome.warnings,
+        "checks": outcome.checks,  # where it lies far outside the training data
+        # Whether to trust it: ok, review or unlike the training data, the reason, the
+        # scores and their components (`ctseg.inference.quality`; thresholds provisional).
+        "quality": judged.to_json(),
+        # The region predicted at full resolution (`--locate`, `--roi`): its source,
+        # margin, scan voxels [lo, hi), or why the whole scan was predicted.
+        "located": prediction.located,
+        "seconds": with_one_off_costs,
+        # An ensemble's members' network seconds, in the order of "ensemble".
+        "member_seconds": [round(seconds.get(f"infer.{i}", 0.0), 3) for i in range(members)]
+        if members > 1
+        else None,
+        # Programs this call compiled so far, and how many came from the persistent cache.
+        "compiled": {
+            "programs": predictor.clock.programs,
+            "from_cache": predictor.clock.cache_hits,
+        },
+    }
