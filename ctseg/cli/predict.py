@@ -2,7 +2,7 @@
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -14,9 +14,14 @@ from ctseg import lock
 from ctseg.cli import library_output
 from ctseg.cli.app import app
 from ctseg.cli.options import CompileCacheOption, DeviceChoice, DeviceOption, start_jax, warn
+from ctseg.config import Config, InferenceOptions
 from ctseg.errors import CtsegError
 from ctseg.io import dicom, dicom_seg
 from ctseg.run import rundir
+
+if TYPE_CHECKING:  # the pipeline imports JAX: only after start_jax
+    from ctseg.inference.inputs import ScanOutcome
+    from ctseg.inference.predictor import Predictor
 
 RunDirArgument = Annotated[
     Path,
@@ -251,28 +256,12 @@ def predict(
     run_dirs = rundir.member_runs([run_dir, *(runs or [])])
     configs = [rundir.load_config(path) for path in run_dirs]
     # JAX-free: every option checked before anything starts.
-    from ctseg.inference.inputs import (
-        OwnOutputs,
-        check_output_folder,
-        expand_inputs,
-        inference_options,
-        keep_inputs,
-        scan_masks,
+    options = _checked_options(
+        configs[0], checkpoint, tile, backend, device, tta, margin, locate, roi
     )
-    from ctseg.inference.region import check_margin
-
-    names = {key: f"--{key}" for key in ("checkpoint", "tile", "backend", "device", "tta")}
-    options = inference_options(
-        configs[0], checkpoint, tile, backend and backend.value, device.value, tta, names
-    )
-    check_margin(margin, locate is not None or roi is not None)
-    if locate is not None and roi is not None:
-        raise CtsegError("give --locate COARSE_RUN or --roi MASK, not both")
-    if roi is not None and not roi.exists():
-        raise CtsegError(f"--roi {roi}: no such mask file or folder")
     start_jax(configs[0], devices=1, device=device, compile_cache=compile_cache, verbose=verbose)
     # After start_jax: importing the pipeline starts JAX.
-    from ctseg.inference.files import predict_files
+    from ctseg.inference.inputs import check_output_folder
     from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Predictor
 
     # One writer per --out: two predictions at once would mix their outputs. A file in
@@ -281,67 +270,141 @@ def predict(
     with lock.hold(out, warn):
         # Libraries' own lines (ITK, GDCM, XLA) would land among and after ctseg's.
         with library_output.held(show=verbose):
-            scans, outcomes, skipped = expand_inputs(inputs, out)
-            for line, _ in skipped:  # every file found is a scan, a failed row or named here
-                warn(line)
-            if output_type == OutputType.dicom_seg:
-                for scan in scans:  # before any prediction: every input must be a DICOM series
-                    dicom_seg.check_dicom_source(scan)
-            if roi is not None:  # every scan's mask found before any is predicted
-                masks = scan_masks(roi, scans, OwnOutputs(out).owns)
-                # A mask is read, never written over: not even with --force.
-                scans, overwriting = keep_inputs(scans, out, list(masks.values()), "a --roi mask")
-                outcomes += overwriting
+            scans, outcomes, skipped = _scans(inputs, out, output_type, roi)
             predictor = Predictor.from_run(run_dirs, options, configs)
             if locate is not None or roi is not None:
                 margin = DEFAULT_MARGIN_MM if margin is None else margin
                 predictor.predict_region(locate, roi, margin, options)
-            steps = ", ".join(str(m.model.step) for m in predictor.members)
-            unusable = f", {len(outcomes)} input(s) failed" if outcomes else ""
-            unusable += f", {sum(s.count for s in skipped)} file(s) skipped" if skipped else ""
-            console.print(
-                f"{escape(predictor.summary)}; checkpoint step{'s' * (len(run_dirs) > 1)} {steps}; "
-                f"{len(scans)} scan(s){unusable}"
+            _print_start(console, predictor, len(run_dirs), scans, outcomes, skipped, verbose)
+            outcomes += _predicted(
+                console, predictor, scans, out, force, output_type, allow_non_ct, verbose
             )
-            if verbose:
-                console.print(f"plan: {escape(predictor.plan_line)}")
-                one_off = ", ".join(f"{k} {v:.2f} s" for k, v in predictor.seconds.items())
-                console.print(f"once for all scans: {one_off}")
-            columns = (
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-            )
-            with Progress(*columns, console=console, transient=True) as bar:
-                scan_task = bar.add_task("scans", total=len(scans))
-                tile_task = bar.add_task("", total=None)
-
-                def report(name: str, stage: str, done: int, total: int) -> None:
-                    # Reading the next scan and writing the last run beside inference: show
-                    # the latter.
-                    if stage == "infer":
-                        description = f"{escape(name)}: tiles"
-                        bar.update(tile_task, description=description, completed=done, total=total)
-
-                written = predict_files(
-                    predictor, scans, out, force, report, output_type.value, allow_non_ct
-                )
-                for outcome in written:
-                    outcomes.append(outcome)
-                    name = escape(outcome.name)
-                    for warning in outcome.warnings + outcome.checks:
-                        console.print(f"[yellow]warning:[/] {name}: {escape(warning)}")
-                    if outcome.error is None and verbose:
-                        seconds = outcome.seconds.items()
-                        console.print(f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in seconds))
-                    bar.advance(scan_task)
-        console.print(_stats_table(outcomes))
-        for line in _quality_lines(outcomes):
-            console.print(line, soft_wrap=True)
-        for outcome in outcomes:  # in full, one paragraph each, however narrow the terminal
-            if outcome.error is not None:
-                text = f"[bold red]failed:[/] {escape(outcome.name)}: {escape(outcome.error)}"
-                console.print(text, soft_wrap=True)
+        _print_results(console, outcomes)
         if any(o.error is not None for o in outcomes):
             raise typer.Exit(1)
+
+
+def _checked_options(
+    config: Config,
+    checkpoint: str,
+    tile: int | None,
+    backend: Backend | None,
+    device: DeviceChoice,
+    tta: bool | None,
+    margin: float | None,
+    locate: Path | None,
+    roi: Path | None,
+) -> InferenceOptions:
+    """The request's `InferenceOptions`, every option checked (one line for a mistake)."""
+    from ctseg.inference.inputs import inference_options
+    from ctseg.inference.region import check_margin
+
+    names = {key: f"--{key}" for key in ("checkpoint", "tile", "backend", "device", "tta")}
+    options = inference_options(
+        config, checkpoint, tile, backend and backend.value, device.value, tta, names
+    )
+    check_margin(margin, locate is not None or roi is not None)
+    if locate is not None and roi is not None:
+        raise CtsegError("give --locate COARSE_RUN or --roi MASK, not both")
+    if roi is not None and not roi.exists():
+        raise CtsegError(f"--roi {roi}: no such mask file or folder")
+    return options
+
+
+def _scans(
+    inputs: list[Path], out: Path, output_type: OutputType, roi: Path | None
+) -> tuple[list[Path], list["ScanOutcome"], list]:
+    """(scans to predict, failed outcomes, skipped files) of the inputs: every file found is
+    a scan, a failed row or named; DICOM SEG needs DICOM inputs; each scan's --roi mask is
+    found before any is predicted, and never written over."""
+    from ctseg.inference.inputs import OwnOutputs, expand_inputs, keep_inputs, scan_masks
+
+    scans, outcomes, skipped = expand_inputs(inputs, out)
+    for line, _ in skipped:
+        warn(line)
+    if output_type == OutputType.dicom_seg:
+        for scan in scans:
+            dicom_seg.check_dicom_source(scan)
+    if roi is not None:
+        masks = scan_masks(roi, scans, OwnOutputs(out).owns)
+        scans, overwriting = keep_inputs(scans, out, list(masks.values()), "a --roi mask")
+        outcomes += overwriting
+    return scans, outcomes, skipped
+
+
+def _print_start(
+    console: Console,
+    predictor: "Predictor",
+    runs: int,
+    scans: list[Path],
+    outcomes: list["ScanOutcome"],
+    skipped: list,
+    verbose: bool,
+) -> None:
+    """What runs where, the checkpoints, the scans (and with --verbose the plan)."""
+    steps = ", ".join(str(m.model.step) for m in predictor.members)
+    unusable = f", {len(outcomes)} input(s) failed" if outcomes else ""
+    unusable += f", {sum(s.count for s in skipped)} file(s) skipped" if skipped else ""
+    console.print(
+        f"{escape(predictor.summary)}; checkpoint step{'s' * (runs > 1)} {steps}; "
+        f"{len(scans)} scan(s){unusable}"
+    )
+    if verbose:
+        console.print(f"plan: {escape(predictor.plan_line)}")
+        one_off = ", ".join(f"{k} {v:.2f} s" for k, v in predictor.seconds.items())
+        console.print(f"once for all scans: {one_off}")
+
+
+def _predicted(
+    console: Console,
+    predictor: "Predictor",
+    scans: list[Path],
+    out: Path,
+    force: bool,
+    output_type: OutputType,
+    allow_non_ct: bool,
+    verbose: bool,
+) -> list["ScanOutcome"]:
+    """Every scan predicted under a progress bar, its warnings printed as it is written."""
+    from ctseg.inference.files import predict_files
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    outcomes = []
+    with Progress(*columns, console=console, transient=True) as bar:
+        scan_task = bar.add_task("scans", total=len(scans))
+        tile_task = bar.add_task("", total=None)
+
+        def report(name: str, stage: str, done: int, total: int) -> None:
+            # Reading the next scan and writing the last run beside inference: show the latter.
+            if stage == "infer":
+                description = f"{escape(name)}: tiles"
+                bar.update(tile_task, description=description, completed=done, total=total)
+
+        for outcome in predict_files(
+            predictor, scans, out, force, report, output_type.value, allow_non_ct
+        ):
+            outcomes.append(outcome)
+            name = escape(outcome.name)
+            for warning in outcome.warnings + outcome.checks:
+                console.print(f"[yellow]warning:[/] {name}: {escape(warning)}")
+            if outcome.error is None and verbose:
+                seconds = outcome.seconds.items()
+                console.print(f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in seconds))
+            bar.advance(scan_task)
+    return outcomes
+
+
+def _print_results(console: Console, outcomes: list["ScanOutcome"]) -> None:
+    """The table, the quality's lines, and each failure in full."""
+    console.print(_stats_table(outcomes))
+    for line in _quality_lines(outcomes):
+        console.print(line, soft_wrap=True)
+    for outcome in outcomes:  # in full, one paragraph each, however narrow the terminal
+        if outcome.error is not None:
+            text = f"[bold red]failed:[/] {escape(outcome.name)}: {escape(outcome.error)}"
+            console.print(text, soft_wrap=True)
