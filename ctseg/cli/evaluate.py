@@ -214,6 +214,27 @@ def _check_form(
         )
 
 
+def _print_result(result: dict) -> None:
+    """The cases, the summary, the quality's power, what was unpaired, every failure."""
+    if result["cases"]:
+        console.print(_case_table(result["cases"]))
+        console.print(_summary_table(result["summary"]))
+        if quality := result["summary"].get("quality"):
+            console.print(_quality_line(quality))
+    unpaired = result["unpaired"]
+    if unpaired["pred"] or unpaired["ref"]:
+        console.print(
+            escape(
+                f"unpaired predictions: {', '.join(unpaired['pred']) or 'none'}; "
+                f"unpaired references: {', '.join(unpaired['ref']) or 'none'}"
+            )
+        )
+    for error in result["errors"]:
+        console.print(
+            f"[bold red]case {escape(error['case'])} failed:[/] {escape(error['message'])}"
+        )
+
+
 def _quality_line(quality: dict) -> str:
     """The prediction quality's power against the truth, in one line."""
 
@@ -376,22 +397,6 @@ def evaluate(
         result = _run_with_progress(partial(evaluate_folders, pred, ref))
         write_reports(result, json_path=json_path, csv_path=csv_path)
 
-    if result["cases"]:
-        console.print(_case_table(result["cases"]))
-        console.print(_summary_table(result["summary"]))
-        if quality := result["summary"].get("quality"):
-            console.print(_quality_line(quality))
-    unpaired = result["unpaired"]
-    if unpaired["pred"] or unpaired["ref"]:
-        console.print(
-            escape(
-                f"unpaired predictions: {', '.join(unpaired['pred']) or 'none'}; "
-                f"unpaired references: {', '.join(unpaired['ref']) or 'none'}"
-            )
-        )
-    for error in result["errors"]:
-        console.print(
-            f"[bold red]case {escape(error['case'])} failed:[/] {escape(error['message'])}"
-        )
+    _print_result(result)
     if result["errors"]:
         raise typer.Exit(1)

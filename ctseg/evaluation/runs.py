@@ -46,6 +46,35 @@ if TYPE_CHECKING:
     from ctseg.inference.predictor import Predictor
 
 
+def _checked_locator(
+    locate: Path | None, margin_mm: float | None
+) -> tuple[Path | None, float | None]:
+    """The locator run and its margin (default `predictor.DEFAULT_MARGIN_MM`), checked
+    before anything is claimed or cleared: a wrong path or margin is one line."""
+    from ctseg.inference.predictor import DEFAULT_MARGIN_MM
+
+    check_margin(margin_mm, locate is not None, "--margin", "--locate COARSE_RUN")
+    if locate is None:
+        return None, margin_mm
+    try:
+        rundir.load_config(Path(locate))
+    except CtsegError as exc:
+        raise CtsegError(f"--locate: {exc}") from None
+    return Path(locate), DEFAULT_MARGIN_MM if margin_mm is None else float(margin_mm)
+
+
+def _labelled_cases(store: Store, split: str) -> list[CaseEntry]:
+    """The split's labelled cases; CtsegError when there are none."""
+    try:
+        cases = store.split(split)
+    except ValueError as exc:
+        raise CtsegError(str(exc)) from None
+    cases = [case for case in cases if case.labelled]
+    if not cases:
+        raise CtsegError(f"the store at {store.path} has no labelled cases in the {split!r} split")
+    return cases
+
+
 def evaluate_run(
     run_dirs: Path | Sequence[Path],
     data_dir: Path,
@@ -83,20 +112,13 @@ def evaluate_run(
     """
     # Imported here: the prediction pipeline starts JAX, which must not start before the
     # CLI has chosen the devices.
-    from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Predictor
+    from ctseg.inference.predictor import Predictor
 
     run_dirs = [Path(run_dirs)] if isinstance(run_dirs, str | Path) else list(map(Path, run_dirs))
     ensemble = len(run_dirs) > 1
     if ensemble and out_dir is None:
         raise CtsegError("an ensemble's evaluation needs --out DIR (it belongs to no one run)")
-    check_margin(margin_mm, locate is not None, "--margin", "--locate COARSE_RUN")
-    if locate is not None:
-        locate = Path(locate)
-        try:  # before anything is claimed or cleared: a wrong path is one line
-            rundir.load_config(locate)
-        except CtsegError as exc:
-            raise CtsegError(f"--locate: {exc}") from None
-        margin_mm = DEFAULT_MARGIN_MM if margin_mm is None else float(margin_mm)
+    locate, margin_mm = _checked_locator(locate, margin_mm)
     data_dir = Path(data_dir)
     out_dir = evaluations.evaluation_dir(run_dirs[0], out_dir)
     if ensemble:
@@ -104,13 +126,7 @@ def evaluate_run(
         _check_unseen(store, run_dirs, split)
     else:
         store, fold = _as_the_run_saw_it(Store.open(data_dir), run_dirs[0], split)
-    try:
-        cases = store.split(split)
-    except ValueError as exc:
-        raise CtsegError(str(exc)) from None
-    cases = [case for case in cases if case.labelled]
-    if not cases:
-        raise CtsegError(f"the store at {data_dir} has no labelled cases in the {split!r} split")
+    cases = _labelled_cases(store, split)
     with lock.hold(out_dir, warn):
         atomic.claim_folder(out_dir, evaluations.OWN_FILES, force=None)
         predictor = Predictor.from_run(run_dirs, options, configs)
