@@ -190,7 +190,7 @@ def anchor(args: argparse.Namespace, scan: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("workdir", type=Path)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu", "tpu"])
@@ -217,6 +217,11 @@ def main() -> None:
         parser.error("--anchor compares the scans after the first: give --scans 2 or more")
     if args.roi and args.scans != 1:
         parser.error("--roi takes the one scan's mask: give --scans 1")
+    return args
+
+
+def main() -> None:
+    args = _arguments()
     args.result = args.workdir / "result.json"
     run_dir, out = args.workdir / "run", args.workdir / "pred"
     if not (run_dir / "checkpoints").is_dir():
