@@ -11,6 +11,7 @@ from rich.markup import escape
 from ctseg import config as cfg
 from ctseg.cli.library_output import held
 from ctseg.parallel.compile_cache import compile_cache_dir, use_compile_cache
+from ctseg.parallel.devices import DEVICE_CHOICES
 
 _stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -46,13 +47,8 @@ ProcessIdOption = Annotated[
 ]
 
 
-class DeviceChoice(StrEnum):
-    """`ctseg.parallel.devices.DEVICE_CHOICES`, as a choice for the command line."""
-
-    auto = "auto"
-    cpu = "cpu"
-    gpu = "gpu"
-    tpu = "tpu"
+# `ctseg.parallel.devices.DEVICE_CHOICES`, as a choice for the command line.
+DeviceChoice = StrEnum("DeviceChoice", {choice: choice for choice in DEVICE_CHOICES})
 
 
 DeviceOption = Annotated[

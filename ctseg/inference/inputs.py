@@ -24,7 +24,9 @@ from ctseg import config as cfg
 from ctseg.config import InferenceOptions
 from ctseg.data.manifest import MANIFEST
 from ctseg.errors import CtsegError
+from ctseg.inference.backends import BACKENDS
 from ctseg.io.scans import Skipped, find_scans, scan_name
+from ctseg.parallel.devices import DEVICE_CHOICES
 from ctseg.run import evaluations, rundir
 
 
@@ -202,9 +204,6 @@ def output_paths(
 
 # ---------------------------------------------------------------- what is asked of a model
 
-_DEVICES = ("auto", "cpu", "gpu", "tpu")
-_BACKENDS = ("jax", "onnx")  # `ctseg.inference.backends.BACKENDS` (which imports no JAX here)
-
 
 def inference_options(
     config: cfg.Config,
@@ -244,12 +243,14 @@ def inference_options(
             cfg.check(dataclasses.replace(config, predict=predict))
         except CtsegError as exc:
             raise CtsegError(f"{names['tile']} {tile}: {exc}") from None
-    if backend is not None and backend not in _BACKENDS:
+    if backend is not None and backend not in BACKENDS:
         raise CtsegError(
-            f"{names['backend']} must be {' or '.join(_BACKENDS)} (or None), got {backend!r}"
+            f"{names['backend']} must be {' or '.join(BACKENDS)} (or None), got {backend!r}"
         )
-    if device not in _DEVICES:
-        raise CtsegError(f"{names['device']} must be one of {', '.join(_DEVICES)}, got {device!r}")
+    if device not in DEVICE_CHOICES:
+        raise CtsegError(
+            f"{names['device']} must be one of {', '.join(DEVICE_CHOICES)}, got {device!r}"
+        )
     if tta is not None and not isinstance(tta, bool):
         raise CtsegError(f"{names['tta']} must be True, False or None, got {tta!r}")
     return InferenceOptions(checkpoint, tile, backend, device, tta)
