@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import SPACING, labels, save
+from helpers import SPACING, labels, liver_with_tumour, save
 from scipy.stats import rankdata
 
 from ctseg.evaluation import quality as power
@@ -98,20 +98,11 @@ def test_pred_ref_reports_carry_the_quality_ctseg_predict_recorded(tmp_path):
     assert is_cases_csv(tmp_path / "metrics.csv")
 
 
-def _blob(labels, *options):
-    """Post-processing that returns a liver with a tumour, whatever the 2-step model saw."""
-    out = np.zeros_like(labels)
-    x, y, z = (n // 4 for n in labels.shape)
-    out[x : 3 * x, y : 3 * y, z : 3 * z] = 1
-    out[x : 2 * x, y : 2 * y, z : 2 * z] = 2
-    return out
-
-
 def test_evaluate_run_records_each_cases_quality_beside_its_dice(trained, tmp_path, monkeypatch):
     from ctseg.evaluation.runs import evaluate_run
     from ctseg.inference import postprocess
 
-    monkeypatch.setattr(postprocess, "clean_labels", _blob)  # a liver to judge
+    monkeypatch.setattr(postprocess, "clean_labels", liver_with_tumour)  # a liver to judge
     run_dir, store, _ = trained
     out = tmp_path / "eval"
     report = evaluate_run(run_dir, store, split="train", out_dir=out)

@@ -13,7 +13,7 @@ import pydicom
 import pytest
 import SimpleITK as sitk
 from dicom_series import write_dicom_series
-from helpers import random_model, rotation_z
+from helpers import liver_with_tumour, random_model, rotation_z
 from typer.testing import CliRunner
 
 import ctseg.cli.main  # noqa: F401  (registers the commands)
@@ -158,18 +158,9 @@ def test_the_python_api_gives_the_cli_s_labels_from_memory(trained, tmp_path):
         segmenter(np.zeros((8, 8, 8), np.float32))
 
 
-def _blob(labels, *options):
-    """Post-processing that returns a liver with a tumour, whatever the 2-step model saw."""
-    out = np.zeros_like(labels)
-    x, y, z = (n // 4 for n in labels.shape)
-    out[x : 3 * x, y : 3 * y, z : 3 * z] = 1
-    out[x : 2 * x, y : 2 * y, z : 2 * z] = 2
-    return out
-
-
 def test_predict_writes_a_dicom_seg_for_a_dicom_series(trained, tmp_path, monkeypatch):
     hd = pytest.importorskip("highdicom")
-    monkeypatch.setattr(postprocess, "clean_labels", _blob)
+    monkeypatch.setattr(postprocess, "clean_labels", liver_with_tumour)
     run_dir, _, raw = trained
     source = scans.read_scan(raw / "volume-0.nii.gz")
     itk = sitk.GetImageFromArray(

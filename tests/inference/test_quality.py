@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import liver_with_tumour
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from typer.testing import CliRunner
 
@@ -209,21 +210,12 @@ def test_the_verdict_is_the_same_whole_tiled_and_partitioned(trained):
             assert mine.value == pytest.approx(theirs.value, abs=1e-4)
 
 
-def _blob(labels, *options):
-    """Post-processing that returns a liver with a tumour, whatever the 2-step model saw."""
-    out = np.zeros_like(labels)
-    x, y, z = (n // 4 for n in labels.shape)
-    out[x : 3 * x, y : 3 * y, z : 3 * z] = 1
-    out[x : 2 * x, y : 2 * y, z : 2 * z] = 2
-    return out
-
-
 def test_predict_writes_every_readable_scans_quality_and_the_api_returns_it(
     trained, tmp_path, monkeypatch
 ):
     from ctseg.inference import postprocess
 
-    monkeypatch.setattr(postprocess, "clean_labels", _blob)  # a liver to judge
+    monkeypatch.setattr(postprocess, "clean_labels", liver_with_tumour)  # a liver to judge
     run_dir, _, raw = trained
     inputs = tmp_path / "in"
     inputs.mkdir()
