@@ -66,7 +66,7 @@ targets-table: $(STAMP)
 	$(PY) scripts/targets_table.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check ctseg tests scripts
+	$(VENV)/bin/ruff check ctseg cli data_prep tests scripts
 
 clean:
 	rm -rf $(VENV) demo bench experiment

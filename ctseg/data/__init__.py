@@ -1,2 +1,3 @@
-"""From raw scans to the prepared store: raw data-set layouts, the grids (cube or spacing),
-building the store in worker processes, reading it, and its splits and folds."""
+"""The prepared store as every command reads it (its manifest, its cases) and the grids: the
+cube, or the scan at a fixed spacing, and resampling there and back. Building the store
+from raw scans is `ctseg.data_prep`'s."""

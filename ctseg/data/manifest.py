@@ -1,8 +1,8 @@
 """The prepared store's manifest.json: found, read (format and version checked) and written.
 
 Its content is described in `ctseg.data.store`. This module knows the file and its
-fields: it finds, reads and writes it (the store's builder, `ctseg.data.build`, and
-`ctseg folds`, `ctseg.data.splits.write_folds`, write it alike), and checks every
+fields: it finds, reads and writes it (the store's builder, `ctseg.data_prep.build`, and
+`ctseg folds`, `ctseg.data_prep.splits.write_folds`, write it alike), and checks every
 entry that `Store.open` reads (`check_entries`, `check_folds`): nothing an edited
 manifest says may lead outside the store.
 """

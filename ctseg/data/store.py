@@ -38,13 +38,13 @@ through `ctseg.compat`.
 
 Cross-validation folds (`folds` = k ≥ 2; 0 = none) split the labelled cases (splits
 train and val, never test) into k folds whose sizes differ by at most one, drawn
-from the seed `fold_seed` (`ctseg.data.splits.assign_folds`); each labelled case
+from the seed `fold_seed` (`ctseg.data_prep.splits.assign_folds`); each labelled case
 names its `fold`, every other case null. They are independent of the train/val
 split: `Store.for_fold(i)` is the store seen by a run of fold i (fold i validates,
 the other folds train).
 
-`ctseg.data.build` builds a store from the `RawCase`s that a raw data set's
-layout names (`ctseg.data.raw` finds them) and `ctseg.data.manifest` writes its
+`ctseg.data_prep.build` builds a store from the `RawCase`s that a raw data set's
+layout names (`ctseg.data_prep.raw` finds them) and `ctseg.data.manifest` writes its
 manifest; this module reads it.
 """
 
@@ -132,7 +132,7 @@ class Store:
 
     @classmethod
     def open(cls, path: str | Path) -> Store:
-        """Open and check a store written by `ctseg.data.build.write_store`."""
+        """Open and check a store written by `ctseg.data_prep.build.write_store`."""
         path = Path(path)
         manifest = read_manifest(path)
         if manifest is None:

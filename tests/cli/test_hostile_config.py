@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg import config as cfg
 from ctseg.cli.app import app
-from ctseg.data import build
 from ctseg.data.grids import GridSpec
+from ctseg.data_prep import build
 from ctseg.errors import CtsegError
 
 runner = CliRunner()

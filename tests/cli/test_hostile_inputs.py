@@ -21,11 +21,11 @@ from typer.testing import CliRunner
 import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg import config as cfg
 from ctseg.cli.app import app
-from ctseg.data import build
 from ctseg.data.manifest import is_case_id
-from ctseg.data.raw import find_cases
 from ctseg.data.store import Store
-from ctseg.data.workers import usable_workers
+from ctseg.data_prep import build
+from ctseg.data_prep.raw import find_cases
+from ctseg.data_prep.workers import usable_workers
 from ctseg.errors import CtsegError
 from ctseg.io import readers
 from ctseg.io.pictures import plot_preview
@@ -216,8 +216,8 @@ def _alive(pid: int) -> bool:
 def test_workers_end_when_preprocess_is_killed(tmp_path):
     write_dataset(tmp_path / "raw", cases=6, size=24, seed=0)
     script = (
-        "from ctseg import config; from ctseg.data.build import write_store; "
-        "from ctseg.data.raw import find_cases; "
+        "from ctseg import config; from ctseg.data_prep.build import write_store; "
+        "from ctseg.data_prep.raw import find_cases; "
         f"write_store(find_cases({str(tmp_path / 'raw')!r}), {str(tmp_path / 'prep')!r}, "
         "config.load(None, ['data.resolution=160']), workers=2)"
     )

@@ -10,9 +10,9 @@ import pytest
 from helpers import prepare_store
 
 from ctseg import config as cfg
-from ctseg.data.raw import find_cases
-from ctseg.data.splits import assign_splits
 from ctseg.data.store import Store
+from ctseg.data_prep.raw import find_cases
+from ctseg.data_prep.splits import assign_splits
 from ctseg.errors import CtsegError
 from ctseg.synth.dataset import write_dataset
 

@@ -12,8 +12,8 @@ import numpy as np
 import SimpleITK as sitk
 
 from ctseg import config as cfg
-from ctseg.data.build import PrepareResult, write_store
-from ctseg.data.raw import find_cases
+from ctseg.data_prep.build import PrepareResult, write_store
+from ctseg.data_prep.raw import find_cases
 from ctseg.model import unet
 from ctseg.run.trained import TrainedModel
 from ctseg.synth.dataset import write_dataset

@@ -22,8 +22,8 @@ import numpy as np
 from ctseg import lock
 from ctseg.config import Config
 from ctseg.data.manifest import MANIFEST, manifest_file, read_manifest, write_manifest
-from ctseg.data.raw import RawLayout
 from ctseg.data.store import CaseEntry, Store
+from ctseg.data_prep.raw import RawLayout
 from ctseg.errors import CtsegError
 
 

@@ -6,7 +6,7 @@ written (after its arrays), so a killed run is simply run again: finished cases 
 skipped. The manifest is written last and lists only the cases that were prepared.
 
 Which cases validate (the train/val split, cross-validation folds) is
-`ctseg.data.splits`'s to decide.
+`ctseg.data_prep.splits`'s to decide.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ import numpy as np
 from ctseg import compat, lock
 from ctseg.atomic import claim_folder, write_json, write_npy
 from ctseg.config import Config, grid_problem
-from ctseg.data import grids, splits, store
+from ctseg.data import grids, store
 from ctseg.data.grids import GridSpec
 from ctseg.data.manifest import MANIFEST, grid_keys, manifest_file, read_manifest, write_manifest
-from ctseg.data.raw import RawCase, RawLayout
 from ctseg.data.store import CaseEntry, Store
-from ctseg.data.workers import each_in_workers, usable_workers
+from ctseg.data_prep import splits
+from ctseg.data_prep.raw import RawCase, RawLayout
+from ctseg.data_prep.workers import each_in_workers, usable_workers
 from ctseg.errors import CtsegError
 from ctseg.io.scans import Scan, geometry_difference, read_scan
 from ctseg.labels import LABEL_VALUES, check_labels

@@ -12,10 +12,10 @@ from rich.text import Text
 from ctseg.cli.app import app
 from ctseg.cli.options import ConfigOption, SetOption, load_config, warn
 from ctseg.cli.progress import counting
-from ctseg.data.build import PrepareResult, write_store
 from ctseg.data.manifest import MANIFEST, SPLITS
-from ctseg.data.raw import find_cases
-from ctseg.data.workers import usable_workers
+from ctseg.data_prep.build import PrepareResult, write_store
+from ctseg.data_prep.raw import find_cases
+from ctseg.data_prep.workers import usable_workers
 
 _STATUS_STYLE = {"prepared": "green", "resumed": "cyan", "failed": "red"}
 

@@ -12,8 +12,8 @@ from ctseg.cli.app import app
 from ctseg.cli.options import warn
 from ctseg.config import check_seed
 from ctseg.data.manifest import MANIFEST
-from ctseg.data.splits import write_folds
 from ctseg.data.store import Store
+from ctseg.data_prep.splits import write_folds
 
 
 @app.command()

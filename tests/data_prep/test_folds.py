@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg.cli.app import app
-from ctseg.data.splits import assign_folds, write_folds
 from ctseg.data.store import Store
+from ctseg.data_prep.splits import assign_folds, write_folds
 from ctseg.errors import CtsegError
 from ctseg.evaluation.cross_validation import evaluate_cross_validation
 from ctseg.evaluation.runs import evaluate_run
