@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CTSEG = str(Path(sys.executable).with_name("ctseg"))
+CTSEG = [sys.executable, "-m", "ctseg"]  # the command line of this Python's ctseg
 CONFIG = REPO / "configs" / "demo.toml"
 # nnU-Net's probabilities (blur and low resolution per sample × 0.5 per channel), and
 # ctseg's own contrast phase at the robustness experiment's 30 %.
@@ -52,7 +52,7 @@ def train(data: Path, run_dir: Path, steps: int, extra: tuple[str, ...]) -> dict
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [f"train.steps={steps}", f"train.eval_every={steps}", "train.held_norm_share=0"]
     sets += [f"train.checkpoint_every={steps}", *extra]
-    command = [CTSEG, "train", "--config", str(CONFIG), "--data", str(data)]
+    command = [*CTSEG, "train", "--config", str(CONFIG), "--data", str(data)]
     command += ["--workdir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
     began = time.perf_counter()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)

@@ -53,7 +53,7 @@ from pathlib import Path
 from ctseg import atomic  # no JAX here: this process leaves the accelerators to the runs
 
 REPO = Path(__file__).resolve().parent.parent
-CTSEG = str(Path(sys.executable).with_name("ctseg"))
+CTSEG = [sys.executable, "-m", "ctseg"]  # the command line of this Python's ctseg
 CONFIG = REPO / "configs" / "lits512_16way.toml"
 ANCHOR = REPO / "scripts" / "monai_anchor.py"
 UNTRAINED = "--untrained-run"  # the child's argument: make the run directory, nothing else
@@ -103,7 +103,7 @@ def make_scans(folder: Path, count: int, size: int) -> list[Path]:
     label map is kept beside the folder (a region mask for `--roi`)."""
     first = folder / "volume-0.nii.gz"
     if not first.is_file():
-        synth = [CTSEG, "synth", str(folder), "--cases", "1", "--size", str(size)]
+        synth = [*CTSEG, "synth", str(folder), "--cases", "1", "--size", str(size)]
         synth += ["--seed", str(SCAN_SEED)]
         subprocess.run(synth, check=True)
         # The scans alone are the input; the label map is the region mask of `--roi`.
@@ -136,7 +136,7 @@ def predict(
     """One `ctseg predict` process over `scans` (tiles of `tile`, default `--tile`'s): wall
     seconds, peak RSS, the scans' stats."""
     shutil.rmtree(out, ignore_errors=True)
-    command = [CTSEG, "predict", str(run_dir), *map(str, scans), "--out", str(out)]
+    command = [*CTSEG, "predict", str(run_dir), *map(str, scans), "--out", str(out)]
     if roi is not None:
         command += ["--roi", str(roi)]
     tile = args.tile if tile is None else tile

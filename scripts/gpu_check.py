@@ -38,7 +38,7 @@ from pathlib import Path
 from ctseg import atomic  # no JAX here: this process leaves the accelerator to the checks
 
 REPO = Path(__file__).resolve().parent.parent
-CTSEG = str(Path(sys.executable).with_name("ctseg"))
+CTSEG = [sys.executable, "-m", "ctseg"]  # the command line of this Python's ctseg
 SCRIPTS = REPO / "scripts"
 LITS128, LITS256 = REPO / "configs" / "lits128.toml", REPO / "configs" / "lits256_16way.toml"
 EXTENTS = 10  # scans of different extents predicted in one command
@@ -79,7 +79,7 @@ def run(command: list[str], timeout: float) -> tuple[float, str]:
 def bench_step(s: Settings, config: Path, name: str) -> dict:
     report = s.work / f"{name}.json"
     report.unlink(missing_ok=True)
-    command = [CTSEG, "bench", "--config", str(config), "--spatial", "1,1,1"]
+    command = [*CTSEG, "bench", "--config", str(config), "--spatial", "1,1,1"]
     command += ["--partitioner", "halo", "--steps", "10", "--device", s.device]
     run([*command, *s.sets(), "--json", str(report)], 300)
     result = json.loads(report.read_text())["results"][0]
@@ -101,11 +101,11 @@ def train_start(s: Settings) -> dict:
     for folder in (raw, prep, run_dir):
         shutil.rmtree(folder, ignore_errors=True)
     size = "64" if s.quick else "256"
-    run([CTSEG, "synth", str(raw), "--cases", "4", "--size", size, "--seed", "0"], 300)
+    run([*CTSEG, "synth", str(raw), "--cases", "4", "--size", size, "--seed", "0"], 300)
     sets = s.sets()
-    run([CTSEG, "preprocess", str(raw), str(prep), "--config", str(LITS256), *sets], 300)
+    run([*CTSEG, "preprocess", str(raw), str(prep), "--config", str(LITS256), *sets], 300)
     steps = 10 if s.quick else 100
-    command = [CTSEG, "train", "--config", str(LITS256), "--data", str(prep)]
+    command = [*CTSEG, "train", "--config", str(LITS256), "--data", str(prep)]
     command += ["--workdir", str(run_dir), "--device", s.device, *sets]
     command += [f"--set=train.steps={steps}", "--set=train.log_every=1"]
     command += [f"--set=train.eval_every={steps}", f"--set=train.checkpoint_every={steps}"]
@@ -150,7 +150,7 @@ def extents(s: Settings) -> dict:
         keep = slices - i * max(slices // (2 * EXTENTS), 1)
         part = image.slicer[:, :, :keep]
         nib.save(part, cut / f"volume-{i}.nii.gz")
-    wall, _ = run([CTSEG, "predict", str(run_dir), str(cut), "--out", str(out)], 600)
+    wall, _ = run([*CTSEG, "predict", str(run_dir), str(cut), "--out", str(out)], 600)
     stats = [json.loads(p.read_text()) for p in sorted(out.glob("*_stats.json"))]
     stats.sort(key=lambda st: st["seconds"].get("compile", 0.0), reverse=True)
     later = [st["seconds"].get("compile", 0.0) for st in stats[1:]]

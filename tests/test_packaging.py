@@ -41,3 +41,11 @@ def test_the_wheel_holds_ctseg_alone(tmp_path):
     assert any(name.startswith("ctseg/targets/specs/") for name in names)
     entry_points = next(name for name in names if name.endswith("entry_points.txt"))
     assert "ctseg = ctseg.cli.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_python_m_ctseg_is_the_command_line():
+    # What scripts run (scripts/gpu_check.py): no console script needed beside the Python.
+    done = subprocess.run(
+        [sys.executable, "-m", "ctseg", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "preprocess" in done.stdout and "predict" in done.stdout
