@@ -18,7 +18,7 @@ from ctseg.cli.options import (
     NumProcessesOption,
     ProcessIdOption,
     SetOption,
-    load_config,
+    config_from_options,
     start_jax,
 )
 from ctseg.cli.progress import counting
@@ -147,7 +147,7 @@ def bench_command(
     Prints step time, ratio to 1 partition, throughput (voxels/s and the FLOP/s
     XLA counts in the compiled step) and per-device memory.
     """
-    config = load_config(config_path, overrides)
+    config = config_from_options(config_path, overrides)
     if json_path is not None:  # before minutes of timing, not after
         inputs = [] if config_path is None else [config_path]
         atomic.claim_report(json_path, _is_bench_json, inputs, force)
@@ -156,10 +156,10 @@ def bench_command(
     if not partitioners:
         raise CtsegError(f"--partitioner names nothing to measure, got '{partitioner}'")
     needed = devices_needed(config, splits)
-    start_jax(config, coordinator, num_processes, process_id, needed, device=device.value)
+    chosen = start_jax(config, coordinator, num_processes, process_id, needed, device=device.value)
     with counting("bench") as report:
-        results = bench(config, splits, partitioners, steps, progress=report)
-    measured_peak = measure_peak(config.model.dtype) if peak else None
+        results = bench(config, splits, partitioners, steps, report, chosen.devices)
+    measured_peak = measure_peak(config.model.dtype, devices=chosen.devices) if peak else None
     console.print(_table(results, measured_peak))
     if measured_peak is not None:
         console.print(_peak_line(measured_peak))

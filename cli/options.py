@@ -11,7 +11,7 @@ from rich.markup import escape
 from ctseg import config as cfg
 from ctseg.cli.library_output import held
 from ctseg.parallel.compile_cache import compile_cache_dir, use_compile_cache
-from ctseg.parallel.devices import DEVICE_CHOICES
+from ctseg.parallel.devices import DEVICE_CHOICES, ChosenDevices
 
 _stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -71,7 +71,8 @@ CompileCacheOption = Annotated[
 ]
 
 
-def load_config(path: Path | None, overrides: list[str] | None) -> cfg.Config:
+def config_from_options(path: Path | None, overrides: list[str] | None) -> cfg.Config:
+    """The config a command's `--config` and `--set` options make (defaults where neither)."""
     return cfg.load(path, overrides or ())
 
 
@@ -80,38 +81,44 @@ def start_jax(
     coordinator: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
-    devices: int | None = None,
+    cpu_devices: int | None = None,
     device: str = "auto",
     compile_cache: str | None = None,
     verbose: bool = False,
-) -> None:
-    """Start JAX for `device`, join a multi-host job if asked, and simulate CPU devices.
+    *,
+    devices: int | None = None,  # `cpu_devices`' earlier name, until predict and evaluate say it
+) -> ChosenDevices:
+    """Start JAX for `device`, join a multi-host job if asked, and simulate CPU devices;
+    the devices `device` chooses, which the command hands down (it chooses once, here).
 
-    `devices`: the CPU devices to simulate over all processes (default: the
-    config's mesh), used only where the CPU is what runs. `compile_cache`: the
-    `--compile-cache` option. Must run before anything touches JAX devices:
-    simulated CPU devices can only be configured before the backend starts.
-    Raises the one-line error of a `device` that is not here. Prints, as the
-    command's first lines, why `--device auto` runs on the CPU where an accelerator
-    failed to start, and why the compilation cache is not used. What XLA and its
-    plugins print on starting is held back (`library_output.held`; shown if `verbose`).
+    `cpu_devices`: the CPU devices to simulate over all processes (default: the
+    config's mesh), used only where the CPU is what runs (`devices`: its earlier name,
+    still taken). `compile_cache`: the `--compile-cache` option. Must run before
+    anything touches JAX devices: simulated CPU devices can only be configured before
+    the backend starts. Raises the one-line error of a `device` that is not here.
+    Prints, as the command's first lines, why `--device auto` runs on the CPU where an
+    accelerator failed to start, and why the compilation cache is not used. What XLA
+    and its plugins print on starting is held back (`library_output.held`; shown if
+    `verbose`).
     """
     from ctseg.parallel import devices as dev
     from ctseg.parallel import partition  # imports JAX; keep `ctseg --help` fast
 
+    cpu_devices = cpu_devices if cpu_devices is not None else devices
     dev.commands_hold_output()  # held below, and shown with --verbose
     dev.restrict_backends(device)
     cache_problem = use_compile_cache(compile_cache_dir(compile_cache))
     partition.initialize_distributed(coordinator, num_processes, process_id)
     # Each process contributes its share of the mesh's devices.
     processes = num_processes or 1
-    partition.configure_cpu_devices(-(-(devices or config.num_devices) // processes))
+    partition.configure_cpu_devices(-(-(cpu_devices or config.num_devices) // processes))
     with held(show=verbose):
         found = dev.visible(local=False)
     # Here, so that every command (bench too) refuses a --device it cannot have, in one
     # line with the reason, before it starts any work.
-    dev.choose(device, found)
+    chosen = ChosenDevices.of(device, found)
     fallback = dev.fallback_warning(device, found)
     for line in (fallback, cache_problem):
         if line is not None:
             warn(line)
+    return chosen

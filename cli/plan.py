@@ -1,7 +1,8 @@
 """`ctseg plan`: what a layout costs, compiled from abstract inputs without running."""
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -18,7 +19,7 @@ from ctseg.cli.options import (
     NumProcessesOption,
     ProcessIdOption,
     SetOption,
-    load_config,
+    config_from_options,
     start_jax,
 )
 from ctseg.config import Config
@@ -27,6 +28,7 @@ from ctseg.memory import human_bytes
 from ctseg.model import unet
 from ctseg.model.plan import LayoutPlan, plan, plan_layout
 from ctseg.parallel.layouts import fit_training
+from ctseg.progress import Status
 from ctseg.targets.catalogue import names as target_names
 from ctseg.targets.catalogue import resolve
 from ctseg.targets.process import plan_on_target
@@ -124,7 +126,7 @@ def plan_command(
     if target == "list":
         console.print("\n".join(target_names()))
         return
-    config = load_config(config_path, overrides)
+    config = config_from_options(config_path, overrides)
     if json_path is not None:  # before compiling, not after
         # Never over an input, --force or not: the config, the GPU description.
         inputs = [path for path in (config_path, target_file) if path is not None]
@@ -134,17 +136,15 @@ def plan_command(
         return
     if target_devices is not None:
         raise CtsegError("--devices counts the GPUs of a --target; give --target too")
-    start_jax(config, coordinator, num_processes, process_id, device=device.value)
+    chosen = start_jax(config, coordinator, num_processes, process_id, device=device.value)
     from ctseg.parallel import devices as dev  # after start_jax: imports start JAX
 
-    visible = dev.visible(local=False)
-    found = dev.choose(device.value, visible)
     # start_jax made as many simulated CPU devices as the config's mesh needs.
-    planned_on, line = dev.plan_devices(device.value, visible, config.num_devices)
+    planned_on, line = dev.plan_devices(chosen, config.num_devices)
     console.print(line)
     with console.status("compiling") as status:
         plans = plan(config, lambda message: status.update(message), planned_on)
-        here = _this_machine(config, found, lambda message: status.update(message))
+        here = _this_machine(config, chosen.devices, lambda message: status.update(message))
     console.print(_table(plans))
     r = config.data.resolution
     console.print(
@@ -165,19 +165,20 @@ def plan_command(
         console.print(f"wrote {json_path}")
 
 
-def _this_machine(config: Config, found: list, progress) -> dict:
-    """Which layout `ctseg train` would choose here and, on accelerators, whether it fits."""
+def _this_machine(config: Config, chosen: Sequence[Any], progress: Status) -> dict:
+    """Which layout `ctseg train` would choose on the `chosen` devices and, on accelerators,
+    whether it fits."""
     from ctseg.parallel import devices as dev
 
-    layout = fit_training(config, found)
+    layout = fit_training(config, chosen)
     here = {
-        "devices": dev.describe(found, simulated=True),
+        "devices": dev.describe(chosen, simulated=True),
         "spatial": list(layout.config.mesh.spatial),
         "data": layout.config.mesh.data,
         "line": layout.line,
         "fits": None,  # simulated CPU devices share the host's RAM: not judged
     }
-    if dev.is_accelerator(found):
+    if dev.is_accelerator(chosen):
         train = plan_layout(layout.config, progress, layout.devices)[0]
         here["train_bytes"] = train.memory.total
         here["free_bytes"] = dev.free_memory(layout.devices)

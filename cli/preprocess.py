@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ctseg.cli.app import app
-from ctseg.cli.options import ConfigOption, SetOption, load_config, warn
+from ctseg.cli.options import ConfigOption, SetOption, config_from_options, warn
 from ctseg.cli.progress import counting
 from ctseg.data.manifest import MANIFEST, SPLITS
 from ctseg.data_prep.build import PrepareResult, write_store
@@ -56,7 +56,7 @@ def preprocess(
     A scan larger than 1/8 of the available memory is refused from its header; set
     CTSEG_MAX_SCAN_BYTES to allow more.
     """
-    config = load_config(config_path, overrides)
+    config = config_from_options(config_path, overrides)
     console = Console(highlight=False)
     usable = usable_workers(workers)
     if usable < workers:

@@ -1,19 +1,19 @@
 """The progress bar most commands share: a label, a bar, done/total, the current item."""
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-Report = Callable[[int, int, str], None]  # (done, total, current item)
+from ctseg import progress as signatures
 
 
 @contextmanager
-def counting(label: str) -> Iterator[Report]:
-    """A transient bar on stderr; yields the `progress(done, total, item)` callback
-    that the library functions take."""
+def counting(label: str) -> Iterator[signatures.Progress]:
+    """A transient bar on stderr; yields the `ctseg.progress.Progress` callback
+    (done, total, item) that the library functions take."""
     columns = (
         TextColumn(f"[bold]{escape(label)}[/]"),
         BarColumn(),

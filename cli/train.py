@@ -2,7 +2,7 @@
 
 import signal
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -19,15 +19,19 @@ from ctseg.cli.options import (
     NumProcessesOption,
     ProcessIdOption,
     SetOption,
-    load_config,
+    config_from_options,
     start_jax,
     warn,
 )
-from ctseg.parallel.layouts import fit_training
+from ctseg.parallel.layouts import TrainingLayout, fit_training
+from ctseg.progress import StepProgress
+
+if TYPE_CHECKING:  # the loop imports JAX: only after start_jax
+    from ctseg.training.loop import TrainingSummary, Validation
 
 
-def _dice(entry: dict) -> str:
-    return f"liver {entry['liver']:.3f}, tumour {entry['tumour']:.3f}"
+def _dice(validation: "Validation") -> str:
+    return f"liver {validation.liver:.3f}, tumour {validation.tumour:.3f}"
 
 
 @app.command()
@@ -79,17 +83,29 @@ def train(
     With --fold I it trains one cross-validation fold of the store.
     """
     extra = [] if fold is None else [f"train.fold={fold}"]
-    config = load_config(config_path, [*(overrides or []), *extra])
-    start_jax(
-        config, coordinator, num_processes, process_id, device=device, compile_cache=compile_cache
+    config = config_from_options(config_path, [*(overrides or []), *extra])
+    chosen = start_jax(
+        config,
+        coordinator,
+        num_processes,
+        process_id,
+        device=device.value,
+        compile_cache=compile_cache,
     )
-    from ctseg.parallel import devices as dev  # after start_jax: imports start JAX
-    from ctseg.training.loop import train_and_evaluate
-
-    found = dev.choose(device.value, dev.visible(local=False))
-    layout = fit_training(config, found, exact_mesh)
+    layout = fit_training(config, chosen.devices, exact_mesh)
     console = Console(highlight=False)
     console.print(layout.line)
+    summary = _train(layout, data, workdir, console)
+    _print_summary(summary, console)
+
+
+def _train(
+    layout: TrainingLayout, data: Path, workdir: Path, console: Console
+) -> "TrainingSummary":
+    """`train_and_evaluate` on the layout's devices, its steps on a progress bar. On Ctrl-C
+    or SIGTERM (a checkpoint saved) the command exits as a death by that signal would."""
+    from ctseg.training.loop import train_and_evaluate  # after start_jax: imports start JAX
+
     columns = (
         TextColumn("[bold]train[/]"),
         BarColumn(),
@@ -98,20 +114,13 @@ def train(
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=console) as bar:
-        task = bar.add_task("train", total=config.train.steps, status="compiling…")
+        task = bar.add_task("train", total=layout.config.train.steps, status="compiling…")
 
-        def report(p) -> None:
-            status = f"loss {p.loss:.4f}  {p.steps_per_second:.2f} steps/s"
-            if p.held_norm:
-                status += "  held batch-norm statistics"
-            if p.val_dice:
-                status += (
-                    f"  val Dice liver {p.val_dice['liver']:.3f} tumour {p.val_dice['tumour']:.3f}"
-                )
-            bar.update(task, completed=p.step, status=status)
+        def report(p: StepProgress) -> None:
+            bar.update(task, completed=p.step, status=_status(p))
 
         try:
-            summary = train_and_evaluate(
+            return train_and_evaluate(
                 layout.config,
                 data,
                 workdir,
@@ -127,28 +136,42 @@ def train(
             )
             # The shell's status for a death by the signal: 130 for Ctrl-C, 143 for SIGTERM.
             raise typer.Exit(128 + (stop.args[0] if stop.args else signal.SIGINT)) from None
+
+
+def _status(p: StepProgress) -> str:
+    """The progress bar's words after a step."""
+    status = f"loss {p.loss:.4f}  {p.steps_per_second:.2f} steps/s"
+    if p.held_norm:
+        status += "  held batch-norm statistics"
+    if p.val_dice:
+        status += f"  val Dice liver {p.val_dice['liver']:.3f} tumour {p.val_dice['tumour']:.3f}"
+    return status
+
+
+def _print_summary(summary: "TrainingSummary", console: Console) -> None:
+    """What a finished run says: its step, its validation, the checkpoint predict takes."""
     console.print(
-        f"done: step {summary['step']}, data wait {100 * summary['data_wait_fraction']:.1f} % "
-        f"of step time; run directory {summary['run_dir']} "
+        f"done: step {summary.step}, data wait {100 * summary.data_wait_fraction:.1f} % "
+        f"of step time; run directory {summary.run_dir} "
         "(metrics.jsonl, curves.png, checkpoints/)"
     )
-    if summary.get("fold") is not None:
+    if summary.fold is not None:
         console.print(
-            f"fold {summary['fold']}: trained on {summary['train_cases']} case(s), validated on "
-            f"the fold's {summary['val_cases']} (fold.json)"
+            f"fold {summary.fold}: trained on {summary.train_cases} case(s), validated on "
+            f"the fold's {summary.val_cases} (fold.json)"
         )
-    best, last = summary["best_validation"], summary["last_validation"]
+    best, last = summary.best_validation, summary.last_validation
     if last:
         console.print(
-            f"validation Dice: last (step {last['step']}) {_dice(last)}; "
-            f"best (step {best['step']}) {_dice(best)}"
+            f"validation Dice: last (step {last.step}) {_dice(last)}; "
+            f"best (step {best.step}) {_dice(best)}"
         )
     which = "best" if best else "latest"
     console.print(
-        f"`ctseg predict` and `ctseg evaluate` use checkpoint {summary['predict_checkpoint']} "
+        f"`ctseg predict` and `ctseg evaluate` use checkpoint {summary.predict_checkpoint} "
         f"({which}; --checkpoint latest or a step number for another)"
     )
-    if not summary["val_cases"]:
+    if not summary.val_cases:
         console.print(
             "[yellow]warning:[/] the store has no validation cases: no validation Dice was "
             "measured and `best` is simply the latest checkpoint (preprocess with "

@@ -2,7 +2,9 @@
 
 Each function takes a file's parsed content as it was written and returns it in
 today's form, so that the module owning the format (`ctseg.config`,
-`ctseg.data.store`, `ctseg.run.rundir`, `ctseg.evaluation`) reads one format only.
+`ctseg.data.store`, `ctseg.run.rundir`, `ctseg.run.fingerprint`, `ctseg.evaluation`)
+reads one format only. A file that earlier versions did not write at all is read here
+too, as None, where today's readers would refuse its absence.
 CHANGELOG.md names each change of format; removing an upgrade here is such a change.
 """
 
@@ -55,6 +57,14 @@ def metrics_entry(entry: dict[str, Any]) -> dict[str, Any]:
         entry = {**entry}
         entry["val_dice_tumour"] = entry.pop("val_dice_tumor")
     return entry
+
+
+def fingerprint(raw: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A run's fingerprint.json as `ctseg.run.rundir.read_fingerprint` parsed it, None where
+    the file is absent. Runs trained before fingerprints were recorded have none: None,
+    which `ctseg.run.fingerprint.load` answers with None (nothing to hold scans against, so
+    `predict` checks them as it did then); a run that resumes training gets one."""
+    return raw
 
 
 def evaluation_of_summary(summary: dict[str, Any]) -> tuple[str, int, str, str]:

@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 
 from ctseg import atomic, lock
 from ctseg.config import Config, InferenceOptions
-from ctseg.config import to_dict as cfg_to_dict
 from ctseg.data.store import Store
 from ctseg.errors import CtsegError
 from ctseg.evaluation.runs import engine_record, score_run, summary_of, write_report
@@ -73,15 +72,9 @@ def fold_runs(
             f"a cross-validation needs one run per fold of the store at {store.path} "
             f"({store.folds} folds): {'; '.join(problems)}"
         )
-    first = _identity(runs[0].config)
     for run in runs[1:]:
-        theirs = _identity(run.config)
-        changed = [
-            f"{section}.{key}"
-            for section, values in first.items()
-            for key, value in values.items()
-            if theirs[section][key] != value
-        ]
+        # What differs between the fold runs of one cross-validation: their fold and mesh.
+        changed = rundir.config_changes(run.config, runs[0].config, ("mesh", "train.fold"))
         if changed:
             raise CtsegError(
                 f"{run.run_dir} and {runs[0].run_dir} differ in {', '.join(changed)}: a "
@@ -90,12 +83,26 @@ def fold_runs(
     return sorted(runs, key=lambda run: run.fold)
 
 
-def _identity(config: Config) -> dict[str, dict[str, Any]]:
-    """A run's config without what differs between the fold runs of one cross-validation."""
-    values = cfg_to_dict(config)
-    values.pop("mesh")
-    values["train"].pop("fold")
-    return values
+def _checkpoint_steps(runs: Sequence[FoldRun], which: str) -> list[int]:
+    """The step of each run's checkpoint `which` (best, latest, a step) names."""
+    from ctseg.run.checkpoints import Checkpoints
+
+    steps = []
+    for run in runs:
+        checkpoints = Checkpoints(run.run_dir, keep=1, read_only=True)
+        try:
+            steps.append(checkpoints.resolve(which))
+        except CtsegError as exc:
+            raise CtsegError(f"{run.run_dir}: {exc}") from None
+        finally:
+            checkpoints.close()
+    return steps
+
+
+def _record(runs: Sequence[FoldRun], steps: Sequence[int], data_dir: Path) -> dict[str, Any]:
+    """The evaluation folder's record (evaluated.json) of the fold runs at these steps."""
+    folds = [(run.fold, run.run_dir, step) for run, step in zip(runs, steps, strict=True)]
+    return evaluations.cross_validation_record(folds, data_dir)
 
 
 def evaluate_cross_validation(
@@ -119,7 +126,6 @@ def evaluate_cross_validation(
     summary and errors, and ``runs`` (per fold: run, checkpoint step, cases, summary).
     """
     from ctseg.inference.predictor import Predictor
-    from ctseg.run.checkpoints import Checkpoints
 
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     options = options or InferenceOptions()
@@ -129,23 +135,8 @@ def evaluate_cross_validation(
     total = sum(len(cases) for cases in folds.values())
     with lock.hold(out_dir, warn):
         atomic.claim_folder(out_dir, evaluations.OWN_FILES, force=None)
-        steps = []
-        for run in runs:
-            checkpoints = Checkpoints(run.run_dir, keep=1, read_only=True)
-            try:
-                steps.append(checkpoints.resolve(options.checkpoint))
-            except CtsegError as exc:
-                raise CtsegError(f"{run.run_dir}: {exc}") from None
-            finally:
-                checkpoints.close()
-        evaluations.claim(
-            out_dir,
-            evaluations.cross_validation_record(
-                [(run.fold, run.run_dir, step) for run, step in zip(runs, steps, strict=True)],
-                data_dir,
-            ),
-            force,
-        )
+        steps = _checkpoint_steps(runs, options.checkpoint)
+        evaluations.claim(out_dir, _record(runs, steps, data_dir), force)
         records, errors, entries, engine = [], [], [], {}
         for run in runs:
             predictor = Predictor.from_run(run.run_dir, options, run.config)
@@ -172,13 +163,7 @@ def evaluate_cross_validation(
             del predictor  # one model at a time on the devices
         actual = [entry["checkpoint_step"] for entry in entries]
         if actual != steps:  # a checkpoint that could not be read was skipped: say which was used
-            atomic.write_json(
-                out_dir / evaluations.EVALUATED,
-                evaluations.cross_validation_record(
-                    [(run.fold, run.run_dir, step) for run, step in zip(runs, actual, strict=True)],
-                    data_dir,
-                ),
-            )
+            atomic.write_json(out_dir / evaluations.EVALUATED, _record(runs, actual, data_dir))
         head = {
             "cross_validation": {
                 "data": str(data_dir),

@@ -33,8 +33,6 @@ from ctseg.parallel.partition import (
 )
 from ctseg.progress import Progress
 
-# progress(done, total, description)
-
 
 @dataclass(frozen=True)
 class BenchResult:
@@ -129,9 +127,10 @@ def random_batch(config: Config, mesh: Mesh, seed: int = 0) -> tuple[jax.Array, 
     return image, label
 
 
-def time_layout(config: Config, steps: int) -> BenchResult:
-    """Median seconds of `steps` training steps after compilation and one warm-up step."""
-    mesh = make_mesh(config.mesh.spatial, config.mesh.data)
+def time_layout(config: Config, steps: int, devices: Sequence[Any] | None = None) -> BenchResult:
+    """Median seconds of `steps` training steps after compilation and one warm-up step, on
+    the first of `devices` (default: JAX's default devices) the layout needs."""
+    mesh = make_mesh(config.mesh.spatial, config.mesh.data, devices)
     graphdef, state = step.init_state(config)
     state = jax.device_put(state, NamedSharding(mesh, REPLICATED))
     image, label = random_batch(config, mesh, config.train.seed)
@@ -162,9 +161,15 @@ _PEAK_SIZE = {"cpu": 2048}
 _DEFAULT_PEAK_SIZE = 8192
 
 
-def measure_peak(dtype: str, size: int | None = None, repeats: int = 5) -> Peak:
-    """Best FLOP/s of a `size`² × `size`² product in `dtype` on this process's first device."""
-    device = jax.local_devices()[0]  # every process of a multi-host bench measures its own
+def measure_peak(
+    dtype: str, size: int | None = None, repeats: int = 5, devices: Sequence[Any] | None = None
+) -> Peak:
+    """Best FLOP/s of a `size`² × `size`² product in `dtype` on this process's first device
+    of `devices` (default: of JAX's default devices)."""
+    # Every process of a multi-host bench measures its own.
+    here = jax.process_index()
+    local = jax.local_devices() if devices is None else devices
+    device = next(d for d in local if d.process_index == here)
     n = size or _PEAK_SIZE.get(device.platform, _DEFAULT_PEAK_SIZE)
     a = jax.device_put(jnp.ones((n, n), dtype), device)
     product = jax.jit(jnp.matmul)
@@ -187,8 +192,10 @@ def bench(
     partitioners: Sequence[str],
     steps: int,
     progress: Progress | None = None,
+    devices: Sequence[Any] | None = None,
 ) -> list[BenchResult]:
-    """Time every (partitioner, spatial split) pair on `config`'s grid.
+    """Time every (partitioner, spatial split) pair on `config`'s grid, on `devices` (the
+    command's, `ctseg.parallel.devices.ChosenDevices`; default: JAX's default devices).
 
     `splits` come from `ctseg.parallel.layouts.auto_spatial` for plain partition counts.
     """
@@ -201,7 +208,7 @@ def bench(
         if progress is not None:
             label = f"{layout.mesh.partitioner}, {layout.num_partitions} partition(s)"
             progress(done, len(layouts), label)
-        results.append(time_layout(layout, steps))
+        results.append(time_layout(layout, steps, devices))
     if progress is not None:
         progress(len(layouts), len(layouts), "done")
     return results

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from ctseg.parallel.partition import (
     make_mesh,
     replicated_shapes,
 )
+from ctseg.progress import Status
 
 MODES = ("train", "predict")
 LABEL_DTYPE = jnp.int32  # labels as the input pipeline hands them to the step
@@ -228,7 +229,7 @@ def _mesh_shape(config: Config) -> dict[str, int]:
 
 def plan_layout(
     config: Config,
-    progress: Callable[[str], None] | None = None,
+    progress: Status | None = None,
     devices: Sequence[Any] | None = None,
 ) -> list[LayoutPlan]:
     """Compile the training step and the inference pass for `config`'s layout on `devices`
@@ -265,7 +266,7 @@ def plan_layout(
 
 def plan(
     config: Config,
-    progress: Callable[[str], None] | None = None,
+    progress: Status | None = None,
     devices: Sequence[Any] | None = None,
 ) -> list[LayoutPlan]:
     """The config's layout, then the unpartitioned one with the same partitioner."""

@@ -6,9 +6,11 @@ this process sees, else the CPU. Simulated CPU devices exist for tests and for
 CPU-only machines, and are never a silent fall-back when an accelerator exists.
 
 The choices are pure functions of device lists (`choose`, `describe`,
-`free_memory`), so that they are tested with fake devices; `visible` asks JAX. What
-runs on the chosen devices is decided elsewhere: the layout of a training run in
-`ctseg.parallel.layouts`, the inference backend in `ctseg.inference.backends`.
+`free_memory`), so that they are tested with fake devices; `visible` asks JAX. A
+command chooses once, when it starts JAX (`ctseg.cli.options.start_jax` returns the
+`ChosenDevices`), and hands the choice down. What runs on the chosen devices is decided
+elsewhere: the layout of a training run in `ctseg.parallel.layouts`, the inference
+backend in `ctseg.inference.backends`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ctseg.errors import CtsegError
@@ -288,6 +291,30 @@ def choose(request: str, found: Mapping[str, Sequence[Device]]) -> list[Device]:
     raise CtsegError(f"{message}; use --device auto to run on what there is")
 
 
+@dataclass(frozen=True)
+class ChosenDevices:
+    """A command's devices, chosen once (`of`) and handed down to the work it calls.
+
+    `request`: what was asked (auto, cpu, gpu, tpu); `devices`: the devices it chose, of
+    every process; `found`: everything `visible` found, of which `plan_devices` takes the
+    CPU's devices to simulate a mesh larger than the chosen devices.
+    """
+
+    request: str
+    devices: tuple[Device, ...]
+    found: Mapping[str, Sequence[Device]]
+
+    @classmethod
+    def of(cls, request: str, found: Mapping[str, Sequence[Device]]) -> ChosenDevices:
+        """`choose`'s devices for `request` among `found`; its CtsegError where there are none."""
+        return cls(request, tuple(choose(request, found)), found)
+
+    @property
+    def line(self) -> str:
+        """What runs where, e.g. `2 × NVIDIA H100 80GB HBM3` or `16 simulated CPU devices …`."""
+        return describe(self.devices, simulated=True)
+
+
 def fallback_warning(request: str, found: Mapping[str, Sequence[Device]]) -> str | None:
     """Why `--device auto` runs on the CPU where an accelerator is installed but failed to
     start (invariant 8: never a silent fall-back); None where nothing failed."""
@@ -327,16 +354,14 @@ def free_memory(devices: Sequence[Device]) -> int:
     return min(free) if free else host_memory()
 
 
-def plan_devices(
-    request: str, found: Mapping[str, Sequence[Device]], need: int
-) -> tuple[list[Device], str]:
+def plan_devices(devices: ChosenDevices, need: int) -> tuple[list[Device], str]:
     """Where `ctseg plan` compiles a layout of `need` devices, and the line that says so.
 
-    On the devices `request` chooses when there are enough of them; else on simulated
-    CPU devices (the CLI makes as many as the config's mesh needs), so that a layout
-    for 16 devices can be planned on a machine with one GPU.
+    On the chosen devices when there are enough of them; else on simulated CPU devices
+    (the CLI makes as many as the config's mesh needs), so that a layout for 16 devices
+    can be planned on a machine with one GPU.
     """
-    chosen = choose(request, found)
+    chosen, found = list(devices.devices), devices.found
     if len(chosen) >= need:
         return chosen[:need], f"planning on {describe(chosen[:need], simulated=True)}"
     cpus = list(found.get("cpu", ()))

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from ctseg import compat
 from ctseg.data.store import Store
 from ctseg.errors import CtsegError
 from ctseg.labels import liver_mask
@@ -185,8 +186,9 @@ class Fingerprint:
 
 
 def load(run_dir: Path) -> Fingerprint | None:
-    """The run's fingerprint; None for a run trained before fingerprints (nothing to check)."""
-    raw = rundir.read_fingerprint(run_dir)
+    """The run's fingerprint; None for a run trained before fingerprints (`compat.fingerprint`:
+    nothing to check)."""
+    raw = compat.fingerprint(rundir.read_fingerprint(run_dir))
     if raw is None:
         return None
     try:

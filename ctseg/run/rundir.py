@@ -60,16 +60,8 @@ def write_or_check_config(run_dir: Path, config: cfg.Config, write: bool = True)
     """
     path = Path(run_dir) / CONFIG
     if path.exists():
-        previous, current = cfg.to_dict(cfg.load(path)), cfg.to_dict(config)
-        previous.pop("mesh")
-        current.pop("mesh")
-        if previous != current:
-            changed = [
-                f"{section}.{key}"
-                for section, values in current.items()
-                for key, value in values.items()
-                if previous[section][key] != value
-            ]
+        changed = config_changes(cfg.load(path), config)
+        if changed:
             raise CtsegError(
                 f"{run_dir} holds a run with a different config ({', '.join(changed)}); "
                 "use a new --workdir, or the same config to resume"
@@ -77,6 +69,24 @@ def write_or_check_config(run_dir: Path, config: cfg.Config, write: bool = True)
         return
     if write:
         atomic.write_text(path, cfg.to_toml(config))
+
+
+def config_changes(
+    first: cfg.Config, second: cfg.Config, ignored: Sequence[str] = ("mesh",)
+) -> list[str]:
+    """The keys ("section.key", in the config's order) whose values differ between two
+    configs; those `ignored` (whole sections, as "mesh", or keys, as "train.fold") aside.
+
+    The mesh is ignored unless told otherwise: it is no part of a run's identity (every
+    layout trains the same model, invariant 1)."""
+    theirs = cfg.to_dict(first)
+    return [
+        f"{section}.{key}"
+        for section, values in cfg.to_dict(second).items()
+        if section not in ignored
+        for key, value in values.items()
+        if f"{section}.{key}" not in ignored and theirs[section][key] != value
+    ]
 
 
 def fold_record(store: Store, fold: int) -> dict[str, Any]:
@@ -276,7 +286,8 @@ def write_fingerprint(run_dir: Path, fingerprint: dict[str, Any]) -> None:
 
 
 def read_fingerprint(run_dir: Path) -> dict[str, Any] | None:
-    """RUN_DIR/fingerprint.json; None for a run trained before fingerprints were recorded.
+    """RUN_DIR/fingerprint.json; None where it is absent (a run trained before fingerprints
+    were recorded: `ctseg.compat.fingerprint`).
 
     CtsegError if the file is there but is no JSON object (`ctseg.run.fingerprint.load`
     checks its fields)."""

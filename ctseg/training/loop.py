@@ -9,7 +9,8 @@ when it resumes on another layout).
 A run goes: claim the run directory (`_claim`), restore or initialise the state
 (`_Run.start`), compile its programs once (`_Programs`), then the step loop
 (`_Run.train`), which validates, checkpoints and logs as the config says, and saves
-a checkpoint when stopped (`ctseg.training.signals`).
+a checkpoint when stopped (`ctseg.training.signals`). It returns a `TrainingSummary`
+(`to_json` for a file), and reports each step as `ctseg.progress.TrainingProgress`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from ctseg.model.step import (
 )
 from ctseg.parallel import devices as dev
 from ctseg.parallel.partition import REPLICATED, make_mesh, replicated_shapes
+from ctseg.progress import StepProgress, TrainingProgress
 from ctseg.run import fingerprint, rundir
 from ctseg.run.checkpoints import Checkpoints
 from ctseg.training import signals
@@ -51,19 +53,56 @@ from ctseg.training.pipeline import Prefetcher
 from ctseg.training.validation import population_statistics, validation_dice
 
 
-@dataclass
-class StepProgress:
-    """What the loop reports after each step (the CLI turns it into a progress bar)."""
+@dataclass(frozen=True)
+class Validation:
+    """One validation of a run, as metrics.jsonl logged it: its step and its Dice."""
 
     step: int
-    total: int
-    loss: float
-    steps_per_second: float
-    val_dice: dict[str, float] | None
-    held_norm: bool = False  # this step normalised by held statistics (`train.held_norm_share`)
+    liver: float
+    tumour: float
+
+    @classmethod
+    def from_log(cls, entry: dict[str, Any] | None) -> Validation | None:
+        """From `rundir.MetricsLog.validations`' {step, liver, tumour}; None stays None."""
+        return None if entry is None else cls(entry["step"], entry["liver"], entry["tumour"])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "liver": self.liver, "tumour": self.tumour}
 
 
-ProgressFn = Callable[[StepProgress], None]
+@dataclass(frozen=True)
+class TrainingSummary:
+    """What `train_and_evaluate` returns: the run's state when the loop ended."""
+
+    step: int  # the steps the run has trained
+    val_dice: dict[str, float] | None  # this session's last validation Dice {liver, tumour}
+    last_validation: Validation | None  # the run's latest validation (None: never validated)
+    best_validation: Validation | None  # the validation of `predict_checkpoint`, if it had one
+    predict_checkpoint: int  # the checkpoint `predict` and `evaluate` take (`best`)
+    data_wait_fraction: float  # the share of the loop's time spent waiting for input
+    run_dir: Path
+    val_cases: int
+    train_cases: int
+    fold: int | None  # the cross-validation fold trained (`train.fold`), None for none
+
+    def to_json(self) -> dict[str, Any]:
+        """The summary as JSON: the dict `train_and_evaluate` returned before it was typed."""
+        return {
+            "step": self.step,
+            "val_dice": self.val_dice,
+            "last_validation": _json_of(self.last_validation),
+            "best_validation": _json_of(self.best_validation),
+            "predict_checkpoint": self.predict_checkpoint,
+            "data_wait_fraction": self.data_wait_fraction,
+            "run_dir": str(self.run_dir),
+            "val_cases": self.val_cases,
+            "train_cases": self.train_cases,
+            "fold": self.fold,
+        }
+
+
+def _json_of(validation: Validation | None) -> dict[str, Any] | None:
+    return None if validation is None else validation.to_json()
 
 
 def open_store(data_dir: Path, config: cfg.Config) -> Store:
@@ -127,16 +166,18 @@ def train_and_evaluate(
     config: cfg.Config,
     data_dir: Path,
     run_dir: Path,
-    progress: ProgressFn | None = None,
-    devices: list | None = None,
+    progress: TrainingProgress | None = None,
+    devices: Sequence[Any] | None = None,
     where: str = "",
     warn: Callable[[str], None] | None = None,
     say: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
+) -> TrainingSummary:
     """Train (or resume) a run; returns a summary of the final state.
 
-    `devices`: where the config's mesh goes (`ctseg.parallel.layouts.fit_training`
-    chooses them and `where` says it); by default JAX's default devices. The writing
+    `devices`: where the config's mesh goes, chosen by the caller (the command's devices,
+    `ctseg.parallel.devices.ChosenDevices`, fitted to the mesh by
+    `ctseg.parallel.layouts.fit_training`, whose line `where` is); by default JAX's
+    default devices (those of `--device auto`), and `where` describes them. The writing
     process holds the run directory's lock (`ctseg.lock`; `warn` hears of a dead
     holder's). `say` hears, before anything compiles, that a run resumes: from which
     step, and the layout it last trained on. Ctrl-C or SIGTERM saves a checkpoint and
@@ -264,7 +305,7 @@ class _Run:
             self.mesh,
         )
 
-    def train(self, progress: ProgressFn | None) -> dict[str, Any]:
+    def train(self, progress: TrainingProgress | None) -> TrainingSummary:
         """The step loop to train.steps; the run's summary."""
         tc = self.config.train
         prefetch = Prefetcher(self.store, self.config, self.mesh, int(self.state.step), tc.steps)
@@ -346,22 +387,24 @@ class _Run:
 
     def _summary(
         self, val_dice: dict[str, float] | None, predict_step: int, wait_fraction: float
-    ) -> dict[str, Any]:
+    ) -> TrainingSummary:
         validations = self.log.validations()
         fold = self.config.train.fold
-        return {
-            "step": int(self.state.step),
-            "val_dice": val_dice,
-            "last_validation": validations[max(validations)] if validations else None,
+        return TrainingSummary(
+            step=int(self.state.step),
+            val_dice=val_dice,
+            last_validation=Validation.from_log(validations[max(validations)])
+            if validations
+            else None,
             # The checkpoints' own choice of best (no second ranking here to drift from it).
-            "best_validation": validations.get(predict_step),
-            "predict_checkpoint": predict_step,
-            "data_wait_fraction": wait_fraction,
-            "run_dir": str(self.run_dir),
-            "val_cases": len(self.store.split("val")),
-            "train_cases": len(self.store.split("train")),
-            "fold": fold if fold >= 0 else None,
-        }
+            best_validation=Validation.from_log(validations.get(predict_step)),
+            predict_checkpoint=predict_step,
+            data_wait_fraction=wait_fraction,
+            run_dir=self.run_dir,
+            val_cases=len(self.store.split("val")),
+            train_cases=len(self.store.split("train")),
+            fold=fold if fold >= 0 else None,
+        )
 
 
 class _Clock:

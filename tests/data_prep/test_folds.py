@@ -287,7 +287,7 @@ def fold_runs(fold_store, tmp_path_factory):
             summary = train_and_evaluate(
                 tiny_config(*RUN, f"train.fold={fold}"), fold_store, root / f"fold{fold}"
             )
-            assert summary["fold"] == fold
+            assert summary.fold == fold
             runs.append(root / f"fold{fold}")
     return runs, {fold: seen[fold] for fold in range(3)}
 

@@ -340,10 +340,13 @@ def test_the_command_prints_why_it_runs_on_the_cpu_first(monkeypatch, capsys):
     from ctseg.cli.options import start_jax
 
     fake_jax(monkeypatch, cuda_plugin_fails)
-    start_jax(SIXTEEN_WAY, compile_cache="off")
+    chosen = start_jax(SIXTEEN_WAY, compile_cache="off")
     first = capsys.readouterr().err.splitlines()[0]
     assert first.startswith("warning: CUDA backend failed to start: INTERNAL: no supported")
     assert first.endswith("; running on the CPU")
+    # The command's devices, chosen once and handed down.
+    assert chosen.request == "auto" and {d.platform for d in chosen.devices} == {"cpu"}
+    assert chosen.line == dev.describe(chosen.devices, simulated=True)
 
 
 def test_jax_platforms_without_the_platform_is_one_line_from_the_command(tmp_path):
@@ -358,18 +361,20 @@ def test_jax_platforms_without_the_platform_is_one_line_from_the_command(tmp_pat
 
 def test_plan_compiles_a_mesh_larger_than_the_gpus_on_simulated_cpu_devices():
     found = dev.Found({"gpu": gpus(1), "cpu": CPU})
-    devices, line = dev.plan_devices("auto", found, 16)
+    devices, line = dev.plan_devices(dev.ChosenDevices.of("auto", found), 16)
     assert devices == CPU
     assert line == (
         f"planning on 16 simulated CPU devices: the config's mesh needs 16, 1 × {H100} here has 1"
     )
     # Enough accelerators: the plan compiles on them.
-    devices, line = dev.plan_devices("auto", {"gpu": gpus(16), "cpu": CPU}, 16)
+    devices, line = dev.plan_devices(
+        dev.ChosenDevices.of("auto", {"gpu": gpus(16), "cpu": CPU}), 16
+    )
     assert [d.platform for d in devices] == ["gpu"] * 16
     assert line == f"planning on 16 × {H100}"
-    assert dev.plan_devices("cpu", found, 4)[0] == CPU[:4]
+    assert dev.plan_devices(dev.ChosenDevices.of("cpu", found), 4)[0] == CPU[:4]
     with pytest.raises(CtsegError, match="no CPU devices to simulate them"):
-        dev.plan_devices("gpu", {"gpu": gpus(1)}, 16)  # e.g. JAX_PLATFORMS=cuda
+        dev.plan_devices(dev.ChosenDevices.of("gpu", {"gpu": gpus(1)}), 16)  # JAX_PLATFORMS=cuda
 
 
 def test_every_command_refuses_a_gpu_that_failed_before_it_starts_work(monkeypatch):

@@ -220,7 +220,7 @@ def test_crash_then_resume_ends_with_identical_parameters(
 
     monkeypatch.setattr(checkpoints.Checkpoints, "resolve", resolve_once_written)
     summary = train_and_evaluate(tiny(), store_dir, tmp_path)
-    assert summary["step"] == 4
+    assert summary.step == 4
     for got, want in zip(final_params(tmp_path), final_params(uninterrupted), strict=True):
         np.testing.assert_array_equal(got, want)
     steps = [
@@ -232,9 +232,9 @@ def test_crash_then_resume_ends_with_identical_parameters(
     entries = MetricsLog.read(tmp_path)
     validated = [e for e in entries if "val_dice_liver" in e]
     best = max(validated, key=lambda e: (e["val_dice_liver"] + e["val_dice_tumour"], e["step"]))
-    assert summary["last_validation"]["step"] == 4
-    assert summary["best_validation"]["step"] == best["step"] == summary["predict_checkpoint"] == 4
-    assert summary["best_validation"]["liver"] == best["val_dice_liver"]
+    assert summary.last_validation.step == 4
+    assert summary.best_validation.step == best["step"] == summary.predict_checkpoint == 4
+    assert summary.best_validation.liver == best["val_dice_liver"]
 
 
 def test_held_norm_steps_train_against_the_statistics_of_their_first_step(
@@ -458,7 +458,7 @@ def test_resume_on_another_layout_equals_the_run_that_never_moved(
         train_and_evaluate(tiny("mesh.spatial=[4,4,1]"), store_dir, tmp_path, crash_after(2))
     said: list[str] = []
     summary = train_and_evaluate(tiny("mesh.spatial=[1,1,1]"), store_dir, tmp_path, say=said.append)
-    assert summary["step"] == 4
+    assert summary.step == 4
     # A resumed run says so before it compiles: from which step, and where it trained before.
     assert said == [
         "resuming from checkpoint 2 (of 4 steps); steps 0–2 trained on mesh.spatial "
@@ -503,8 +503,18 @@ def test_cli_warns_when_the_store_has_no_validation_cases(monkeypatch, store_dir
     import ctseg.training.loop
     from ctseg.cli.app import app
 
-    summary = {"step": 4, "data_wait_fraction": 0.0, "run_dir": str(tmp_path), "val_cases": 0}
-    summary.update(last_validation=None, best_validation=None, predict_checkpoint=4)
+    summary = ctseg.training.loop.TrainingSummary(
+        step=4,
+        val_dice=None,
+        last_validation=None,
+        best_validation=None,
+        predict_checkpoint=4,
+        data_wait_fraction=0.0,
+        run_dir=tmp_path,
+        val_cases=0,
+        train_cases=4,
+        fold=None,
+    )
     monkeypatch.setattr(ctseg.training.loop, "train_and_evaluate", lambda *a, **k: summary)
     args = ["train", "--data", str(store_dir), "--workdir", str(tmp_path)]
     result = CliRunner().invoke(app, [*args, *[f"--set={o}" for o in TRAIN]])
@@ -513,3 +523,25 @@ def test_cli_warns_when_the_store_has_no_validation_cases(monkeypatch, store_dir
     assert "warning: the store has no validation cases" in output
     assert "`ctseg predict` and `ctseg evaluate` use checkpoint 4 (latest;" in output
     assert "validation Dice:" not in output
+
+
+def test_the_summary_as_json_is_the_dict_train_and_evaluate_returned(tmp_path):
+    from ctseg.training.loop import TrainingSummary, Validation
+
+    best, last = Validation(2, 0.75, 0.5), Validation(4, 0.5, 0.25)
+    summary = TrainingSummary(
+        4, {"liver": 0.5, "tumour": 0.25}, last, best, 2, 0.125, tmp_path, 1, 3, 0
+    )
+    assert summary.to_json() == {
+        "step": 4,
+        "val_dice": {"liver": 0.5, "tumour": 0.25},
+        "last_validation": {"step": 4, "liver": 0.5, "tumour": 0.25},
+        "best_validation": {"step": 2, "liver": 0.75, "tumour": 0.5},
+        "predict_checkpoint": 2,
+        "data_wait_fraction": 0.125,
+        "run_dir": str(tmp_path),
+        "val_cases": 1,
+        "train_cases": 3,
+        "fold": 0,
+    }
+    json.dumps(summary.to_json())
