@@ -126,7 +126,7 @@ def _stats_table(outcomes: list) -> Table:
 
 def _quality_lines(outcomes: list) -> list[str]:
     """Below the table: why each flagged scan is flagged, and the batch's count, e.g.
-    `quality: 3 of 40 to review (provisional thresholds)`."""
+    `quality: 3 of 40 to review`."""
     from ctseg.inference.quality import OK, batch_line
 
     lines = []
@@ -141,7 +141,7 @@ def _quality_lines(outcomes: list) -> list[str]:
             lines.append(f"[yellow]{escape(verdict)}:[/] {escape(o.name)}: {escape(reason)}")
     summary = batch_line(verdicts)
     if summary is not None:
-        lines.append(f"quality: {summary} (provisional thresholds, not yet calibrated)")
+        lines.append(f"quality: {summary}")
     return lines
 
 
@@ -259,7 +259,9 @@ def predict(
     options = _checked_options(
         configs[0], checkpoint, tile, backend, device, tta, margin, locate, roi
     )
-    start_jax(configs[0], devices=1, device=device, compile_cache=compile_cache, verbose=verbose)
+    chosen = start_jax(
+        configs[0], cpu_devices=1, device=device, compile_cache=compile_cache, verbose=verbose
+    )
     # After start_jax: importing the pipeline starts JAX.
     from ctseg.inference.inputs import check_output_folder
     from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Predictor
@@ -271,7 +273,7 @@ def predict(
         # Libraries' own lines (ITK, GDCM, XLA) would land among and after ctseg's.
         with library_output.held(show=verbose):
             scans, outcomes, skipped = _scans(inputs, out, output_type, roi)
-            predictor = Predictor.from_run(run_dirs, options, configs)
+            predictor = Predictor.from_run(run_dirs, options, configs, chosen.devices)
             if locate is not None or roi is not None:
                 margin = DEFAULT_MARGIN_MM if margin is None else margin
                 predictor.predict_region(locate, roi, margin, options)

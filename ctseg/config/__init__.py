@@ -7,7 +7,7 @@ it back; `checks` holds the relations between keys; `reference` generates the
 configuration reference from the fields' docs.
 """
 
-from ctseg.config.checks import check, check_seed, grid_problem, split_problem, tile_problem
+from ctseg.config.checks import check, check_seed, grid_problem, split_problem
 from ctseg.config.parse import from_dict, load, to_dict, to_toml, with_mesh
 from ctseg.config.reference import reference_markdown
 from ctseg.config.sections import (
@@ -21,6 +21,7 @@ from ctseg.config.sections import (
     PredictConfig,
     TrainConfig,
 )
+from ctseg.config.tile import TileRequest
 
 __all__ = [
     "SECTIONS",
@@ -31,10 +32,10 @@ __all__ = [
     "MeshConfig",
     "ModelConfig",
     "PredictConfig",
+    "TileRequest",
     "TrainConfig",
     "check",
     "check_seed",
-    "tile_problem",
     "from_dict",
     "grid_problem",
     "load",

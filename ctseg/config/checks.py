@@ -15,6 +15,7 @@ from ctseg.config.sections import (
     ModelConfig,
     TrainConfig,
 )
+from ctseg.config.tile import TileRequest
 from ctseg.errors import CtsegError
 
 # JAX computes with 32-bit integers (its default, without x64): a step count, a seed, an
@@ -275,17 +276,5 @@ _AUGMENT_RANGES = (
 )
 
 
-def tile_problem(tile: int) -> str | None:
-    """What is wrong with a tile request (-1 automatic, 0 whole volume, else an even core
-    size), in words after its name; None when nothing: the one check of predict.tile, the
-    engine's and the options'."""
-    if tile < -1:
-        return f"must be -1 (auto), 0 (whole volume) or a size, got {tile}"
-    if tile > 0 and tile % 2:
-        return f"= {tile} must be even: level-wise tiles are pooled in pairs of voxels"
-    return None
-
-
 def _validate_predict(config: Config) -> None:
-    problem = tile_problem(config.predict.tile)
-    _require(problem is None, f"predict.tile {problem}")
+    TileRequest.from_int(config.predict.tile, "predict.tile")  # the one check of a tile

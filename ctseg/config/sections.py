@@ -11,6 +11,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ctseg.config.tile import TileRequest
+
 
 def _f(default: Any, doc: str) -> Any:
     if isinstance(default, (list, dict)):
@@ -267,7 +269,7 @@ class InferenceOptions:
     """
 
     checkpoint: str = "best"  # best, latest or a step number
-    tile: int | None = None  # core size of level-wise tiles; 0 whole volume; -1 automatic
+    tile: TileRequest | None = None  # automatic, the whole volume, or cores of a size
     backend: str | None = None  # "jax" or "onnx"
     device: str = "auto"  # auto, cpu, gpu or tpu
     tta: bool | None = None  # mirrored test-time augmentation

@@ -9,12 +9,14 @@
     result.quality.verdict, result.quality.reason     # "ok", "review" or "unlike the training
                                                       # data", and the one reason why
     result.save("volume-7_seg.nii.gz")                # only when asked
+    for result in segmenter.map(paths): ...           # many files, pipelined as ctseg predict
 
 Each call reads (or takes) one scan, predicts it exactly as `ctseg predict` does
 (the same device policy, grid, tiles, TTA and post-processing), and returns the label
 map in the scan's own geometry with its statistics and its quality (`result.quality`,
 `ctseg.inference.quality.Quality`: the verdict, the one reason that weighs most, the
-scores; thresholds provisional), writing nothing. `segment` does it once.
+scores, under the calibrated thresholds or the run's own), writing nothing. `segment`
+does it once; `Segmenter.map` pipelines many files.
 
 Every option is checked before a model loads, as the CLI checks it
 (`inputs.inference_options`, `region.check_margin`). `save` and `segment(out=…)` never
@@ -31,7 +33,8 @@ devices: a notebook that imported JAX first keeps its settings.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,10 +43,12 @@ import nibabel as nib
 import numpy as np
 
 from ctseg import atomic
+from ctseg.config import TileRequest
 from ctseg.errors import CtsegError
 from ctseg.inference import postprocess, quality
 from ctseg.inference.inputs import inference_options
-from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Predictor
+from ctseg.inference.member import OnGrid
+from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Prediction, Predictor, Seconds
 from ctseg.inference.quality import Quality
 from ctseg.inference.region import check_margin
 from ctseg.inference.scan_checks import volume_warnings
@@ -101,7 +106,7 @@ class Segmentation:
     probabilities: np.ndarray | None = None  # [..., 3] float32, when asked for
     scan: Scan | None = field(default=None, repr=False)  # the input, as read
     # Whether to trust it: verdict ("ok", "review", "unlike the training data"), reason,
-    # scores (`ctseg.inference.quality`; its thresholds are provisional, not yet calibrated).
+    # scores (`ctseg.inference.quality`: calibrated thresholds, or the run's own).
     quality: Quality | None = None
 
     def to_nifti(self) -> nib.Nifti1Image:
@@ -130,7 +135,7 @@ class Segmenter:
         runs: str | Path | Sequence[str | Path],
         *,
         checkpoint: str | int = "best",
-        tile: int | None = None,
+        tile: TileRequest | int | None = None,
         backend: str | None = None,
         device: str = "auto",
         tta: bool | None = None,
@@ -140,7 +145,8 @@ class Segmenter:
     ):
         """`runs`: a run directory, a folder of them, or several (an ensemble). The options
         are `ctseg predict`'s: the checkpoint (best, latest or a step number, a string or
-        an int), level-wise tiles (None: the run's config),
+        an int), level-wise tiles (a `TileRequest`, or its int: -1 automatic, 0 the whole
+        volume, an even core size; None: the run's config),
         the backend (None: JAX on accelerators, else ONNX Runtime when installed), the
         device (auto, cpu, gpu or tpu) and mirrored TTA (None: the run's config);
         `compile_cache` a folder or "off" (default: ctseg's cache folder); `locate` a
@@ -186,7 +192,67 @@ class Segmenter:
             scan = read_scan(image, allow_non_ct)
         else:
             scan = scan_from_image(_hu_array(image, name), affine, name)
-        prediction = self.predictor.predict(scan, with_probabilities)
+        return self._segmentation(scan, self.predictor.predict(scan, with_probabilities))
+
+    def map(
+        self,
+        paths: Iterable[str | Path],
+        *,
+        with_probabilities: bool = False,
+        allow_non_ct: bool = False,
+    ) -> Iterator[Segmentation]:
+        """Segment scan files (or DICOM series folders) one after another, yielding each
+        one's result in order, as `ctseg predict` pipelines them: the next scan is read
+        and brought to the grid, and the last one brought back to its voxels and
+        post-processed, in threads beside the network's pass over the current one. A scan
+        that cannot be read or segmented raises its error when its turn comes, after the
+        results before it."""
+        paths = [Path(path) for path in paths]
+
+        def prepare(path: Path) -> tuple[Scan, list[OnGrid], Seconds]:
+            scan, seconds = read_scan(path, allow_non_ct), {}
+            return scan, self.predictor.to_grid(scan, seconds), seconds
+
+        def finish(
+            scan: Scan,
+            probabilities: list,
+            on_grids: list[OnGrid],
+            seconds: Seconds,
+            warnings: list[str],
+        ) -> Segmentation:
+            prediction = self.predictor.to_scan(
+                scan, probabilities, on_grids, seconds, with_probabilities
+            )
+            prediction.warnings[:0] = warnings
+            return self._segmentation(scan, prediction)
+
+        with (
+            ThreadPoolExecutor(1, thread_name_prefix="ctseg-read") as reader,
+            ThreadPoolExecutor(1, thread_name_prefix="ctseg-finish") as finisher,
+        ):
+            reading = [reader.submit(prepare, path) for path in paths[:1]]
+            finishing: Future[Segmentation] | None = None
+            for index in range(len(paths)):
+                try:
+                    scan, on_grids, seconds = reading.pop().result()
+                except Exception:
+                    if finishing is not None:  # the results before a failed scan first
+                        yield finishing.result()
+                    raise
+                if index + 1 < len(paths):
+                    reading.append(reader.submit(prepare, paths[index + 1]))
+                warnings: list[str] = []
+                probabilities = self.predictor.infer(on_grids, seconds, None, warnings)
+                if finishing is not None:
+                    yield finishing.result()
+                finishing = finisher.submit(
+                    finish, scan, probabilities, on_grids, seconds, warnings
+                )
+            if finishing is not None:
+                yield finishing.result()
+
+    def _segmentation(self, scan: Scan, prediction: Prediction) -> Segmentation:
+        """The result of a scan's prediction, in the scan's own voxel order."""
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
         stats["located"] = prediction.located  # as _stats.json: the region, if one was used
         judged = quality.of_prediction(prediction, scan, self.reference)
@@ -228,7 +294,7 @@ def segment(
     """Segment one scan with `runs` (`Segmenter`'s options as keywords); with `out`, also
     write the labels there as NIfTI (checked before the model loads: never a folder, never
     the scan itself, and an existing file only when it is a label map ctseg wrote, or with
-    `force`). For many scans, make one `Segmenter` and call it."""
+    `force`). For many scans, make one `Segmenter` and call it, or its `map`."""
     if out is not None:
         check_out(out, [Path(image)] if isinstance(image, str | Path) else [], force)
     result = Segmenter(runs, **options)(image, affine)

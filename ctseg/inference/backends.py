@@ -1,13 +1,34 @@
-"""Which inference backend runs a prediction: JAX (XLA) on the chosen devices, or ONNX
-Runtime on the host's CPU cores, where XLA:CPU's 3-D convolutions are several times
-slower."""
+"""Which inference backend runs a prediction, and what every backend does.
+
+JAX (XLA) runs on the chosen devices; ONNX Runtime on the host's CPU cores, where XLA:CPU's
+3-D convolutions are several times slower. Both are a `Backend`
+(`ctseg.inference.jax_backend.JaxBackend`, `ctseg.inference.onnx_backend.OnnxBackend`):
+its name, dtype and exactness class, where the scan is brought to the grid and how the
+backend reads it, a compiled `Plan` per box shape (logits, whole or tiled), the array
+operations of the class probabilities (softmax, flips, the mirrored passes' mean: the one
+loop is `ctseg.inference.engine.class_probabilities`), and the way back to the scan's
+voxels (`ctseg.inference.scan_space`). Callers hold a backend, never ask which.
+
+This module imports no JAX (the CLI checks `--backend` before it starts JAX): the two
+backends are imported when one is made (`backend_named`).
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ctseg.errors import CtsegError
 from ctseg.parallel.devices import ACCELERATORS, Device, is_accelerator
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ctseg.config import Config
+    from ctseg.inference.scan_space import Space
+    from ctseg.inference.tiling import Shape, Span, Stage, TileProgress
+    from ctseg.run.trained import TrainedModel
 
 BACKENDS = ("jax", "onnx")
 
@@ -36,3 +57,115 @@ def choose_backend(
     if requested is not None:
         return requested
     return "onnx" if not is_accelerator(devices) and have_onnx else "jax"
+
+
+def backend_named(
+    name: str, devices: Sequence[Any] | None = None, one_cpu_device: bool = False
+) -> Backend:
+    """The backend `name` ("jax" or "onnx"). `devices` (JAX): where it runs, by default
+    this process's first device; with `one_cpu_device`, only the first of simulated CPU
+    devices (they share the host's cores: one window at a time, with all the memory)."""
+    if name == "jax":
+        from ctseg.inference.jax_backend import JaxBackend
+
+        return JaxBackend(devices, one_cpu_device)
+    if name == "onnx":
+        from ctseg.inference.onnx_backend import OnnxBackend
+
+        return OnnxBackend()
+    raise CtsegError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+class Plan(Protocol):
+    """A backend's programs for boxes of one shape: the whole volume, or level-wise stages."""
+
+    stages: list[Stage]  # [] the whole volume
+    needed: int  # bytes per device the programs need (0: not measured)
+    spatial: tuple[int, int, int]  # the whole volume's split over the devices
+    spills: bool  # levels waiting for their up stage are kept on the host
+
+    def place(self, image: Any) -> Any:
+        """A unit-scaled image [x, y, z] as the programs take it: [1, x, y, z, 1] float32."""
+
+    def logits(self, image: Any, progress: TileProgress | None, need: Span | None = None) -> Any:
+        """Logits [x, y, z, 3] float32 of a `place`d image (exact on `need` if given)."""
+
+    def memory_words(self, memory: int) -> str:
+        """What the plan needs of `memory`, in words following its description."""
+
+
+class Backend(ABC):
+    """One inference backend: where the network runs, on whose arrays, and how back."""
+
+    name: str  # "jax" or "onnx", as options and records spell it
+    runtime: str  # in words: "XLA", "ONNX Runtime"
+    # Spacing-grid boxes rounded up to a rung of a ladder (`grids.inference_box`): the
+    # compiled programs of one box serve scans of other extents.
+    ladder: bool
+    devices: list[Any]  # where the network runs ([]: the host's CPU cores)
+    space: Space  # the way back to the scan's voxels, on this backend's arrays
+
+    # Boxes whose shape varies from scan to scan run in windows of extents that do not
+    # depend on the box (`tiling.fixed_stages`, `window_plan`): where a compiled program per
+    # box shape costs more than the windows' overlap (JAX on one accelerator).
+    fixed_windows: bool = False
+
+    def window_core(self, model: TrainedModel, memory: int) -> int:
+        """Fixed windows' core for `memory` bytes (a backend with `fixed_windows`)."""
+        raise NotImplementedError(f"{self.name} runs no fixed windows")
+
+    def window_plan(
+        self, model: TrainedModel, shape: Shape, stages: list[Stage], memory: int
+    ) -> Plan:
+        """The programs for boxes of `shape` in the fixed windows of `stages`."""
+        raise NotImplementedError(f"{self.name} runs no fixed windows")
+
+    @abstractmethod
+    def dtype(self, config: Config) -> np.dtype:
+        """The dtype of the materialised activations of a model of `config`."""
+
+    def exactness(self, configs: Sequence[Config]) -> str:
+        """The exactness class of the models of `configs` here: the backend and the dtypes
+        of its activations (`jax bfloat16`, `onnx float32`). Devices, partitions and tiles
+        change no label (tested); another class may, by a rounding."""
+        dtypes = sorted({self.dtype(config).name for config in configs})
+        return f"{self.name} {'/'.join(dtypes)}"
+
+    @abstractmethod
+    def free_memory(self) -> int:
+        """Bytes to plan for by default: per device, or the host's available memory."""
+
+    @abstractmethod
+    def plan(
+        self, model: TrainedModel, shape: Shape, stages: list[Stage] | None, memory: int
+    ) -> Plan:
+        """The programs for boxes of `shape`: of `stages` ([] the whole volume), or chosen
+        for `memory` bytes (None)."""
+
+    @property
+    @abstractmethod
+    def grid_device(self) -> Any:
+        """The JAX device a scan is brought to the grid on (`scan_space.unit_box`)."""
+
+    @abstractmethod
+    def adopt(self, unit: Any) -> Any:
+        """A box brought to the grid on `grid_device`, as the backend reads it."""
+
+    # The class probabilities' array operations (`engine.class_probabilities`).
+
+    @abstractmethod
+    def softmax(self, logits: Any, need: Span | None) -> Any:
+        """Class probabilities of logits [x, y, z, C] (at least on the voxels `need`)."""
+
+    @abstractmethod
+    def flip(self, placed: Any, axes: tuple[int, ...]) -> Any:
+        """A `place`d image mirrored along the grid's `axes`."""
+
+    @abstractmethod
+    def add_unflipped(self, total: Any | None, logits: Any, axes: tuple[int, ...]) -> Any:
+        """`total` (None: nothing yet) plus the probabilities of a mirrored pass's logits,
+        mirrored back along `axes`."""
+
+    @abstractmethod
+    def mean(self, total: Any, count: int) -> Any:
+        """The mean of `count` passes summed in `total`."""

@@ -7,33 +7,29 @@ Level-wise tiles are cut as `ctseg.inference.tiling` plans them; stitched, they 
 whole-volume pass.
 
 Softmax and the mean of the mirrored passes (test-time augmentation) run where the
-backend runs (`class_probabilities`), and so does the way back to the scan's voxels
-(`ctseg.inference.scan_space`).
+backend runs, by its own array operations (`class_probabilities`, one loop for both), and
+so does the way back to the scan's voxels (the backend's `ctseg.inference.scan_space.Space`).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ctseg.config import Config, tile_problem
+from ctseg.config import Config, TileRequest
+from ctseg.config.tile import SIZE, WHOLE
 from ctseg.errors import CtsegError
 from ctseg.inference import tiling
-from ctseg.inference.backends import BACKENDS
-from ctseg.inference.jax_backend import COMPILED_SHARE, JaxBackend
-from ctseg.inference.onnx_backend import OnnxBackend
+from ctseg.inference.backends import Backend, backend_named
+from ctseg.inference.jax_backend import COMPILED_SHARE
 from ctseg.inference.tiling import Shape, Span, Stage, TileProgress
-from ctseg.memory import host_memory
-from ctseg.parallel import devices as dev
 from ctseg.run.trained import TrainedModel
 
-_SOFTMAX_SLAB = 32
+AUTO = TileRequest.auto()
 # nnU-Net's test-time augmentation: every subset of the three axes, the identity first.
 MIRRORINGS = tuple(axes for n in range(4) for axes in itertools.combinations((0, 1, 2), n))
 
@@ -44,53 +40,62 @@ class Engine:
     def __init__(
         self,
         model: TrainedModel,
-        tile: int = -1,
-        backend: str = "jax",
+        tile: TileRequest | int = AUTO,
+        backend: Backend | str = "jax",
         devices: Sequence[Any] | None = None,
         memory: int | None = None,
         shape: Shape | None = None,
+        windows: int | None = None,
     ):
-        """`tile`: core side (even) at every level, 0 whole volume, −1 automatic.
+        """`tile`: automatic, the whole volume, or cores of a size at every level (an int
+        is read by `TileRequest.from_int`: −1, 0 or an even size).
 
-        `backend`: "jax" or "onnx" (ONNX Runtime on the host's CPU cores).
-        `devices` (JAX): where the network runs, by default this process's first
-        device (`ctseg.parallel.devices` chooses them for commands). A whole-volume pass
-        is partitioned over them; a stage's windows are dealt out over them.
+        `backend`: a `Backend`, or its name, "jax" or "onnx" (ONNX Runtime on the host's
+        CPU cores), made on `devices` (JAX): where the network runs, by default this
+        process's first device (`ctseg.parallel.devices` chooses them for commands). A
+        whole-volume pass is partitioned over them; a stage's windows are dealt out over them.
         `memory`: bytes per device to plan for; default, the devices' free memory
         (the host's available memory under ONNX Runtime). `shape`: the grids it takes
         (x, y, z voxels, each a multiple of the model's alignment); default the run's R³.
+        `windows`: cores of fixed windows (`fixed_window_core`; a backend with
+        `fixed_windows`), whose compiled programs serve boxes of every shape
+        (`tiling.fixed_stages`; the box at least `tiling.window_floor` a side); the tile
+        request is then read as that core.
         """
-        if backend not in BACKENDS:
-            raise CtsegError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-        if problem := tile_problem(tile):
-            raise CtsegError(f"tile {problem}")
+        if isinstance(backend, str):
+            backend = backend_named(backend, devices)
+        tile = TileRequest.of(tile)
         config = model.config
         self.model = model
         self.shape = tiling.grid_shape(config) if shape is None else tuple(shape)
         if any(n % config.alignment for n in self.shape):
             raise ValueError(f"grid {self.shape} is not a multiple of {config.alignment}")
         self.backend = backend
+        self.devices = backend.devices  # [] under ONNX Runtime: the host's CPU cores
         self.tile_request = tile
-        # A core as large as the grid is one window: the whole-volume pass does it better.
-        fixed = plan_stages_for(config, tile, self.shape) if tile >= 0 else None
-        if backend == "onnx":
-            self.devices: list[Any] = []  # the host's CPU cores
-            self.memory = host_memory() if memory is None else memory
-            onnx = OnnxBackend(model, self.shape, fixed, self.memory)
-            self._backend: JaxBackend | OnnxBackend = onnx
-            self.needed, self.spatial, self.spills = 0, (1, 1, 1), False
-        else:
-            self.devices = list(devices or jax.local_devices()[:1])
-            self.memory = dev.free_memory(self.devices) if memory is None else memory
-            jax_backend = JaxBackend(model, self.shape, fixed, self.devices, self.memory)
-            self._backend = jax_backend
-            self.needed, self.spatial = jax_backend.needed, jax_backend.spatial
-            self.spills = jax_backend.spills
-        self.stages = self._backend.stages
+        self.memory = backend.free_memory() if memory is None else memory
+        self.windows = windows
+        if windows is not None:
+            fixed = tiling.fixed_stages(config, windows, self.shape)
+            try:
+                self._plan = backend.window_plan(model, self.shape, fixed, self.memory)
+            except CtsegError:
+                if not tile.is_auto:
+                    raise
+                self.windows = None  # a box too large for them beside its levels: as planned
+        if self.windows is None:
+            # A core as large as the grid is one window: the whole-volume pass does it better.
+            fixed = None if tile.is_auto else plan_stages_for(config, tile, self.shape)
+            self._plan = backend.plan(model, self.shape, fixed, self.memory)
+        self.stages = self._plan.stages
+        self.needed, self.spatial = self._plan.needed, self._plan.spatial
+        self.spills = self._plan.spills
         # Materialised activations: the compute dtype under JAX, float32 in ONNX Runtime.
-        self.dtype = self._backend.dtype.name
+        self.dtype = backend.dtype(config).name
         largest = max((stage.largest_core for stage in self.stages), default=0)
-        self.tile = (tile if tile >= 0 else largest) if self.stages else 0
+        self.tile = (largest if tile.is_auto else tile.to_int()) if self.stages else 0
+        if self.windows is not None:
+            self.tile = self.windows
 
     @property
     def description(self) -> str:
@@ -98,11 +103,22 @@ class Engine:
             split = "" if self.spatial == (1, 1, 1) else f" split {list(self.spatial)}"
             return f"whole volume {tiling.shape_text(self.shape)}{split}"
         windows = sum(len(stage.windows()) for stage in self.stages)
+        if self.windows is not None:
+            return (
+                f"fixed windows ≤ {self.tile}³ of {tiling.shape_text(self.shape)} "
+                f"({len(self.stages)} stages, {windows} windows)"
+            )
         at_once = f", {len(self.devices)} at a time" if len(self.devices) > 1 else ""
         return (
             f"level-wise tiles ≤ {self.tile}³ "
             f"({len(self.stages)} stages, {windows} windows{at_once})"
         )
+
+    @property
+    def plan_line(self) -> str:
+        """The plan and what it needs, e.g. `whole volume 512³: 51.2 GiB per device of
+        78.1 GiB free (compiled; plans take 85 %)`."""
+        return self.description + self._plan.memory_words(self.memory)
 
     def place(self, image: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
         """A unit-scaled image of the engine's shape [x, y, z] as the engine takes it:
@@ -110,7 +126,7 @@ class Engine:
         ONNX Runtime."""
         if tuple(image.shape) != self.shape:
             raise ValueError(f"image shape {image.shape} is not the engine's grid {self.shape}")
-        return self._backend.place(image)
+        return self._plan.place(image)
 
     def logits(
         self,
@@ -127,47 +143,37 @@ class Engine:
         """
         if image.ndim == 3:
             image = self.place(image)
-        return self._backend.logits(image, progress, need)
+        return self._plan.logits(image, progress, need)
 
     def smaller(self) -> Engine:
         """An automatic plan for half the memory this plan's programs need (after an
         out-of-memory on the accelerator)."""
         memory = int(self.needed / 2 / COMPILED_SHARE)
-        return Engine(self.model, -1, self.backend, self.devices, memory, self.shape)
+        return Engine(self.model, AUTO, self.backend, None, memory, self.shape)
 
 
-def plan_stages_for(config: Config, tile: int, shape: Shape) -> list[Stage]:
-    """The stages of cores of `tile` voxels over a grid of `shape`; [] (the whole volume)
-    for 0 or a tile as large as the grid."""
-    return tiling.plan_stages(config, tile, shape) if 0 < tile < max(shape) else []
+def fixed_window_core(
+    model: TrainedModel, tile: TileRequest, backend: Backend, memory: int | None = None
+) -> int | None:
+    """The core of fixed windows for boxes whose shape varies from scan to scan (the
+    spacing grid), as `tile` asks: its size, or the backend's choice for `memory` (default
+    its free memory); None where the backend compiles no fixed windows
+    (`Backend.fixed_windows`) or the whole volume is asked."""
+    if not backend.fixed_windows or tile.kind == WHOLE:
+        return None
+    if tile.kind == SIZE:
+        return tile.core
+    return backend.window_core(model, backend.free_memory() if memory is None else memory)
+
+
+def plan_stages_for(config: Config, tile: TileRequest, shape: Shape) -> list[Stage]:
+    """The stages of cores of the `tile` request's size over a grid of `shape`; [] (the
+    whole volume) for the whole volume or a core as large as the grid."""
+    core = tile.to_int()
+    return tiling.plan_stages(config, core, shape) if 0 < core < max(shape) else []
 
 
 # --------------------------------------------------------------------------- probabilities
-
-
-@jax.jit
-def _softmax(logits: jax.Array) -> jax.Array:
-    return jax.nn.softmax(logits, axis=-1)
-
-
-@partial(jax.jit, static_argnums=1)
-def _flip_batch(image: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    return jnp.flip(image, tuple(a + 1 for a in axes))
-
-
-@partial(jax.jit, static_argnums=1)
-def _unflipped(logits: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    return jnp.flip(jax.nn.softmax(logits, axis=-1), axes)
-
-
-@partial(jax.jit, static_argnums=2)
-def _add_unflipped(total: jax.Array, logits: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    return total + _unflipped(logits, axes)
-
-
-@jax.jit
-def _mean_of_mirrorings(total: jax.Array) -> jax.Array:
-    return total / len(MIRRORINGS)
 
 
 def class_probabilities(
@@ -182,14 +188,13 @@ def class_probabilities(
 
     `mirrored`: the mean of the probabilities of the 8 mirrorings of the image,
     each flipped back. Every pass is the engine's own (tiled passes equal the
-    whole pass), so the mean is exact too. Under JAX a device array, computed on
-    the devices from one transfer of the image.
+    whole pass), so the mean is exact too. The arrays are the backend's (`Backend`'s
+    softmax, flips and mean): under JAX on the devices, from one transfer of the image.
     """
-    if engine.backend == "onnx":
-        return _host_probabilities(engine, np.asarray(image), mirrored, progress, need)
+    ops = engine.backend
     placed = engine.place(image)
     if not mirrored:
-        return _softmax(engine.logits(placed, progress, need))
+        return ops.softmax(engine.logits(placed, progress, need), need)
     total = None
     for index, axes in enumerate(MIRRORINGS):
 
@@ -197,9 +202,10 @@ def class_probabilities(
             if progress is not None:
                 progress(index * count + done, len(MIRRORINGS) * count)
 
-        logits = engine.logits(_flip_batch(placed, axes), tick, _mirrored(need, axes, engine.shape))
-        total = _unflipped(logits, axes) if total is None else _add_unflipped(total, logits, axes)
-    return _mean_of_mirrorings(total)
+        flipped = ops.flip(placed, axes)
+        logits = engine.logits(flipped, tick, _mirrored(need, axes, engine.shape))
+        total = ops.add_unflipped(total, logits, axes)
+    return ops.mean(total, len(MIRRORINGS))
 
 
 def _mirrored(need: Span | None, axes: tuple[int, ...], shape: Shape) -> Span | None:
@@ -209,44 +215,3 @@ def _mirrored(need: Span | None, axes: tuple[int, ...], shape: Shape) -> Span | 
     return tuple(  # type: ignore[return-value]
         (shape[a] - hi, shape[a] - lo) if a in axes else (lo, hi) for a, (lo, hi) in enumerate(need)
     )
-
-
-def _host_probabilities(
-    engine: Engine,
-    image: np.ndarray,
-    mirrored: bool,
-    progress: TileProgress | None,
-    need: Span | None,
-) -> np.ndarray:
-    if not mirrored:
-        logits = engine.logits(image, progress, need)
-        # Only the voxels wanted: the rest of a region's box was never computed, and its
-        # pages, never touched, take no memory.
-        softmax_(logits if need is None else logits[tuple(slice(*ends) for ends in need)])
-        return logits
-    total: np.ndarray | None = None
-    for index, axes in enumerate(MIRRORINGS):
-
-        def tick(done: int, count: int, index: int = index) -> None:
-            if progress is not None:
-                progress(index * count + done, len(MIRRORINGS) * count)
-
-        # The flips are views: the engine copies the image it reads, and `total` the first pass.
-        logits = engine.logits(np.flip(image, axes), tick, _mirrored(need, axes, engine.shape))
-        flipped = np.flip(softmax_(logits), axes)
-        if total is None:
-            total = np.array(flipped)
-        else:
-            total += flipped
-    total /= len(MIRRORINGS)
-    return total
-
-
-def softmax_(logits: np.ndarray) -> np.ndarray:
-    """Class probabilities from logits [..., C], in place, a slab at a time (no big temporaries)."""
-    for start in range(0, logits.shape[0], _SOFTMAX_SLAB):
-        slab = logits[start : start + _SOFTMAX_SLAB]
-        slab -= slab.max(axis=-1, keepdims=True)
-        np.exp(slab, out=slab)
-        slab /= slab.sum(axis=-1, keepdims=True)
-    return logits

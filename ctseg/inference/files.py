@@ -47,7 +47,6 @@ from ctseg.inference.predictor import (
     PHASES,
     Prediction,
     Predictor,
-    StageProgress,
     timed,
 )
 from ctseg.inference.scan_checks import volume_warnings
@@ -60,8 +59,8 @@ from ctseg.io.scans import (
     write_labels,
     write_volume,
 )
+from ctseg.progress import FileProgress, StageProgress
 
-FileProgress = Callable[[str, str, int, int], None]  # (scan name, stage, done, total)
 OUTPUT_TYPES = ("nifti", "dicom-seg")
 
 
@@ -167,7 +166,7 @@ def _stage_progress(progress: FileProgress | None, name: str) -> StageProgress |
 
 
 # What `_guarded` was doing when a scan failed, said in its error; only the network's
-# inference is tiled, so only there does a smaller --tile help against running out of memory.
+# inference is tiled, so only there do smaller tiles help against running out of memory.
 _READING, _INFERENCE, _WRITING = "reading", "inference", "post-processing and writing"
 
 
@@ -181,7 +180,7 @@ def _guarded(outcome: ScanOutcome, doing: str, fn: Callable[..., Any], *args: An
     except Exception as exc:
         out_of_memory = isinstance(exc, MemoryError) or is_out_of_memory(exc)
         if out_of_memory and doing == _INFERENCE:
-            outcome.error = f"{doing} ran out of memory; try a smaller --tile"
+            outcome.error = f"{doing} ran out of memory; try a smaller tile size"
         elif out_of_memory:
             outcome.error = f"{doing} ran out of memory ({type(exc).__name__})"
         else:
@@ -351,7 +350,7 @@ def _stats_record(
         "warnings": outcome.warnings,
         "checks": outcome.checks,  # where it lies far outside the training data
         # Whether to trust it: ok, review or unlike the training data, the reason, the
-        # scores and their components (`ctseg.inference.quality`; thresholds provisional).
+        # scores and their components (`ctseg.inference.quality`).
         "quality": judged.to_json(),
         # The region predicted at full resolution (`--locate`, `--roi`): its source,
         # margin, scan voxels [lo, hi), or why the whole scan was predicted.

@@ -8,9 +8,7 @@ and what a command or the API asks of a run's model, checked before anything run
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import operator
 import os
 import re
 import threading
@@ -21,7 +19,7 @@ from typing import Any
 
 from ctseg import atomic
 from ctseg import config as cfg
-from ctseg.config import InferenceOptions
+from ctseg.config import InferenceOptions, TileRequest
 from ctseg.data.manifest import MANIFEST
 from ctseg.errors import CtsegError
 from ctseg.inference.backends import BACKENDS
@@ -208,7 +206,7 @@ def output_paths(
 def inference_options(
     config: cfg.Config,
     checkpoint: str | int = "best",
-    tile: int | None = None,
+    tile: TileRequest | int | None = None,
     backend: str | None = None,
     device: str = "auto",
     tta: bool | None = None,
@@ -217,9 +215,10 @@ def inference_options(
     """`InferenceOptions` of a request on a run of `config`, each value checked before any
     model loads, one line for each mistake: the CLI's and the API's one check.
 
-    `checkpoint`: best, latest or a step number (an int too); `tile`: checked as the
-    config's predict.tile is (`ctseg.config.check`); `names`: how the caller spells each
-    option in messages (default the API's keywords, e.g. {"tile": "--tile"} for the CLI).
+    `checkpoint`: best, latest or a step number (an int too); `tile`: a `TileRequest`,
+    or its int read once as the config's predict.tile is (`TileRequest.from_int`): the
+    options carry the request; `names`: how the caller spells each option in messages
+    (default the API's keywords, e.g. {"tile": "--tile"} for the CLI).
     """
     keys = ("checkpoint", "tile", "backend", "device", "tta")
     names = {key: (names or {}).get(key, key) for key in keys}
@@ -228,21 +227,11 @@ def inference_options(
             f"{names['checkpoint']} must be best, latest or a step number, got {checkpoint!r}"
         )
     checkpoint = str(checkpoint)
-    if tile is not None:
+    if tile is not None:  # read once, with predict.tile's one check
         try:
-            if isinstance(tile, bool):
-                raise TypeError
-            tile = operator.index(tile)  # an int, NumPy's too; not 2.0 or "2"
-        except TypeError:
-            raise CtsegError(
-                f"{names['tile']} must be an integer: -1 (automatic), 0 (whole volume) or an "
-                f"even core size, got {tile!r}"
-            ) from None
-        predict = dataclasses.replace(config.predict, tile=tile)
-        try:  # the config's own check of predict.tile, and nothing else of the run's
-            cfg.check(dataclasses.replace(config, predict=predict))
+            tile = TileRequest.of(tile, "predict.tile")
         except CtsegError as exc:
-            raise CtsegError(f"{names['tile']} {tile}: {exc}") from None
+            raise CtsegError(f"{names['tile']} {tile!r}: {exc}") from None
     if backend is not None and backend not in BACKENDS:
         raise CtsegError(
             f"{names['backend']} must be {' or '.join(BACKENDS)} (or None), got {backend!r}"

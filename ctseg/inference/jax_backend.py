@@ -13,6 +13,16 @@ the level, and a sum over the devices (the cores are disjoint) gives every devic
 whole level for the next stage. The levels kept for the up stages stay on the devices
 while they fit, and are moved to the host whole (never per window) when they do not.
 
+Fixed windows (`WindowPlan`, one device): the spacing grid's boxes follow the scans'
+extents, and every new box shape would compile the programs above anew (lits512's whole
+volume: ~107 s on an H200, mostly XLA's autotuning of the convolutions). There each
+stage's convolutions are one program on one window whose extent does not depend on the
+box (`window_program`, `tiling.fixed_stages`), compiled once per model and stage and kept
+by the `JaxBackend`; a driver on the host cuts the windows out of the level and adds
+their masked cores into the next one with small programs that follow the box's level
+shapes and compile in milliseconds. The default on one accelerator, where compiling per
+box costs minutes and the windows' overlap milliseconds (`JaxBackend.fixed_windows`).
+
 Planning (no stages given): the hand formula of `ctseg.inference.tiling` proposes candidates
 (the whole volume, then tiles); the candidates' programs are compiled, all of a plan
 at once (XLA compiles them in parallel threads), and the compiler's own memory
@@ -33,11 +43,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ctseg.config import Config
 from ctseg.errors import CtsegError
-from ctseg.inference import tiling
+from ctseg.inference import scan_space, tiling
+from ctseg.inference.backends import Backend
 from ctseg.inference.tiling import Shape, Stage, TileProgress
 from ctseg.labels import NUM_CLASSES
 from ctseg.memory import human_bytes
@@ -47,6 +58,7 @@ from ctseg.model.unet import BOTTOM, DOWN, UP
 from ctseg.parallel import devices as dev
 from ctseg.parallel.layouts import fit_split
 from ctseg.parallel.partition import (
+    LOCAL,
     REPLICATED,
     Comm,
     activation_sharding,
@@ -60,6 +72,10 @@ from ctseg.run.trained import TrainedModel
 # beside them, may take. The compiler's figures are the programs' own, so the share
 # only keeps room for the runtime's workspace and for fragmentation.
 COMPILED_SHARE = 0.85
+# Fixed windows' cores chosen from (`JaxBackend.window_core`), largest first: up to 128, a
+# window GPUs' convolutions run efficiently whose box floor (136 voxels a side at k = 3)
+# pads few scans.
+WINDOW_CORES = (128, 96, 64, 48, 32, 24, 16)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -310,7 +326,7 @@ def plan_inference(
                 f"{what} of the {tiling.shape_text(shape)} grid needs "
                 f"{human_bytes(chosen.needed)} per device, more than the "
                 f"{human_bytes(memory)} free on {dev.describe(devices)}; "
-                f"{advice} (--tile -1 chooses them, or e.g. --tile 64)"
+                f"{advice} (tile -1 chooses them, or e.g. tile 64)"
             )
         return chosen
     # The hand formula overestimates wide models severalfold (lits512: 85 GB planned
@@ -325,7 +341,7 @@ def plan_inference(
     return _plan_tiles(model, first_guess, tiles_mesh, budget)
 
 
-class JaxBackend:
+class JaxPlan:
     """A model's compiled inference plan on JAX devices, with its weights placed there."""
 
     def __init__(
@@ -362,6 +378,14 @@ class JaxBackend:
     def spills(self) -> bool:
         """Whether the levels waiting for their up stage are kept on the host."""
         return self._plan.spill
+
+    def memory_words(self, memory: int) -> str:
+        """What the plan needs of `memory` bytes per device, in words."""
+        spill = "; levels wait on the host" if self.spills else ""
+        return (
+            f": {human_bytes(self.needed)} per device of {human_bytes(memory)} free "
+            f"(compiled; plans take {COMPILED_SHARE:.0%}){spill}"
+        )
 
     def place(self, image: np.ndarray | jax.Array) -> jax.Array:
         """A unit-scaled image [x, y, z] as the plan takes it: [1, x, y, z, 1] float32, on
@@ -417,6 +441,202 @@ class JaxBackend:
         return _only_item(below)
 
 
+# --------------------------------------------------------------------------- fixed windows
+
+
+def window_program(
+    graphdef: nnx.GraphDef, config: Config, stage: Stage, params: Any, stats: Any
+) -> jax.stages.Compiled:
+    """Stage `stage` on one window of its extent: the network's convolutions, and nothing
+    that depends on the box (`WindowPlan`).
+
+    Arguments: params, stats, the window's row of `tiling.stitch_table` [4, 3], the window
+    of the input level [1, *extent, C] (and of d_{level+1}, halved, for an up stage).
+    Result: the block of `stage.block` output voxels that holds the window's core, zero
+    where the window does not own a voxel, so that adding the blocks into a zero level
+    stitches it exactly. `params` and `stats` are shapes placed on one device.
+    """
+    block = stage.block
+    out_shape, out_dtype = _output_level(config, stage)
+    channels = out_shape[-1]
+
+    def run(params: Any, stats: Any, row: jax.Array, *inputs: jax.Array) -> jax.Array:
+        net = nnx.merge(graphdef, params, stats, copy=True)
+        start, kept, first, stop = row[0], row[1], row[2], row[3]
+        y = net.stage(stage.kind, stage.level, list(inputs), LOCAL)
+        at = (0, *(kept - start // stage.scale), 0)
+        result = jax.lax.dynamic_slice(y, at, (1, *block, channels))
+        owned = [
+            (kept[a] + jnp.arange(side) >= first[a]) & (kept[a] + jnp.arange(side) < stop[a])
+            for a, side in enumerate(block)
+        ]
+        mask = owned[0][:, None, None] & owned[1][None, :, None] & owned[2][None, None, :]
+        return jnp.where(mask[None, ..., None], result, 0).astype(out_dtype)
+
+    run.__name__ = "window_program"  # as the compile clock counts it
+    device = jax.tree.leaves(params)[0].sharding
+    _, in_dtype = _input_level(config, stage)
+    inputs = [
+        jax.ShapeDtypeStruct(
+            (1, *stage.extent, _input_level(config, stage)[0][-1]), in_dtype, sharding=device
+        )
+    ]
+    if stage.kind == UP:
+        below_shape, below_dtype = _below_level(config, stage)
+        half = (1, *(n // 2 for n in stage.extent), below_shape[-1])
+        inputs.append(jax.ShapeDtypeStruct(half, below_dtype, sharding=device))
+    row = jax.ShapeDtypeStruct((4, 3), jnp.int32, sharding=device)
+    return jax.jit(run).lower(params, stats, row, *inputs).compile()
+
+
+def _single_shapes(tree: Any, device: Any) -> Any:
+    sharding = SingleDeviceSharding(device)
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding), tree
+    )
+
+
+# The driver's programs, between the window programs: they depend on the levels' shapes
+# (so compile per box shape, in milliseconds: no convolution to tune) and on nothing of
+# the network. Two per stage, and two dispatches per window (its program, then this).
+
+
+def _cut(levels: list[jax.Array], row: jax.Array, extent: Shape) -> list[jax.Array]:
+    """A window of `extent` voxels of the input level at the row's start, and for an up
+    stage the window of d_{l+1} under it, halved."""
+    start = row[0]
+    windows = [jax.lax.dynamic_slice(levels[0], (0, *start, 0), (1, *extent, levels[0].shape[-1]))]
+    if len(levels) == 2:
+        half = (1, *(n // 2 for n in extent), levels[1].shape[-1])
+        windows.append(jax.lax.dynamic_slice(levels[1], (0, *(start // 2), 0), half))
+    return windows
+
+
+@partial(jax.jit, static_argnums=(2, 3, 4))
+def _begin(
+    levels: list[jax.Array], row: jax.Array, extent: Shape, shape: tuple[int, ...], dtype: Any
+) -> tuple[jax.Array, list[jax.Array]]:
+    """A zero output level of `shape` (on the levels' device), and the first window."""
+    return jnp.zeros(shape, dtype), _cut(levels, row, extent)
+
+
+@partial(jax.jit, static_argnums=4, donate_argnums=0)
+def _add_then_cut(
+    out: jax.Array,
+    block: jax.Array,
+    row: jax.Array,
+    levels: list[jax.Array],
+    extent: Shape,
+    following: jax.Array,
+) -> tuple[jax.Array, list[jax.Array]]:
+    """`out` with a window's masked block added at its row's block start (in place: the
+    blocks own disjoint voxels, and every other voxel of the block adds zero), and the
+    `following` row's window."""
+    at = (0, *row[1], 0)
+    current = jax.lax.dynamic_slice(out, at, block.shape)
+    return jax.lax.dynamic_update_slice(out, current + block, at), _cut(levels, following, extent)
+
+
+class WindowPlan:
+    """Level-wise tiles on one device whose window programs do not depend on the box.
+
+    Each stage's convolutions are one program on one window of a fixed extent
+    (`window_program`, `tiling.fixed_stages`), compiled once per model and stage and kept
+    by the backend, so boxes of every later shape reuse them. A driver on the host cuts
+    each window out of the level on the device, runs the stage's program on it and adds
+    its masked core into the output level (`_begin`, `_add_then_cut`: two small programs
+    per stage and box shape, compiled in milliseconds): nothing passes through the host
+    but the dispatches. The cost: two dispatches per window, and windows of fixed cores
+    (not balanced to the box; deeper levels' cores fit the box floor,
+    `tiling.window_floor`), so more overlap than `JaxPlan`'s tiles: on the lits512 model
+    at cores of 128, 2.1–3.1× the whole pass's multiply-adds against 1.4–1.5× for those
+    tiles. On the backend's first device only: the automatic choice (`JaxBackend`) runs
+    them only where it has one device; on several it plans as before (`JaxPlan`).
+    """
+
+    spatial = (1, 1, 1)
+    spills = False
+
+    def __init__(
+        self,
+        backend: JaxBackend,
+        model: TrainedModel,
+        shape: Shape,
+        stages: list[Stage],
+        memory: int,
+    ):
+        self.model, self.shape, self.stages = model, shape, stages
+        self.device = backend.devices[0]
+        config = model.config
+        weights = _single_shapes((model.params, model.stats), self.device)
+        self._programs = [backend.window_program(model, stage, *weights) for stage in stages]
+        # The window programs' own figures hold no level: each stage's levels are beside them.
+        levels = [
+            _bytes(*_input_level(config, stage))
+            + _bytes(*_output_level(config, stage))
+            + (_bytes(*_below_level(config, stage)) if stage.kind == UP else 0)
+            for stage in stages
+        ]
+        needs = _stage_needs(config, stages, self._programs, spill=False)
+        self.needed = max(need + level for need, level in zip(needs, levels, strict=True))
+        if self.needed > memory:
+            raise CtsegError(
+                f"fixed windows ≤ {max(s.largest_core for s in stages)}³ of the "
+                f"{tiling.shape_text(shape)} grid need {human_bytes(self.needed)}, more than the "
+                f"{human_bytes(memory)} free on {dev.describe([self.device])}; use smaller tiles"
+            )
+        self._params, self._stats = jax.device_put((model.params, model.stats), self.device)
+        self._rows = [self._place_rows(stage) for stage in stages]
+
+    def _place_rows(self, stage: Stage, span: tiling.Span | None = None) -> list[jax.Array]:
+        table = tiling.stitch_table(stage, span)
+        return list(jax.device_put(list(table), self.device))
+
+    def memory_words(self, memory: int) -> str:
+        return f": {human_bytes(self.needed)} of {human_bytes(memory)} free (compiled)"
+
+    def place(self, image: np.ndarray | jax.Array) -> jax.Array:
+        return jax.device_put(_as_batch(image), self.device)
+
+    def _stage(self, stage: Stage, program: Any, rows: list[jax.Array], *levels: jax.Array):
+        """A stage's output level: its windows run one after another (dispatched, not waited
+        for); the last window's following cut is the first's again, unused."""
+        out_shape, out_dtype = _output_level(self.model.config, stage)
+        levels_ = list(levels)
+        out, window = _begin(levels_, rows[0], stage.extent, out_shape, out_dtype)
+        for row, following in zip(rows, [*rows[1:], rows[0]], strict=True):
+            block = program(self._params, self._stats, row, *window)
+            out, window = _add_then_cut(out, block, row, levels_, stage.extent, following)
+        return out
+
+    def logits(
+        self, image: jax.Array, progress: TileProgress | None, need: tiling.Span | None = None
+    ) -> jax.Array:
+        image = jax.device_put(image, self.device)
+        spans: list[tiling.Span | None] = [None] * len(self.stages)
+        rows = self._rows
+        if need is not None:
+            spans = list(tiling.stage_spans(self.stages, need))
+            rows = [self._place_rows(s, span) for s, span in zip(self.stages, spans, strict=True)]
+        total = sum(len(r) for r in rows)
+        done = 0
+        levels: list[Any] = [image]
+        below = None
+        for stage, program, stage_rows in zip(self.stages, self._programs, rows, strict=True):
+            if stage.kind == DOWN:
+                levels.append(self._stage(stage, program, stage_rows, levels[-1]))
+            elif stage.kind == BOTTOM:
+                below = self._stage(stage, program, stage_rows, levels.pop())
+            else:
+                below = self._stage(stage, program, stage_rows, levels.pop(), below)
+            if progress is not None:
+                jax.block_until_ready(below if stage.kind != DOWN else levels[-1])
+                done += len(stage_rows)
+                progress(done, total)
+        assert below is not None and below.dtype == jnp.float32
+        return _only_item(below)
+
+
 @jax.jit
 def _as_batch(image: jax.Array) -> jax.Array:
     return jnp.asarray(image, jnp.float32)[None, ..., None]
@@ -426,3 +646,118 @@ def _as_batch(image: jax.Array) -> jax.Array:
 def _only_item(batch: jax.Array) -> jax.Array:
     # Jitted: an eager index of a sharded array would send the index from the host.
     return batch[0]
+
+
+class JaxBackend(Backend):
+    """JAX (XLA) on its devices: every array stays there, from the scan's HU to the labels."""
+
+    name, runtime, ladder = "jax", "XLA", True
+    space = scan_space.ON_DEVICES
+
+    def __init__(
+        self,
+        devices: Sequence[Any] | None = None,
+        one_cpu_device: bool = False,
+        fixed_windows: bool | None = None,
+    ):
+        """`fixed_windows`: boxes whose shape varies (the spacing grid) run in fixed windows
+        (`WindowPlan`); default, on one accelerator, where a program per box shape costs
+        minutes of compiling and the windows' overlap milliseconds of running."""
+        self.devices = list(devices or jax.local_devices()[:1])
+        if one_cpu_device and not dev.is_accelerator(self.devices):
+            # Simulated CPU devices share the host's cores: one window at a time, with all
+            # the memory (16 side by side ran 4 % faster but cut 512³ cores from 128 to 48).
+            self.devices = self.devices[:1]
+        if fixed_windows is None:
+            fixed_windows = len(self.devices) == 1 and dev.is_accelerator(self.devices)
+        self.fixed_windows = fixed_windows
+        # Window programs by model and stage (`window_program`): every box shape reuses them.
+        self._window_programs: dict[tuple, jax.stages.Compiled] = {}
+
+    def window_program(
+        self, model: TrainedModel, stage: Stage, params: Any, stats: Any
+    ) -> jax.stages.Compiled:
+        """Stage `stage`'s window program for `model`'s network, compiled when first asked
+        for (weights are arguments: models of one config share it)."""
+        key = (repr(model.config.model), *tiling.window_key(stage), str(self.devices[0]))
+        if key not in self._window_programs:
+            self._window_programs[key] = window_program(
+                model.graphdef, model.config, stage, params, stats
+            )
+        return self._window_programs[key]
+
+    def window_core(self, model: TrainedModel, memory: int) -> int:
+        """Fixed windows' core chosen for `memory` bytes: the largest of `WINDOW_CORES` whose
+        widest window the first-guess formula fits in a quarter of the planning share (the
+        rest for the box's levels); the compiled programs' figures then check the plan."""
+        config = model.config
+        itemsize = jnp.dtype(config.model.dtype).itemsize
+        for core in WINDOW_CORES:
+            extent = (core + 2 * tiling.stage_context(config, UP),) * 3
+            if tiling.window_bytes(config, 0, extent, itemsize) <= tiling.MEMORY_SHARE * memory / 4:
+                return core
+        return WINDOW_CORES[-1]
+
+    def window_plan(
+        self, model: TrainedModel, shape: Shape, stages: list[Stage], memory: int
+    ) -> WindowPlan:
+        return WindowPlan(self, model, shape, stages, memory)
+
+    def dtype(self, config: Config) -> np.dtype:
+        return jnp.dtype(config.model.dtype)  # the compute dtype
+
+    def free_memory(self) -> int:
+        return dev.free_memory(self.devices)
+
+    def plan(
+        self, model: TrainedModel, shape: Shape, stages: list[Stage] | None, memory: int
+    ) -> JaxPlan:
+        return JaxPlan(model, shape, stages, self.devices, memory)
+
+    @property
+    def grid_device(self) -> Any:
+        return self.devices[0]
+
+    def adopt(self, unit: jax.Array) -> jax.Array:
+        return unit
+
+    def softmax(self, logits: jax.Array, need: tiling.Span | None) -> jax.Array:
+        return _softmax(logits)
+
+    def flip(self, placed: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+        return _flip_batch(placed, axes)
+
+    def add_unflipped(
+        self, total: jax.Array | None, logits: jax.Array, axes: tuple[int, ...]
+    ) -> jax.Array:
+        if total is None:
+            return _unflipped(logits, axes)
+        return _add_unflipped(total, logits, axes)
+
+    def mean(self, total: jax.Array, count: int) -> jax.Array:
+        return _mean(total, count)
+
+
+@jax.jit
+def _softmax(logits: jax.Array) -> jax.Array:
+    return jax.nn.softmax(logits, axis=-1)
+
+
+@partial(jax.jit, static_argnums=1)
+def _flip_batch(image: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    return jnp.flip(image, tuple(a + 1 for a in axes))
+
+
+@partial(jax.jit, static_argnums=1)
+def _unflipped(logits: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    return jnp.flip(jax.nn.softmax(logits, axis=-1), axes)
+
+
+@partial(jax.jit, static_argnums=2)
+def _add_unflipped(total: jax.Array, logits: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    return total + _unflipped(logits, axes)
+
+
+@partial(jax.jit, static_argnums=1)
+def _mean(total: jax.Array, count: int) -> jax.Array:
+    return total / count

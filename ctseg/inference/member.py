@@ -16,11 +16,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from ctseg.config import TileRequest
 from ctseg.data import grids
 from ctseg.data.grids import GridSpec
 from ctseg.errors import CtsegError
 from ctseg.inference import scan_space, tiling
-from ctseg.inference.engine import Engine, class_probabilities
+from ctseg.inference.backends import Backend
+from ctseg.inference.engine import Engine, class_probabilities, fixed_window_core
 from ctseg.inference.jax_backend import is_out_of_memory
 from ctseg.inference.region import GridWindow, Region, window_of
 from ctseg.inference.tiling import Shape, Span, TileProgress
@@ -57,38 +59,52 @@ class Member:
     def __init__(
         self,
         model: TrainedModel,
-        tile: int,
-        backend: str,
-        devices: list[Any],
+        tile: TileRequest,
+        backend: Backend,
         run_dir: Path | None = None,
     ):
         self.model = model
         self.config = model.config
         self.run_dir = run_dir
         self.grid = GridSpec.of(self.config.data)
-        self.tile, self.backend, self.devices = tile, backend, devices
+        self.tile, self.backend = tile, backend
         # One engine per box shape (scans of one grid share one). The cube's one box is
         # planned and compiled here, before the first scan; a spacing grid's boxes follow
         # the scans' extents, and each new one is planned when a scan first needs it.
-        self._engines: OrderedDict[Shape, Engine] = OrderedDict()
+        self._engines: OrderedDict[tuple[Shape, int | None], Engine] = OrderedDict()
+        # Boxes of the spacing grid follow the scans' extents, and a region's box its
+        # liver's: where the backend compiles fixed windows, their programs serve every
+        # such box (at least their floor a side). The cube's own box is one shape: its plan.
+        self.windows = fixed_window_core(model, tile, backend)
         self.engine: Engine | None = None  # the one that ran (or will run) the latest scan
         if self.grid.kind == "cube":
             self.engine_for(tiling.grid_shape(self.config))
 
     def engine_for(self, box: Shape) -> Engine:
-        """The engine for boxes of `box` voxels, planned (and compiled) when first asked for."""
-        if box in self._engines:
-            self._engines.move_to_end(box)
+        """The engine for boxes of `box` voxels, planned (and compiled) when first asked for:
+        in fixed windows where the member runs them and the box holds them."""
+        key = self._key(box)
+        if key in self._engines:
+            self._engines.move_to_end(key)
         else:
-            self._engines[box] = Engine(
-                self.model, self.tile, self.backend, self.devices, shape=box
+            self._engines[key] = Engine(
+                self.model, self.tile, self.backend, shape=box, windows=key[1]
             )
             # Each engine holds its programs and a copy of the weights on the devices: a
             # batch of scans of many extents keeps only the latest few.
             while len(self._engines) > _ENGINES_KEPT:
                 self._engines.popitem(last=False)
-        self.engine = self._engines[box]
+        self.engine = self._engines[key]
         return self.engine
+
+    def _key(self, box: Shape) -> tuple[Shape, int | None]:
+        """An engine's key: the box, and the fixed windows' core if they run it."""
+        windows = self.windows
+        if self.grid.kind == "cube" and box == tiling.grid_shape(self.config):
+            windows = None
+        if windows is not None and min(box) < tiling.window_floor(self.config, windows):
+            windows = None  # a region's box too small for them: the box's own plan
+        return box, windows
 
     @property
     def name(self) -> str:
@@ -105,35 +121,31 @@ class Member:
 
     def to_grid(self, scan: Scan, region: Region | None = None) -> OnGrid:
         """The scan on the run's grid, HU-windowed: the training preprocessing, on the
-        devices (`scan_space.unit_box`). On the spacing grid the box holds the scan's whole
-        grid, padded with air: to a rung of the ladder under JAX (`grids.inference_box`:
-        its compiled programs serve scans of other extents), to the next multiple of
-        `BOX_MULTIPLE` under ONNX Runtime; with a `region`, only the box of the grid that
-        gives its labels exactly (`ctseg.inference.region`)."""
+        backend's grid device (`scan_space.unit_box`), then as the backend reads it. On the
+        spacing grid the box holds the scan's whole grid, padded with air: to a rung of the
+        ladder where the backend compiles programs (`Backend.ladder`, JAX:
+        `grids.inference_box`'s programs serve scans of other extents), else to the next
+        multiple of `BOX_MULTIPLE`; with a `region`, only the box of the grid that gives
+        its labels exactly (`ctseg.inference.region`)."""
         grid = self.grid.grid_of(scan.array.shape, scan.spacing)
         box, offset, window = grid, (0, 0, 0), None
         multiple = max(self.config.alignment, BOX_MULTIPLE)
         if self.grid.kind == "spacing":
-            box = grids.inference_box(grid, multiple, ladder=self.backend == "jax")
+            box = grids.inference_box(grid, multiple, ladder=self.backend.ladder)
+            if self.windows is not None:  # at least one window a side
+                floor = tiling.window_floor(self.config, self.windows)
+                box = tuple(max(n, floor) for n in box)
         if region is not None:
             radius = unet.receptive_field_radius(self.config.model)
             window = window_of(region, scan.array.shape, grid, box, radius, multiple)
             box, offset = window.box, window.offset
         unit = scan_space.unit_box(
-            scan.array, grid, offset, box, self.config.data.hu_window, self._grid_device
+            scan.array, grid, offset, box, self.config.data.hu_window, self.backend.grid_device
         )
         # Waited for here, off the network's thread: a failure is this scan's reading
         # failure, and its seconds are the resampling's, not the next program's.
         unit = jax.block_until_ready(unit)
-        if self.backend == "onnx":  # ONNX Runtime reads host arrays
-            unit = np.asarray(jax.device_get(unit))
-        return OnGrid(unit, grid, window)
-
-    @property
-    def _grid_device(self) -> Any:
-        """Where the scan is brought to the grid: the engine's first device (JAX), else
-        this process's first (the host's CPU under ONNX Runtime)."""
-        return (self.devices or jax.local_devices())[0]
+        return OnGrid(self.backend.adopt(unit), grid, window)
 
     def infer(
         self,
@@ -158,7 +170,7 @@ class Member:
             if not is_out_of_memory(exc):
                 raise
         before = self.engine.description
-        self.engine = self._engines[box] = self.engine.smaller()
+        self.engine = self._engines[self._key(box)] = self.engine.smaller()
         if warnings is not None:
             warnings.append(f"out of memory with {before}; retried with {self.engine.description}")
         try:
@@ -168,7 +180,7 @@ class Member:
                 raise
             raise CtsegError(
                 f"out of memory on {dev.describe(self.engine.devices)}, also with "
-                f"{self.engine.description}; try a smaller --tile"
+                f"{self.engine.description}; try a smaller tile size"
             ) from None
 
     @staticmethod

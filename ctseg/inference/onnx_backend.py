@@ -12,13 +12,19 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
+from ctseg.config import Config
 from ctseg.errors import CtsegError
-from ctseg.inference import tiling
+from ctseg.inference import scan_space, tiling
+from ctseg.inference.backends import Backend
 from ctseg.inference.tiling import Shape, Span, Stage, TileProgress
+from ctseg.memory import host_memory, human_bytes
 from ctseg.model.unet import BOTTOM, DOWN, UP
 from ctseg.run.trained import TrainedModel
+
+_SOFTMAX_SLAB = 32
 
 
 def _halve(slices: tuple[slice, ...]) -> tuple[slice, ...]:
@@ -92,8 +98,11 @@ def _onnx_forwards(model: TrainedModel, stages: list[Stage]) -> list[Callable[..
     return [make(stage) for stage in stages]
 
 
-class OnnxBackend:
+class OnnxPlan:
     """A model's stages (or whole network) as ONNX Runtime sessions on the host."""
+
+    # Nothing measured, nothing split, nothing spilled: host memory is the one memory.
+    needed, spatial, spills = 0, (1, 1, 1), False
 
     def __init__(self, model: TrainedModel, shape: Shape, stages: list[Stage] | None, memory: int):
         """For grids of `shape`. `stages`: the level-wise tiles to run ([] the whole
@@ -110,6 +119,9 @@ class OnnxBackend:
             )
         self.stages = stages
         self._forwards = _onnx_forwards(model, stages)
+
+    def memory_words(self, memory: int) -> str:
+        return f" in ONNX Runtime, {human_bytes(memory)} of RAM free"
 
     def place(self, image: np.ndarray) -> np.ndarray:
         """A unit-scaled image [x, y, z] as the sessions take it: [1, x, y, z, 1] float32."""
@@ -146,3 +158,64 @@ class OnnxBackend:
                 progress(done, total)
         assert below is not None and below.dtype == np.float32
         return below
+
+
+class OnnxBackend(Backend):
+    """ONNX Runtime on the host's CPU cores: host arrays from the grid to the labels."""
+
+    name, runtime, ladder = "onnx", "ONNX Runtime", False
+    space = scan_space.ON_HOST
+
+    def __init__(self) -> None:
+        self.devices: list[Any] = []  # the host's CPU cores, no JAX device
+
+    def dtype(self, config: Config) -> np.dtype:
+        return np.dtype(np.float32)  # a bfloat16 model runs in float32 here
+
+    def free_memory(self) -> int:
+        return host_memory()
+
+    def plan(
+        self, model: TrainedModel, shape: Shape, stages: list[Stage] | None, memory: int
+    ) -> OnnxPlan:
+        return OnnxPlan(model, shape, stages, memory)
+
+    @property
+    def grid_device(self) -> Any:
+        return jax.local_devices()[0]  # the host's CPU
+
+    def adopt(self, unit: jax.Array) -> np.ndarray:
+        return np.asarray(jax.device_get(unit))  # ONNX Runtime reads host arrays
+
+    def softmax(self, logits: np.ndarray, need: Span | None) -> np.ndarray:
+        # Only the voxels wanted: the rest of a region's box was never computed, and its
+        # pages, never touched, take no memory.
+        softmax_(logits if need is None else logits[tuple(slice(*ends) for ends in need)])
+        return logits
+
+    def flip(self, placed: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+        # A view: the sessions copy the windows they read.
+        return np.flip(placed, tuple(a + 1 for a in axes))
+
+    def add_unflipped(
+        self, total: np.ndarray | None, logits: np.ndarray, axes: tuple[int, ...]
+    ) -> np.ndarray:
+        flipped = np.flip(softmax_(logits), axes)
+        if total is None:
+            return np.array(flipped)  # the first pass's copy holds the sum
+        total += flipped
+        return total
+
+    def mean(self, total: np.ndarray, count: int) -> np.ndarray:
+        total /= count
+        return total
+
+
+def softmax_(logits: np.ndarray) -> np.ndarray:
+    """Class probabilities from logits [..., C], in place, a slab at a time (no big temporaries)."""
+    for start in range(0, logits.shape[0], _SOFTMAX_SLAB):
+        slab = logits[start : start + _SOFTMAX_SLAB]
+        slab -= slab.max(axis=-1, keepdims=True)
+        np.exp(slab, out=slab)
+        slab /= slab.sum(axis=-1, keepdims=True)
+    return logits

@@ -15,33 +15,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
-from ctseg.config import Config, InferenceOptions
+from ctseg.config import Config, InferenceOptions, TileRequest
 from ctseg.errors import CtsegError
 from ctseg.inference import postprocess, scan_checks, scan_space
-from ctseg.inference.backends import choose_backend, onnx_available
+from ctseg.inference.backends import backend_named, choose_backend, onnx_available
 from ctseg.inference.engine import Engine
 from ctseg.inference.inputs import mask_candidates
-from ctseg.inference.jax_backend import COMPILED_SHARE
 from ctseg.inference.member import Member, OnGrid
 from ctseg.inference.region import Region, region_of
 from ctseg.inference.tiling import Shape
 from ctseg.io.scans import Scan, geometry_difference, read_scan, scan_name
-from ctseg.memory import human_bytes
 from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_clock
+from ctseg.progress import StageProgress
 from ctseg.run import fingerprint, rundir
 from ctseg.run.trained import TrainedModel, load_model
 
 # (stage, done, total): stages "read", "infer" (windows done of total), "postprocess", "write".
-StageProgress = Callable[[str, int, int], None]
 Seconds = dict[str, float]  # seconds per phase, `PHASES`
 # Where a scan's time goes, as each `<name>_stats.json` records it. "load" and "compile"
 # are the call's one-off costs (the plan is compiled before the first scan); a scan
@@ -150,8 +147,9 @@ class Predictor:
         devices: Sequence[Any] | None = None,
         run_dirs: Sequence[Path | None] | None = None,
     ):
-        """`options`: tile, backend and TTA (None: each run's config; backend None is JAX);
-        `devices`: where a JAX engine runs (`from_run` chooses them from `options.device`)."""
+        """`options`: tile (a `TileRequest`, or its int), backend and TTA (None: each run's
+        config; backend None is JAX); `devices`: where a JAX engine runs (`from_run`
+        chooses them from `options.device`)."""
         options = options or InferenceOptions()
         models = [models] if isinstance(models, TrainedModel) else list(models)
         if not models:
@@ -168,16 +166,17 @@ class Predictor:
                     "out --tta"
                 )
         self.clock = compile_clock()
-        self.backend = options.backend or "jax"
         # ONNX Runtime runs on the host's cores (no JAX device); JAX on `devices`.
-        jax_devices = list(devices or jax.local_devices()[:1])
-        self.devices: list[Any] = jax_devices if self.backend == "jax" else []
+        self.inference_backend = backend_named(options.backend or "jax", devices)
+        self.devices: list[Any] = self.inference_backend.devices
+        # The devices chosen for the call (`from_run`), which a locator uses too.
+        self.chosen_devices: list[Any] = list(devices or [])
+        asked = None if options.tile is None else TileRequest.of(options.tile)
         self.members = [
             Member(
                 model,
-                model.config.predict.tile if options.tile is None else options.tile,
-                self.backend,
-                self.devices,
+                asked or TileRequest.from_int(model.config.predict.tile, "predict.tile"),
+                self.inference_backend,
                 run_dir,
             )
             for model, run_dir in zip(models, run_dirs, strict=True)
@@ -197,21 +196,20 @@ class Predictor:
         run_dirs: Path | Sequence[Path],
         options: InferenceOptions | None = None,
         configs: Config | Sequence[Config] | None = None,
+        devices: Sequence[Any] | None = None,
     ) -> Predictor:
-        """The runs' models on the devices `options.device` asks for (`ctseg.parallel.devices`),
-        whatever layout trained them: one run, or several (an ensemble). `configs`: the
-        runs' config.toml if already read."""
+        """The runs' models on `devices` (a command's, chosen once when it started JAX), or
+        else on those `options.device` asks for (`ctseg.parallel.devices`), whatever layout
+        trained them: one run, or several (an ensemble). `configs`: the runs' config.toml
+        if already read."""
         options = options or InferenceOptions()
         run_dirs = [Path(run_dirs)] if isinstance(run_dirs, str | Path) else list(run_dirs)
         if isinstance(configs, Config):
             configs = [configs]
         configs = list(configs or [None] * len(run_dirs))
-        found = dev.choose(options.device, dev.visible())
-        backend = choose_backend(options.backend, options.device, found, onnx_available())
-        if backend == "jax" and not dev.is_accelerator(found):
-            # Simulated CPU devices share the host's cores: one window at a time, with all
-            # the memory (16 side by side ran 4 % faster but cut 512³ cores from 128 to 48).
-            found = found[:1]
+        found = list(devices) if devices is not None else dev.choose(options.device, dev.visible())
+        name = choose_backend(options.backend, options.device, found, onnx_available())
+        backend = backend_named(name, found, one_cpu_device=True)
         seconds: Seconds = {}
         models = []
         with timed(seconds, "load"):
@@ -222,9 +220,10 @@ class Predictor:
                 except CtsegError as exc:
                     raise CtsegError(f"{run_dir}: {exc}") from None
         with timed(seconds, "compile"):  # AOT compiles, ONNX export and sessions, placement
-            options = dataclasses.replace(options, backend=backend)
-            predictor = cls(models, options, found, run_dirs)
+            options = dataclasses.replace(options, backend=backend.name)
+            predictor = cls(models, options, backend.devices, run_dirs)
         predictor.seconds = seconds
+        predictor.chosen_devices = found  # the locator's too (`predict_region`)
         predictor.fingerprint = fingerprint.load(run_dirs[0])  # None for runs trained before
         return predictor
 
@@ -250,7 +249,12 @@ class Predictor:
         self.roi = None if roi is None else Path(roi)
         if locate is not None:
             options = dataclasses.replace(options or InferenceOptions(), tile=None, tta=False)
-            self.locator = Predictor.from_run(Path(locate), options)
+            self.locator = Predictor.from_run(Path(locate), options, devices=self.chosen_devices)
+
+    @property
+    def backend(self) -> str:
+        """The backend's name, "jax" or "onnx", as options and records spell it."""
+        return self.inference_backend.name
 
     @property
     def model(self) -> TrainedModel:
@@ -268,17 +272,17 @@ class Predictor:
         (on the spacing grid: `…, the scan at 1.5 × 1.5 × 1.5 mm, boxes of its extent`; an
         ensemble names its members: `…, ensemble of 2: runs/a (step 600): whole volume
         48³; runs/b (step 400): …`)."""
-        runtime = "ONNX Runtime" if self.backend == "onnx" else "XLA"
+        backend = self.inference_backend
         where = dev.describe(self.devices)  # none under ONNX Runtime: the host's CPU
         # Materialised activations: the compute dtype under JAX, float32 in ONNX Runtime.
-        dtype = self.config.model.dtype if self.backend == "jax" else "float32"
+        dtype = backend.dtype(self.config).name
         mirrored = ", mirrored 8× (TTA)" if self.tta else ""
         if len(self.members) == 1:
             plan = self.members[0].plan
         else:
             members = "; ".join(f"{m.name}: {m.plan}" for m in self.members)
             plan = f"ensemble of {len(self.members)}: {members}"
-        return f"{where}, {runtime}, {dtype}, {plan}{mirrored}"
+        return f"{where}, {backend.runtime}, {dtype}, {plan}{mirrored}"
 
     @property
     def plan(self) -> str:
@@ -292,15 +296,7 @@ class Predictor:
         engine = self.engine
         if engine is None:
             return "a plan for each box shape, made when a scan first needs it"
-        if engine.backend == "onnx":
-            free = human_bytes(engine.memory)
-            return f"{engine.description} in ONNX Runtime, {free} of RAM free"
-        share = f"plans take {COMPILED_SHARE:.0%}"
-        spill = "; levels wait on the host" if engine.spills else ""
-        return (
-            f"{engine.description}: {human_bytes(engine.needed)} per device of "
-            f"{human_bytes(engine.memory)} free (compiled; {share}){spill}"
-        )
+        return engine.plan_line
 
     def to_grid(self, scan: Scan, seconds: Seconds) -> list[OnGrid]:
         """The scan on each member's grid, HU-windowed: exactly its training preprocessing;
@@ -372,18 +368,19 @@ class Predictor:
         voxels (averaged there for an ensemble)."""
         options = self.config.predict
         with timed(seconds, "resample"):
-            # On the engine's devices: only the labels (and asked-for probabilities) come back.
-            shape = scan.array.shape
+            # Where the backend runs: from the devices only the labels (and asked-for
+            # probabilities) come back.
+            shape, space = scan.array.shape, self.inference_backend.space
             if on_grids[0].window is not None:
-                labels, on_scan = scan_space.window_labels(
+                labels, on_scan = space.window_labels(
                     probabilities, on_grids, shape, with_probabilities
                 )
             elif len(probabilities) == 1:
-                labels, on_scan = scan_space.scan_labels(
+                labels, on_scan = space.scan_labels(
                     probabilities[0], shape, with_probabilities, on_grids[0].grid
                 )
             else:
-                labels, on_scan = scan_space.mean_scan_labels(
+                labels, on_scan = space.mean_scan_labels(
                     probabilities, shape, with_probabilities, [g.grid for g in on_grids]
                 )
         with timed(seconds, "postprocess"):

@@ -32,12 +32,9 @@ def model_of(predictor: Predictor) -> dict[str, Any]:
 
 
 def _exactness(predictor: Predictor) -> str:
-    """The backend's exactness class: the runtime and the dtype of its activations. Devices,
-    partitions and tiles change no label (tested); another class may, by a rounding."""
-    if predictor.backend != "jax":
-        return f"{predictor.backend} float32"
-    dtypes = sorted({member.model.config.model.dtype for member in predictor.members})
-    return f"jax {'/'.join(dtypes)}"
+    """The backend's exactness class of the members' models (`Backend.exactness`)."""
+    configs = [member.model.config for member in predictor.members]
+    return predictor.inference_backend.exactness(configs)
 
 
 def _sha256(path: Path) -> str:

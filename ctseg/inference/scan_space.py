@@ -3,9 +3,10 @@
 The way there (`unit_box`): the scan's int16 HU sent to the devices once, resampled
 linearly onto a box of the grid, rounded to int16 HU and HU-windowed, as training's
 preprocessing does on the host (`ctseg.data.grids`). The way back: class probabilities of
-the box cropped to the scan's grid, resampled linearly, argmax, an ensemble's mean (under
-JAX on the devices: what comes back to the host is the uint8 label map, and probabilities
-only where a caller asks for them).
+the box cropped to the scan's grid, resampled linearly, argmax, an ensemble's mean: a
+`Space` per kind of array, each backend holding its own (`ON_DEVICES` under JAX: what
+comes back to the host is the uint8 label map, and probabilities only where a caller asks
+for them; `ON_HOST`, scipy's resampling, under ONNX Runtime).
 
 On the devices a scan is padded to a rung of a ladder of sizes (`padded`) and the
 resampling reads tables of source voxels and weights (`grids.axis_table`) as arguments, so
@@ -85,27 +86,223 @@ def _cropped(array: np.ndarray | None, shape: Sequence[int]) -> np.ndarray | Non
     return None if array is None else array[: shape[0], : shape[1], : shape[2]]
 
 
+class Space:
+    """The way back from a box of the grid to the scan's voxels, on one backend's arrays:
+    `ON_DEVICES` (JAX arrays, programs that depend on the box and the padded scan's shape
+    only) or `ON_HOST` (NumPy arrays, scipy's resampling). A backend holds its own
+    (`ctseg.inference.backends.Backend.space`); the module's functions of the same names
+    choose by the arrays' type."""
+
+    def scan_labels(
+        self,
+        probabilities: Any,
+        shape: Sequence[int],
+        with_probabilities: bool = False,
+        grid: Sequence[int] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Labels (uint8) on the scan's canonical voxels from probabilities [x, y, z, 3] of
+        a box whose first voxels are the `grid` (default: the box is the grid): linear on
+        the probabilities, then the argmax (smoother borders than resampling labels). With
+        `with_probabilities`, the resampled probabilities too."""
+        shape = tuple(int(n) for n in shape)
+        grid = tuple(probabilities.shape[:3]) if grid is None else tuple(int(n) for n in grid)
+        return self._scan_labels(probabilities, shape, with_probabilities, grid)
+
+    def mean_scan_labels(
+        self,
+        probabilities: Sequence[Any],
+        shape: Sequence[int],
+        with_probabilities: bool = False,
+        grids_of: Sequence[Sequence[int]] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """`scan_labels` of the mean of several boxes' probabilities (an ensemble's members,
+        each on its own grid, `grids_of`: default the boxes), averaged on the scan's voxels."""
+        shape = tuple(int(n) for n in shape)
+        if grids_of is None:
+            grids_of = [p.shape[:3] for p in probabilities]
+        grids_of = [tuple(int(n) for n in g) for g in grids_of]
+        return self._mean_scan_labels(probabilities, shape, with_probabilities, grids_of)
+
+    def grid_labels(self, probabilities: Any, grid: Sequence[int] | None = None) -> np.ndarray:
+        """The argmax on the grid (uint8), where training's validation Dice is measured: of
+        a box whose first voxels are the `grid` (default: the box is the grid)."""
+        grid = tuple(probabilities.shape[:3]) if grid is None else tuple(int(n) for n in grid)
+        labels = self._argmax(probabilities)
+        return np.ascontiguousarray(labels[: grid[0], : grid[1], : grid[2]])
+
+    def window_probabilities(
+        self,
+        probabilities: Any,
+        grid: Sequence[int],
+        offset: Sequence[int],
+        scan_shape: Sequence[int],
+        lo: Sequence[int],
+        hi: Sequence[int],
+    ) -> Any:
+        """Probabilities [..., C] on the scan voxels [`lo`, `hi`) from a window's box (box
+        voxel b = grid voxel b + `offset`), computed as `scan_labels` computes them from the
+        whole grid: the same neighbours, weights and order of axes, so the labels are the
+        same wherever the box holds what the whole pass holds (`ctseg.inference.region`)."""
+        scan_shape = tuple(int(n) for n in scan_shape)
+        grid = tuple(int(n) for n in grid)
+        return self._window(probabilities, grid, offset, scan_shape, lo, hi)
+
+    def window_labels(
+        self,
+        probabilities: Sequence[Any],
+        on_grids: Sequence[Any],
+        shape: Sequence[int],
+        with_probabilities: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Labels (and probabilities) on the scan's voxels from each member's window box:
+        the mean of the members on the scan voxels every window gives exactly; background
+        (class 0 certain) elsewhere."""
+        shape = tuple(int(n) for n in shape)
+        lo = tuple(max(g.window.lo[a] for g in on_grids) for a in range(3))
+        hi = tuple(max(lo[a], min(g.window.hi[a] for g in on_grids)) for a in range(3))
+        parts = [
+            self.window_probabilities(p, g.grid, g.window.offset, shape, lo, hi)
+            for p, g in zip(probabilities, on_grids, strict=True)
+        ]
+        inside, mean = self._mean_and_argmax(parts)
+        labels = np.zeros(shape, np.uint8)
+        where = tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))
+        labels[where] = inside
+        if not with_probabilities:
+            return labels, None
+        full = np.zeros((*shape, mean.shape[-1]), np.float32)
+        full[..., 0] = 1.0
+        full[where] = mean
+        return labels, full
+
+    # What each backend's arrays do their own way.
+
+    def _scan_labels(
+        self, probabilities: Any, shape: Shape, with_probabilities: bool, grid: Shape
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        raise NotImplementedError
+
+    def _mean_scan_labels(
+        self,
+        probabilities: Sequence[Any],
+        shape: Shape,
+        with_probabilities: bool,
+        grids_of: Sequence[Shape],
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        raise NotImplementedError
+
+    def _argmax(self, probabilities: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def _window(
+        self,
+        probabilities: Any,
+        grid: Shape,
+        offset: Sequence[int],
+        scan_shape: Shape,
+        lo: Sequence[int],
+        hi: Sequence[int],
+    ) -> Any:
+        raise NotImplementedError
+
+    def _mean_and_argmax(self, parts: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+        """The mean of the members' parts and its argmax (uint8), on the host."""
+        raise NotImplementedError
+
+
+class _OnHost(Space):
+    """NumPy arrays, resampled by scipy (`grids.from_grid`)."""
+
+    def _scan_labels(self, probabilities, shape, with_probabilities, grid):  # type: ignore[override]
+        on_grid = probabilities[: grid[0], : grid[1], : grid[2]]
+        on_scan = grids.from_grid(on_grid, shape, order=1)
+        return on_scan.argmax(-1).astype(np.uint8), on_scan if with_probabilities else None
+
+    def _mean_scan_labels(self, probabilities, shape, with_probabilities, grids_of):  # type: ignore[override]
+        total = None
+        for member, grid in zip(probabilities, grids_of, strict=True):
+            on_scan = grids.from_grid(member[: grid[0], : grid[1], : grid[2]], shape, order=1)
+            total = on_scan if total is None else np.add(total, on_scan, out=total)
+        total /= len(probabilities)
+        return total.argmax(-1).astype(np.uint8), total if with_probabilities else None
+
+    def _argmax(self, probabilities: np.ndarray) -> np.ndarray:
+        return probabilities.argmax(-1).astype(np.uint8)
+
+    def _window(self, probabilities, grid, offset, scan_shape, lo, hi):  # type: ignore[override]
+        return _host_window(probabilities, grid, offset, scan_shape, lo, hi)
+
+    def _mean_and_argmax(self, parts):  # type: ignore[override]
+        mean = (
+            sum(parts[1:], parts[0].copy()) / np.float32(len(parts)) if len(parts) > 1 else parts[0]
+        )
+        return mean.argmax(-1).astype(np.uint8), mean
+
+
+class _OnDevices(Space):
+    """JAX arrays, resampled on their devices by tables of source voxels and weights: what
+    comes back to the host is the uint8 label map, and probabilities where asked for."""
+
+    def _scan_labels(self, probabilities, shape, with_probabilities, grid):  # type: ignore[override]
+        tables, order = _back_tables(grid, shape), axis_order(shape, grid)
+        labels, on_scan = jax.device_get(_on_scan(probabilities, tables, order, with_probabilities))
+        return _cropped(labels, shape), _cropped(on_scan, shape)
+
+    def _mean_scan_labels(self, probabilities, shape, with_probabilities, grids_of):  # type: ignore[override]
+        # Every member's probabilities onto one device (device to device), summed there.
+        device = min(probabilities[0].devices(), key=lambda d: d.id)
+        total = None
+        for member, grid in zip(probabilities, grids_of, strict=True):
+            tables, order = _back_tables(grid, shape), axis_order(shape, grid)
+            on_scan = _resampled(jax.device_put(member, device), tables, order)
+            total = on_scan if total is None else _sum(total, on_scan)
+        labels, mean = _mean_labels(total, len(probabilities))
+        mean = jax.device_get(mean) if with_probabilities else None
+        return _cropped(jax.device_get(labels), shape), _cropped(mean, shape)
+
+    def _argmax(self, probabilities: jax.Array) -> np.ndarray:
+        return jax.device_get(_grid_argmax(probabilities))
+
+    def _window(self, probabilities, grid, offset, scan_shape, lo, hi):  # type: ignore[override]
+        x = probabilities
+        for axis in axis_order(scan_shape, grid):
+            if scan_shape[axis] == grid[axis]:  # the whole pass's weights are 0 there: as it is
+                x = _take_slice(x, int(lo[axis] - offset[axis]), int(hi[axis] - lo[axis]), axis)
+                continue
+            first, second, weight = linear_weights(grid[axis], scan_shape[axis])
+            part = slice(lo[axis], hi[axis])
+            x = _interpolate(
+                x, first[part] - offset[axis], second[part] - offset[axis], weight[part], axis
+            )
+        return x
+
+    def _mean_and_argmax(self, parts):  # type: ignore[override]
+        mean = parts[0] if len(parts) == 1 else _mean_labels(_sum_all(parts), len(parts))[1]
+        return jax.device_get(_argmax_labels(mean)), jax.device_get(mean)
+
+
+ON_HOST: Space = _OnHost()
+ON_DEVICES: Space = _OnDevices()
+
+
+def space_of(probabilities: Any) -> Space:
+    """The way back that reads these arrays: host (NumPy) or device (JAX) ones; for a
+    list, all on the host or on devices."""
+    if isinstance(probabilities, list | tuple):
+        host = all(isinstance(p, np.ndarray) for p in probabilities)
+    else:
+        host = isinstance(probabilities, np.ndarray)
+    return ON_HOST if host else ON_DEVICES
+
+
 def scan_labels(
     probabilities: np.ndarray | jax.Array,
     shape: Sequence[int],
     with_probabilities: bool = False,
     grid: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Labels (uint8) on the scan's canonical voxels from probabilities [x, y, z, 3] of a
-    box whose first voxels are the `grid` (default: the box is the grid): linear on the
-    probabilities, then the argmax (smoother borders than resampling labels). With
-    `with_probabilities`, the resampled probabilities too.
-
-    On the devices the program depends on the box's and the padded scan's shapes only."""
-    shape = tuple(int(n) for n in shape)
-    grid = tuple(probabilities.shape[:3]) if grid is None else tuple(int(n) for n in grid)
-    if isinstance(probabilities, np.ndarray):
-        on_grid = probabilities[: grid[0], : grid[1], : grid[2]]
-        on_scan = grids.from_grid(on_grid, shape, order=1)
-        return on_scan.argmax(-1).astype(np.uint8), on_scan if with_probabilities else None
-    tables, order = _back_tables(grid, shape), axis_order(shape, grid)
-    labels, on_scan = jax.device_get(_on_scan(probabilities, tables, order, with_probabilities))
-    return _cropped(labels, shape), _cropped(on_scan, shape)
+    """`Space.scan_labels` where the arrays lie."""
+    return space_of(probabilities).scan_labels(probabilities, shape, with_probabilities, grid)
 
 
 def mean_scan_labels(
@@ -114,30 +311,40 @@ def mean_scan_labels(
     with_probabilities: bool = False,
     grids_of: Sequence[Sequence[int]] | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """`scan_labels` of the mean of several boxes' probabilities (an ensemble's members,
-    each on its own grid, `grids_of`: default the boxes), averaged on the scan's voxels,
-    where the backend runs."""
-    shape = tuple(int(n) for n in shape)
-    if grids_of is None:
-        grids_of = [p.shape[:3] for p in probabilities]
-    grids_of = [tuple(int(n) for n in g) for g in grids_of]
-    if all(isinstance(p, np.ndarray) for p in probabilities):
-        total = None
-        for member, grid in zip(probabilities, grids_of, strict=True):
-            on_scan = grids.from_grid(member[: grid[0], : grid[1], : grid[2]], shape, order=1)
-            total = on_scan if total is None else np.add(total, on_scan, out=total)
-        total /= len(probabilities)
-        return total.argmax(-1).astype(np.uint8), total if with_probabilities else None
-    # Every member's probabilities onto one device (device to device), summed there.
-    device = min(probabilities[0].devices(), key=lambda d: d.id)
-    total = None
-    for member, grid in zip(probabilities, grids_of, strict=True):
-        tables, order = _back_tables(grid, shape), axis_order(shape, grid)
-        on_scan = _resampled(jax.device_put(member, device), tables, order)
-        total = on_scan if total is None else _sum(total, on_scan)
-    labels, mean = _mean_labels(total, len(probabilities))
-    mean = jax.device_get(mean) if with_probabilities else None
-    return _cropped(jax.device_get(labels), shape), _cropped(mean, shape)
+    """`Space.mean_scan_labels` where the arrays lie."""
+    space = space_of(list(probabilities))
+    return space.mean_scan_labels(probabilities, shape, with_probabilities, grids_of)
+
+
+def grid_labels(
+    probabilities: np.ndarray | jax.Array, grid: Sequence[int] | None = None
+) -> np.ndarray:
+    """`Space.grid_labels` where the arrays lie."""
+    return space_of(probabilities).grid_labels(probabilities, grid)
+
+
+def window_probabilities(
+    probabilities: np.ndarray | jax.Array,
+    grid: Sequence[int],
+    offset: Sequence[int],
+    scan_shape: Sequence[int],
+    lo: Sequence[int],
+    hi: Sequence[int],
+) -> np.ndarray | jax.Array:
+    """`Space.window_probabilities` where the arrays lie."""
+    space = space_of(probabilities)
+    return space.window_probabilities(probabilities, grid, offset, scan_shape, lo, hi)
+
+
+def window_labels(
+    probabilities: Sequence[np.ndarray | jax.Array],
+    on_grids: Sequence[Any],
+    shape: Sequence[int],
+    with_probabilities: bool = False,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """`Space.window_labels` where the arrays lie."""
+    space = space_of(list(probabilities))
+    return space.window_labels(probabilities, on_grids, shape, with_probabilities)
 
 
 @jax.jit
@@ -149,19 +356,6 @@ def _sum(total: jax.Array, more: jax.Array) -> jax.Array:
 def _mean_labels(total: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
     mean = total / count
     return jnp.argmax(mean, axis=-1).astype(jnp.uint8), mean
-
-
-def grid_labels(
-    probabilities: np.ndarray | jax.Array, grid: Sequence[int] | None = None
-) -> np.ndarray:
-    """The argmax on the grid (uint8), where training's validation Dice is measured: of
-    a box whose first voxels are the `grid` (default: the box is the grid)."""
-    grid = tuple(probabilities.shape[:3]) if grid is None else tuple(int(n) for n in grid)
-    if isinstance(probabilities, np.ndarray):
-        labels = probabilities.argmax(-1).astype(np.uint8)
-    else:
-        labels = jax.device_get(_grid_argmax(probabilities))
-    return np.ascontiguousarray(labels[: grid[0], : grid[1], : grid[2]])
 
 
 @jax.jit
@@ -222,35 +416,6 @@ def _unit_box(
     return grids.hu_to_unit(jnp.where(mask, hu, grids.AIR_HU), window, jnp)
 
 
-def window_probabilities(
-    probabilities: np.ndarray | jax.Array,
-    grid: Sequence[int],
-    offset: Sequence[int],
-    scan_shape: Sequence[int],
-    lo: Sequence[int],
-    hi: Sequence[int],
-) -> np.ndarray | jax.Array:
-    """Probabilities [..., C] on the scan voxels [`lo`, `hi`) from a window's box (box voxel
-    b = grid voxel b + `offset`), computed as `scan_labels` computes them from the whole
-    grid: the same neighbours, weights and order of axes, so the labels are the same
-    wherever the box holds what the whole pass holds (`ctseg.inference.region`)."""
-    scan_shape = tuple(int(n) for n in scan_shape)
-    grid = tuple(int(n) for n in grid)
-    if isinstance(probabilities, np.ndarray):
-        return _host_window(probabilities, grid, offset, scan_shape, lo, hi)
-    x = probabilities
-    for axis in axis_order(scan_shape, grid):
-        if scan_shape[axis] == grid[axis]:  # the whole pass's weights are 0 there: as it is
-            x = _take_slice(x, int(lo[axis] - offset[axis]), int(hi[axis] - lo[axis]), axis)
-            continue
-        first, second, weight = linear_weights(grid[axis], scan_shape[axis])
-        part = slice(lo[axis], hi[axis])
-        x = _interpolate(
-            x, first[part] - offset[axis], second[part] - offset[axis], weight[part], axis
-        )
-    return x
-
-
 @partial(jax.jit, static_argnums=(1, 2, 3))
 def _take_slice(x: jax.Array, start: int, size: int, axis: int) -> jax.Array:
     return jax.lax.slice_in_dim(x, start, start + size, axis=axis)
@@ -288,41 +453,6 @@ def _host_window(
             box[..., channel], scale, offset=start, output_shape=size, order=1, mode="nearest"
         )
     return out
-
-
-def window_labels(
-    probabilities: Sequence[np.ndarray | jax.Array],
-    on_grids: Sequence[Any],
-    shape: Sequence[int],
-    with_probabilities: bool = False,
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """Labels (and probabilities) on the scan's voxels from each member's window box: the
-    mean of the members on the scan voxels every window gives exactly; background (class
-    0 certain) elsewhere."""
-    shape = tuple(int(n) for n in shape)
-    lo = tuple(max(g.window.lo[a] for g in on_grids) for a in range(3))
-    hi = tuple(max(lo[a], min(g.window.hi[a] for g in on_grids)) for a in range(3))
-    parts = [
-        window_probabilities(p, g.grid, g.window.offset, shape, lo, hi)
-        for p, g in zip(probabilities, on_grids, strict=True)
-    ]
-    if all(isinstance(part, np.ndarray) for part in parts):
-        mean = (
-            sum(parts[1:], parts[0].copy()) / np.float32(len(parts)) if len(parts) > 1 else parts[0]
-        )
-        inside = mean.argmax(-1).astype(np.uint8)
-    else:
-        mean = parts[0] if len(parts) == 1 else _mean_labels(_sum_all(parts), len(parts))[1]
-        inside, mean = jax.device_get(_argmax_labels(mean)), jax.device_get(mean)
-    labels = np.zeros(shape, np.uint8)
-    where = tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))
-    labels[where] = inside
-    if not with_probabilities:
-        return labels, None
-    full = np.zeros((*shape, mean.shape[-1]), np.float32)
-    full[..., 0] = 1.0
-    full[where] = mean
-    return labels, full
 
 
 def _sum_all(parts: Sequence[jax.Array]) -> jax.Array:

@@ -32,6 +32,12 @@ Cost, counted as window voxels × multiply-adds per voxel of each stage against 
 whole pass: 512³, base 32, depth 4, cores of 128 — 147 windows in 7 stages, 1.47× the
 whole pass (1.28× from recomputing the skips, the rest from the margins).
 
+Fixed windows (`fixed_stages`): where every new box shape costs a compile (a GPU tunes
+each convolution for minutes), each stage's windows keep one extent whatever the box:
+cores of the asked size at level 0, deeper levels' cores as large as fit the level of the
+smallest box they take (`window_floor`, boxes padded to it), the last window of an axis
+shifted inwards. More overlap than balanced cores, but one program per stage for all boxes.
+
 The memory model here is a hand formula: the first guess that picks the candidate
 programs. `ctseg.inference.engine` then decides from the compiled programs' own memory analysis.
 """
@@ -267,6 +273,54 @@ def plan_stages(config: Config, tile: int, shape: Shape | None = None) -> list[S
         make_stage(config, shape, kind, level, tile)
         for kind, level in stage_order(config.model.depth)
     ]
+
+
+# --------------------------------------------------------------------------- fixed windows
+
+
+# The smallest box of fixed windows, in level-0 windows a side: deeper levels get the
+# cores whose windows fit that box's level, so a larger floor means fewer windows there
+# (less overlap) but more padding for boxes smaller than it.
+FLOOR_WINDOWS = 1
+
+
+def window_floor(config: Config, core: int) -> int:
+    """The smallest box side that fixed windows of `core` voxels take (`fixed_stages`):
+    level 0's widest window (an up stage's core and margins), raised where a deeper level's
+    smallest window (a core of 2) would not fit, and aligned to 2^(depth−1)."""
+    side = FLOOR_WINDOWS * (core + 2 * stage_context(config, UP))
+    for kind, level in stage_order(config.model.depth):
+        side = max(side, (2 + 2 * stage_context(config, kind)) << level)
+    return -(-side // config.alignment) * config.alignment
+
+
+def fixed_core(config: Config, core: int, kind: str, level: int) -> int:
+    """The core of stage (`kind`, `level`) among fixed windows of `core` voxels: `core`,
+    or the largest even core whose window fits the level of a `window_floor` box."""
+    room = (window_floor(config, core) >> level) - 2 * stage_context(config, kind)
+    return min(core, room // 2 * 2)
+
+
+def fixed_stages(config: Config, core: int, shape: Shape) -> list[Stage]:
+    """Every stage of a box of `shape` with windows whose extents do not depend on the box:
+    cores of `fixed_core` along every axis (not balanced to it), the last window of an
+    axis shifted inwards, so one compiled program per stage serves boxes of any shape
+    (`ctseg.inference.jax_backend`). The box must be at least `window_floor` a side."""
+    floor = window_floor(config, core)
+    if min(shape) < floor:
+        raise ValueError(f"box {shape_text(shape)} is below fixed windows' {floor} a side")
+    stages = []
+    for kind, level in stage_order(config.model.depth):
+        side = fixed_core(config, core, kind, level)
+        size = level_shape(shape, level)
+        stages.append(Stage(kind, level, size, (side,) * 3, stage_context(config, kind)))
+    return stages
+
+
+def window_key(stage: Stage) -> tuple[str, int, Shape, Shape]:
+    """What a stage's window program depends on, besides the model: its kind, level,
+    window extent and core."""
+    return (stage.kind, stage.level, stage.extent, stage.core)
 
 
 def stage_spans(stages: list[Stage], need: Span) -> list[Span]:

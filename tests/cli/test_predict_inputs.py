@@ -89,4 +89,4 @@ def test_only_inference_out_of_memory_advises_a_smaller_tile():
         outcome = files.ScanOutcome(Path("scan.nii.gz"), "scan")
         assert files._guarded(outcome, doing, exhausted) is None
         assert outcome.error.startswith(f"{doing} ran out of memory")
-        assert ("--tile" in outcome.error) == (doing == files._INFERENCE)
+        assert ("smaller tile" in outcome.error) == (doing == files._INFERENCE)

@@ -212,3 +212,22 @@ def test_the_python_api_names_each_run_once_and_loads_quietly(trained, caplog):
         segmenter = Segmenter(run_dir, checkpoint="latest", tile=0)
     assert "ensemble" not in segmenter.summary
     assert [r.getMessage() for r in caplog.records if r.name == "absl"] == []
+
+
+def test_segmenter_map_pipelines_files_into_the_results_of_single_calls(trained, tmp_path):
+    run_dir, _, raw = trained
+    segmenter = Segmenter(run_dir, checkpoint="latest", tile=0)
+    paths = [raw / f"volume-{i}.nii.gz" for i in (2, 0, 1)]
+    mapped = list(segmenter.map(paths))
+    assert [result.scan.name for result in mapped] == [segmenter(p).scan.name for p in paths]
+    for path, result in zip(paths, mapped, strict=True):
+        alone = segmenter(path)
+        np.testing.assert_array_equal(result.labels, alone.labels)
+        assert result.stats == alone.stats and result.quality == alone.quality
+    # A file that cannot be read raises in its turn, after the results before it.
+    broken = tmp_path / "volume-9.nii.gz"
+    broken.write_bytes(b"not a scan")
+    results = segmenter.map([paths[0], broken, paths[1]])
+    np.testing.assert_array_equal(next(results).labels, mapped[0].labels)
+    with pytest.raises(CtsegError, match="volume-9"):
+        next(results)

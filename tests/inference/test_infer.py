@@ -1,31 +1,20 @@
 """The inference engine: exact level-wise tiled inference equals the whole-volume pass."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import RESOLUTION, random_model
+from helpers import RESOLUTION, no_host_transfers, random_model
 
 from ctseg.data import grids
 from ctseg.errors import CtsegError
 from ctseg.inference import scan_space, tiling
-from ctseg.inference.engine import Engine, class_probabilities, softmax_
+from ctseg.inference.engine import Engine, class_probabilities
 from ctseg.inference.jax_backend import COMPILED_SHARE
+from ctseg.inference.onnx_backend import softmax_
 from ctseg.model import unet
 from ctseg.parallel import devices as dev
 from ctseg.parallel.partition import LOCAL
-
-
-@contextlib.contextmanager
-def no_host_transfers():
-    """Fail on any transfer between host and devices, explicit or not."""
-    with (
-        jax.transfer_guard_host_to_device("disallow_explicit"),
-        jax.transfer_guard_device_to_host("disallow_explicit"),
-    ):
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +164,40 @@ def test_mirrored_tta_is_the_mean_of_eight_flipped_passes_and_mirror_equivariant
     assert np.abs(plain - mirrored).max() > 1e-3  # the passes do differ on this model
 
 
+@pytest.mark.parametrize("tile", [0, 8])
+def test_both_backends_give_the_same_probabilities_through_one_interface(tile):
+    """JAX and ONNX Runtime are two `Backend`s of one interface: the same probabilities of
+    the same model, plain and mirrored (one TTA loop over each backend's array ops), each
+    on its own arrays (device / host), and the labels on a scan's voxels by each one's way
+    back; the name, dtype and exactness class are the backend's."""
+    pytest.importorskip("onnxruntime")
+    model = random_model(3)
+    box = (32, 24, 40)
+    image = np.random.default_rng(5).uniform(-1, 1, box).astype(np.float32)
+    engines = [Engine(model, tile=tile, shape=box, backend=name) for name in ("jax", "onnx")]
+    assert [e.backend.name for e in engines] == ["jax", "onnx"]
+    assert [e.backend.exactness([model.config]) for e in engines] == [
+        "jax float32",
+        "onnx float32",
+    ]
+    for mirrored in (False, True):
+        on_jax, on_onnx = (class_probabilities(e, image, mirrored) for e in engines)
+        assert isinstance(on_jax, jax.Array) and isinstance(on_onnx, np.ndarray)
+        np.testing.assert_allclose(
+            np.asarray(on_jax), on_onnx, rtol=0, atol=1e-5, err_msg=str(mirrored)
+        )
+        np.testing.assert_allclose(on_onnx.sum(-1), 1, atol=1e-5)
+        shape = (40, 20, 30)
+        pairs = zip(engines, (on_jax, on_onnx), strict=True)
+        labels = [engine.backend.space.scan_labels(p, shape)[0] for engine, p in pairs]
+        assert labels[0].shape == shape and (labels[0] == labels[1]).mean() > 0.99
+    bfloat16 = random_model(2, dtype="bfloat16").config
+    jax_backend, onnx_backend = (e.backend for e in engines)
+    assert jax_backend.dtype(bfloat16).name == "bfloat16"
+    assert onnx_backend.dtype(bfloat16).name == "float32"  # ONNX Runtime runs it in float32
+    assert jax_backend.exactness([model.config, bfloat16]) == "jax bfloat16/float32"
+
+
 def test_a_whole_volume_that_does_not_fit_is_one_line(monkeypatch):
     monkeypatch.setattr(dev, "free_memory", lambda devices: 2**20)  # 1 MiB free
     with pytest.raises(
@@ -240,7 +263,7 @@ def test_the_plan_is_chosen_from_the_compiled_programs_memory(monkeypatch, image
     np.testing.assert_allclose(tiled.logits(image), reference, rtol=0, atol=1e-5)
     # When even small cores do not fit, the levels waiting for their up stage wait on the
     # host, whole: the same logits.
-    tiled._backend._plan.spill = True
+    tiled._plan._plan.spill = True
     np.testing.assert_allclose(tiled.logits(image), reference, rtol=0, atol=1e-5)
     # The default is the devices' free memory, as the device policy reports it.
     monkeypatch.setattr(dev, "free_memory", lambda devices: memory)

@@ -12,7 +12,7 @@ from flax import nnx
 from helpers import RESOLUTION, random_model
 from typer.testing import CliRunner
 
-from ctseg.cli.app import app
+from ctseg.cli.main import app  # every command registered
 from ctseg.errors import CtsegError
 from ctseg.inference import tiling
 from ctseg.inference.engine import Engine

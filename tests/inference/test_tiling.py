@@ -146,27 +146,63 @@ def test_stitch_table_blocks_hold_their_cores_with_their_margins(shape, depth, t
     and the cores (the voxels each window owns) cover the output level exactly once."""
     config = tiny_config(f"model.depth={depth}")
     for stage in tiling.plan_stages(config, tile, shape):
-        table = tiling.stitch_table(stage)
-        block, out_size, extent = (
-            np.asarray(stage.block),
-            np.asarray(stage.out_size),
-            np.asarray(stage.extent),
-        )
-        owned = np.zeros(stage.out_size, np.int8)
-        assert table.shape == (len(stage.windows()), 4, 3)
-        for (start, kept, first, stop), w in zip(table, stage.windows(), strict=True):
-            window_out = start // stage.scale, (start + extent) // stage.scale
-            assert (kept >= 0).all() and (kept + block <= out_size).all()
-            assert (kept >= window_out[0]).all() and (kept + block <= window_out[1]).all()
-            assert (kept <= first).all() and (stop <= kept + block).all()
-            margin = stage.context // stage.scale
-            inner = kept - window_out[0]
-            assert ((window_out[0] == 0) | (inner >= margin)).all()
-            assert ((window_out[1] == out_size) | (window_out[1] - kept - block >= margin)).all()
-            core = tuple(slice(c.start // stage.scale, c.stop // stage.scale) for c in w.core)
-            assert [(s.start, s.stop) for s in core] == list(zip(first, stop, strict=True))
-            owned[core] += 1
-        assert (owned == 1).all(), stage
+        _check_stitch_table(stage)
+
+
+def _check_stitch_table(stage: tiling.Stage) -> None:
+    table = tiling.stitch_table(stage)
+    block, out_size, extent = (
+        np.asarray(stage.block),
+        np.asarray(stage.out_size),
+        np.asarray(stage.extent),
+    )
+    owned = np.zeros(stage.out_size, np.int8)
+    assert table.shape == (len(stage.windows()), 4, 3)
+    for (start, kept, first, stop), w in zip(table, stage.windows(), strict=True):
+        window_out = start // stage.scale, (start + extent) // stage.scale
+        assert (kept >= 0).all() and (kept + block <= out_size).all()
+        assert (kept >= window_out[0]).all() and (kept + block <= window_out[1]).all()
+        assert (kept <= first).all() and (stop <= kept + block).all()
+        margin = stage.context // stage.scale
+        inner = kept - window_out[0]
+        assert ((window_out[0] == 0) | (inner >= margin)).all()
+        assert ((window_out[1] == out_size) | (window_out[1] - kept - block >= margin)).all()
+        core = tuple(slice(c.start // stage.scale, c.stop // stage.scale) for c in w.core)
+        assert [(s.start, s.stop) for s in core] == list(zip(first, stop, strict=True))
+        owned[core] += 1
+    assert (owned == 1).all(), stage
+
+
+@pytest.mark.parametrize(
+    ("shapes", "depth", "core"),
+    [
+        ([(32, 32, 32), (24, 40, 56), (48, 28, 36)], 3, 8),
+        ([(32, 32, 32), (64, 32, 96)], 2, 12),
+        ([(144, 144, 144), (288, 160, 208)], 4, 128),
+    ],
+)
+def test_fixed_windows_do_not_depend_on_the_box(shapes, depth, core):
+    """Fixed windows: every stage's window extent and core are the same for boxes of any
+    shape at least the floor a side (one window program serves them all), the cores are
+    the asked size at level 0, every window fits its level, and the stitch table holds
+    each core once; a box below the floor is refused."""
+    config = tiny_config(f"model.depth={depth}")
+    floor = tiling.window_floor(config, core)
+    assert floor % config.alignment == 0 and floor >= core + 2 * tiling.stage_context(config, "up")
+    keys = None
+    for shape in shapes:
+        stages = tiling.fixed_stages(config, core, shape)
+        assert [(s.kind, s.level) for s in stages] == tiling.stage_order(depth)
+        assert all(s.core == (core,) * 3 for s in stages if s.level == 0)
+        these = [tiling.window_key(s) for s in stages]
+        assert keys is None or these == keys
+        keys = these
+        for stage in stages:
+            assert all(e <= n for e, n in zip(stage.extent, stage.size, strict=True))
+            assert stage.extent == tuple(c + 2 * stage.context for c in stage.core)
+            _check_stitch_table(stage)
+    with pytest.raises(ValueError, match="below fixed windows"):
+        tiling.fixed_stages(config, core, (floor - config.alignment, floor, floor))
 
 
 @pytest.mark.parametrize(

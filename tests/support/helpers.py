@@ -4,6 +4,7 @@ Test modules import from here, never from each other (a module imported by anoth
 would run its module fixtures twice).
 """
 
+import contextlib
 from pathlib import Path
 
 import jax
@@ -131,3 +132,14 @@ def write_trained_run(root: Path) -> tuple[Path, Path, Path]:
     prepare_store(root / "raw", root / "store", config)
     train_and_evaluate(config, root / "store", root / "run")
     return root / "run", root / "store", root / "raw"
+
+
+@contextlib.contextmanager
+def no_host_transfers():
+    """Fail on any transfer between host and devices, explicit or not (prediction stays on
+    the devices once the grid is sent)."""
+    with (
+        jax.transfer_guard_host_to_device("disallow_explicit"),
+        jax.transfer_guard_device_to_host("disallow_explicit"),
+    ):
+        yield

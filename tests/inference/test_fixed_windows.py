@@ -1,0 +1,173 @@
+"""Fixed windows: level-wise tiles whose compiled window programs serve boxes of every shape.
+
+Each stage's convolutions run on windows of one extent that does not depend on the box
+(`tiling.fixed_stages`), compiled once per model and stage and kept by the backend; the
+driver's small programs (cut a window, add its core) follow the level shapes. Stitched,
+the windows equal the whole-volume pass of the same box.
+"""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from helpers import no_host_transfers, random_model, tiny_config
+
+from ctseg.config import TileRequest
+from ctseg.inference import tiling
+from ctseg.inference.engine import Engine, class_probabilities, fixed_window_core
+from ctseg.inference.jax_backend import JaxBackend
+from ctseg.inference.member import Member
+from ctseg.io.scans import Scan
+from ctseg.model import unet
+from ctseg.parallel import devices as dev
+from ctseg.parallel.compile_cache import compile_clock
+from ctseg.run.trained import TrainedModel
+
+# The driver's programs: they depend on a box's level shapes, not on the network.
+DRIVER = {"jit(_begin)", "jit(_add_then_cut)", "jit(_as_batch)", "jit(_only_item)"}
+
+
+class _Calls(list):
+    """A progress callback that records its calls."""
+
+    def __call__(self, done: int, count: int) -> None:
+        self.append((done, count))
+
+
+def _windows_backend() -> JaxBackend:
+    return JaxBackend(jax.devices()[:1], fixed_windows=True)
+
+
+@pytest.mark.parametrize(("depth", "core"), [(2, 6), (2, 12), (3, 8)])
+def test_fixed_windows_equal_the_whole_pass_on_boxes_of_several_shapes(depth, core):
+    """On boxes of three shapes (one no longer than a window along an axis), the stitched
+    windows give the whole pass's logits and labels, on the device throughout."""
+    model = random_model(depth)
+    backend = _windows_backend()
+    floor = tiling.window_floor(model.config, core)
+    for index, box in enumerate([(32, 32, 32), (floor, 40, 56), (48, 28, 36)]):
+        image = np.random.default_rng(index).uniform(-1, 1, box).astype(np.float32)
+        reference = np.asarray(Engine(model, tile=0, shape=box, backend=backend).logits(image))
+        assert np.ptp(reference.argmax(-1)) > 0
+        engine = Engine(model, tile=core, shape=box, backend=backend, windows=core)
+        assert engine.description.startswith(f"fixed windows ≤ {core}³")
+        assert sum(len(s.windows()) for s in engine.stages) > 2 * depth - 1
+        placed = engine.place(image)
+        calls = _Calls()
+        with no_host_transfers():  # no window and no level through the host
+            logits = jax.block_until_ready(engine.logits(placed, calls))
+        assert calls[-1][0] == calls[-1][1] == sum(len(s.windows()) for s in engine.stages)
+        np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-5, err_msg=str(box))
+        np.testing.assert_array_equal(np.asarray(logits).argmax(-1), reference.argmax(-1))
+
+
+def test_fixed_windows_with_tta_and_a_region_equal_the_whole_pass():
+    """Mirrored TTA is exact too, and a region's voxels (`need`) compute only their cone."""
+    model = random_model(3)
+    backend = _windows_backend()
+    box = (32, 24, 96)
+    image = np.random.default_rng(3).uniform(-1, 1, box).astype(np.float32)
+    whole = Engine(model, tile=0, shape=box, backend=backend)
+    windows = Engine(model, tile=8, shape=box, backend=backend, windows=8)
+    mirrored = [np.asarray(class_probabilities(e, image, True)) for e in (whole, windows)]
+    np.testing.assert_allclose(mirrored[1], mirrored[0], rtol=0, atol=1e-5)
+    need = ((6, 20), (0, 24), (40, 58))
+    region = tuple(slice(lo, hi) for lo, hi in need)
+    calls: list[tuple[int, int]] = []
+    logits = np.asarray(windows.logits(image, lambda *c: calls.append(c), need))
+    np.testing.assert_allclose(logits[region], np.asarray(whole.logits(image))[region], atol=1e-5)
+    assert calls[-1][0] < sum(len(s.windows()) for s in windows.stages)
+    assert not logits[:, :, :8].any() and not logits[:, :, 90:].any()
+
+
+def test_window_programs_compile_once_for_boxes_of_every_shape():
+    """Three box shapes through one backend: each stage's window program is compiled once,
+    with the first box; a new box shape compiles the driver's small programs only, a
+    bounded number of them, and a box seen before compiles nothing."""
+    model = random_model(3)
+    backend = _windows_backend()
+    clock = compile_clock()
+    core = 8
+    keys = {tiling.window_key(s) for s in tiling.fixed_stages(model.config, core, (32,) * 3)}
+    compiled = []
+    for box in [(32, 32, 32), (24, 40, 56), (48, 28, 36), (24, 40, 56)]:
+        before = dict(clock.by_name)
+        image = np.random.default_rng(0).uniform(-1, 1, box).astype(np.float32)
+        engine = Engine(model, tile=core, shape=box, backend=backend, windows=core)
+        jax.block_until_ready(engine.logits(image))
+        compiled.append({k: v - before.get(k, 0) for k, v in clock.by_name.items()})
+        compiled[-1] = {k: v for k, v in compiled[-1].items() if v}
+    first, *later = compiled
+    assert first.get("jit(window_program)") == len(keys)
+    stages = len(tiling.stage_order(model.config.model.depth))
+    for programs in later[:2]:
+        assert set(programs) <= DRIVER, programs  # no convolution compiled again
+        # Per stage its first window's cut and zero level, and the add-then-cut.
+        assert sum(programs.values()) <= 2 * stages + 2
+    assert later[2] == {}  # the same shape again: nothing
+
+
+def test_the_automatic_plan_runs_fixed_windows_on_one_accelerator_only(monkeypatch):
+    """On the CPU the default stays the box's own plan (fastest there, measured); on one
+    accelerator the spacing grid's boxes run in fixed windows of a core chosen from memory;
+    the whole volume asked for, or a backend without them, runs none."""
+    model = random_model(2)
+    assert not JaxBackend(jax.devices()[:1]).fixed_windows
+    monkeypatch.setattr(dev, "is_accelerator", lambda devices: True)
+    assert JaxBackend(jax.devices()[:1]).fixed_windows
+    assert not JaxBackend(jax.devices()[:2]).fixed_windows  # windows run on one device
+    backend = JaxBackend(jax.devices()[:1])
+    assert fixed_window_core(model, TileRequest.size(16), backend, 2**30) == 16
+    assert fixed_window_core(model, TileRequest.whole(), backend, 2**30) is None
+    assert fixed_window_core(model, TileRequest.auto(), backend, 2**40) == 128
+    assert fixed_window_core(model, TileRequest.auto(), backend, 2**20) < 128
+    off = JaxBackend(jax.devices()[:1], fixed_windows=False)
+    assert fixed_window_core(model, TileRequest.auto(), off, 2**40) is None
+
+
+def _spacing_model() -> TrainedModel:
+    config = tiny_config("data.grid=spacing", "data.spacing=[8.0,8.0,8.0]", "model.depth=3")
+    graphdef, params, stats = unet.create(config.model, seed=1)
+    return TrainedModel(config, graphdef, params, stats, step=0)
+
+
+def test_a_member_pads_spacing_grid_boxes_to_a_window_and_predicts_exactly():
+    """A member on the spacing grid with fixed windows: every box at least the windows'
+    floor a side, its probabilities those of the whole pass over the same box, and the
+    window programs compiled with the first scan only."""
+    model = _spacing_model()
+    core = 8
+    member = Member(model, TileRequest.size(core), _windows_backend())
+    assert member.windows == core
+    floor = tiling.window_floor(model.config, core)
+    rng = np.random.default_rng(0)
+    clock = compile_clock()
+    window_programs = []
+    for shape in [(70, 79, 34), (90, 60, 40), (40, 100, 50)]:
+        before = clock.by_name["jit(window_program)"]
+        hu = rng.normal(0, 300, shape).astype(np.int16)
+        affine = np.diag([2.0, 2.0, 4.0, 1.0])
+        scan = Scan(hu, affine, shape, affine, None, Path("scan.nii.gz"), "scan")
+        on_grid = member.to_grid(scan)
+        box = tuple(on_grid.unit.shape)
+        assert min(box) >= floor
+        probabilities = member.infer(on_grid, False, lambda *c: None, None)
+        window_programs.append(clock.by_name["jit(window_program)"] - before)
+        assert member.engine.windows == core and member.engine.shape == box
+        whole = Engine(model, tile=0, shape=box, backend=member.backend)
+        expected = jax.nn.softmax(whole.logits(on_grid.unit), axis=-1)
+        np.testing.assert_allclose(np.asarray(probabilities), expected, rtol=0, atol=1e-5)
+    assert len({e.shape for e in member._engines.values()}) == 3  # three box shapes
+    assert window_programs[0] > 0 and window_programs[1:] == [0, 0]  # compiled once
+
+
+def test_a_cube_member_runs_fixed_windows_for_region_boxes_only():
+    """On the cube grid the one box keeps its own plan; a region's box (its shape follows the
+    liver) runs in fixed windows when it holds one, else in its own plan."""
+    model = random_model(3)  # the 32³ cube
+    member = Member(model, TileRequest.size(8), _windows_backend())
+    assert member.engine is not None and member.engine.windows is None
+    floor = tiling.window_floor(model.config, 8)
+    assert member.engine_for((floor, 28, 32)).windows == 8
+    assert member.engine_for((floor - 4, 28, 32)).windows is None
