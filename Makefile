@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 CTSEG  := $(VENV)/bin/ctseg
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test demo bench bench-predict512 bench-augment gpu-check lint clean experiment-resolution experiment-geometry experiment-robustness targets-table
+.PHONY: install test demo bench bench-predict512 bench-augment gpu-check lint clean experiment-resolution experiment-geometry experiment-robustness experiment-quality targets-table
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -59,6 +59,11 @@ experiment-geometry: $(STAMP)
 # as acquired differently (rotated, larger, smaller, noisy, soft, thick, contrasted).
 experiment-robustness: $(STAMP)
 	bash scripts/experiment_robustness.sh
+
+# Does the prediction quality find the wrong predictions? The demo's model (make demo
+# first) on 176 phantoms of 11 sets; chooses the thresholds (about 5 minutes).
+experiment-quality: $(STAMP)
+	bash scripts/experiment_quality.sh
 
 # Every shipped config compiled for the main GPUs and a TPU slice, without them
 # (docs/reference/targets.md; cells already compiled are kept; XLA for TPUs is slow).

@@ -1,6 +1,7 @@
 """`ctseg evaluate`: metrics of predicted label maps against references."""
 
 from collections.abc import Callable
+from datetime import date
 from functools import partial
 from pathlib import Path
 from typing import Annotated
@@ -16,10 +17,18 @@ from ctseg.cli.predict import BackendOption, TtaOption
 from ctseg.cli.progress import counting
 from ctseg.config import InferenceOptions
 from ctseg.errors import CtsegError
+from ctseg.evaluation import quality as quality_power
 from ctseg.evaluation.cross_validation import evaluate_cross_validation
+from ctseg.evaluation.reports import (
+    CrossValidationReport,
+    LocatedCounts,
+    Report,
+    RunReport,
+    Summary,
+)
 from ctseg.evaluation.runs import evaluate_run
 from ctseg.evaluation.scoring import claim_reports, evaluate_folders, write_reports
-from ctseg.inference.region import check_margin
+from ctseg.evaluation.skeleton import check_request
 from ctseg.run import evaluations, rundir
 
 console = Console(highlight=False)
@@ -60,12 +69,12 @@ def _case_table(cases: list[dict]) -> Table:
     return table
 
 
-def _summary_table(summary: dict) -> Table:
-    table = Table(title=f"Summary over {summary['n_cases']} case(s)")
+def _summary_table(summary: Summary) -> Table:
+    table = Table(title=f"Summary over {summary.n_cases} case(s)")
     table.add_column("metric")
     table.add_column("liver", justify="right")
     table.add_column("tumour", justify="right")
-    liver, tumour = summary["liver"], summary["tumour"]
+    liver, tumour = summary.liver, summary.tumour
     rows = [
         ("Dice, mean per case", "dice_per_case", 3),
         ("Dice, global", "dice_global", 3),
@@ -83,10 +92,19 @@ def _summary_table(summary: dict) -> Table:
     return table
 
 
-def _run_with_progress(run: Callable[..., dict]) -> dict:
+def _run_with_progress(run: Callable[..., Report]) -> Report:
     """Call `run(progress=...)` under a progress bar of cases."""
     with counting("evaluating") as report:
         return run(progress=report)
+
+
+# How `ctseg evaluate` spells the library's parameters in its messages (`check_request`).
+FLAGS = {
+    "out_dir": "--out DIR",
+    "locate": "--locate COARSE_RUN",
+    "margin_mm": "--margin",
+    "cross_validation": "--cross-validation",
+}
 
 
 def _evaluate_run(
@@ -99,13 +117,14 @@ def _evaluate_run(
     force: bool,
     locate: Path | None = None,
     margin: float | None = None,
-) -> dict:
+) -> RunReport:
     """The RUN_DIR form: predict the store's split with the run's model (or the mean of an
     ensemble's), on the located liver's region with `locate`, then score it."""
     configs = [rundir.load_config(run_dir) for run_dir in run_dirs]
-    start_jax(configs[0], devices=1, device=options.device, compile_cache=compile_cache)
-    if len(run_dirs) == 1:
-        out = evaluations.evaluation_dir(run_dirs[0], out)
+    chosen = start_jax(
+        configs[0], cpu_devices=1, device=options.device, compile_cache=compile_cache
+    )
+    out = evaluations.evaluation_dir(run_dirs[0], out)
     run = partial(
         evaluate_run,
         run_dirs,
@@ -118,28 +137,29 @@ def _evaluate_run(
         margin,
         force=force,
         warn=warn,
+        devices=chosen.devices,
     )
     result = _run_with_progress(run)
-    if len(run_dirs) == 1:
-        grid = result["summary"]["grid_dice"]
+    head = result.run
+    if head.ensemble is None:
+        grid = result.summary.grid_dice or {}
         model = (
-            f"checkpoint step {result['run']['checkpoint_step']}; grid Dice liver "
-            f"{_fmt(grid['liver'])}, tumour {_fmt(grid['tumour'])}"
+            f"checkpoint step {head.checkpoint_step}; grid Dice liver "
+            f"{_fmt(grid.get('liver'))}, tumour {_fmt(grid.get('tumour'))}"
         )
     else:
-        model = f"an ensemble of {len(run_dirs)} runs"
+        model = f"an ensemble of {len(head.ensemble)} runs"
     console.print(
-        f"{escape(result['run']['device'])}; {model}; "
+        f"{escape(head.engine.device)}; {model}; "
         f"reports in {escape(str(out))} (summary.json, metrics.csv)"
     )
-    if "locate" in result["run"]:
-        locator, counts = result["run"]["locate"], result["summary"].get("located")
-        counts = counts or {"region": 0, "whole_scan": 0}
+    if head.locate is not None:
+        counts = result.summary.located or LocatedCounts(0, 0)
         console.print(
-            f"located by {escape(locator['run_dir'])} (checkpoint step "
-            f"{locator['checkpoint_step']}, margin {locator['margin_mm']:g} mm): "
-            f"{counts['region']} case(s) predicted on the liver's region, "
-            f"{counts['whole_scan']} on the whole scan"
+            f"located by {escape(head.locate.run_dir)} (checkpoint step "
+            f"{head.locate.checkpoint_step}, margin {head.locate.margin_mm:g} mm): "
+            f"{counts.region} case(s) predicted on the liver's region, "
+            f"{counts.whole_scan} on the whole scan"
         )
     return result
 
@@ -151,10 +171,12 @@ def _evaluate_cross_validation(
     options: InferenceOptions,
     compile_cache: str | None,
     force: bool,
-) -> dict:
+) -> CrossValidationReport:
     """The --cross-validation form: each fold run predicts its fold, scored as one table."""
     configs = [rundir.load_config(run_dir) for run_dir in run_dirs]
-    start_jax(configs[0], devices=1, device=options.device, compile_cache=compile_cache)
+    chosen = start_jax(
+        configs[0], cpu_devices=1, device=options.device, compile_cache=compile_cache
+    )
     run = partial(
         evaluate_cross_validation,
         run_dirs,
@@ -164,20 +186,21 @@ def _evaluate_cross_validation(
         configs,
         force=force,
         warn=warn,
+        devices=chosen.devices,
     )
     result = _run_with_progress(run)
-    for entry in result["runs"]:
-        liver, tumour = entry["summary"]["liver"], entry["summary"]["tumour"]
+    for entry in result.runs:
+        liver, tumour = entry.summary.liver, entry.summary.tumour
         console.print(
-            f"fold {entry['fold']}: {escape(entry['run_dir'])}, checkpoint step "
-            f"{entry['checkpoint_step']}, {len(entry['cases'])} case(s): Dice per case liver "
+            f"fold {entry.fold}: {escape(entry.run_dir)}, checkpoint step "
+            f"{entry.checkpoint_step}, {len(entry.cases)} case(s): Dice per case liver "
             f"{_fmt(liver['dice_per_case'])}, tumour {_fmt(tumour['dice_per_case'])}"
         )
-    grid = result["summary"]["grid_dice"]
+    grid = result.summary.grid_dice or {}
     console.print(
-        f"{escape(result['cross_validation']['device'])}; cross-validation over "
-        f"{len(result['runs'])} folds; grid Dice liver {_fmt(grid['liver'])}, tumour "
-        f"{_fmt(grid['tumour'])}; reports in {escape(str(out))} (summary.json, metrics.csv)"
+        f"{escape(result.cross_validation.engine.device)}; cross-validation over "
+        f"{len(result.runs)} folds; grid Dice liver {_fmt(grid.get('liver'))}, tumour "
+        f"{_fmt(grid.get('tumour'))}; reports in {escape(str(out))} (summary.json, metrics.csv)"
     )
     return result
 
@@ -200,52 +223,95 @@ def _check_form(
             "--locate does not apply to --cross-validation: evaluate a fold run alone "
             "(RUN_DIR --data PREP_DIR --locate COARSE_RUN)"
         )
-    # Finite, not negative, with --locate: before anything is claimed or written.
-    check_margin(
-        run_options["margin"], run_options["locate"] is not None, "--margin", "--locate COARSE_RUN"
-    )
     if cross_validation and run_options["split"] is not None:
         raise CtsegError(
             "--split does not apply to --cross-validation: each fold run predicts its own fold"
         )
-    if cross_validation and run_options["out"] is None:
+    if cross_validation and run_options["calibrate"]:
         raise CtsegError(
-            "--cross-validation writes its predictions and reports into --out DIR: give one"
+            "--calibrate does not apply to --cross-validation: calibrate one run "
+            "(RUN_DIR --data PREP_DIR --calibrate)"
         )
 
 
-def _print_result(result: dict) -> None:
+def _check_run_form(
+    run_dirs: list[Path],
+    data: Path | None,
+    json_path: Path | None,
+    csv_path: Path | None,
+    calibrate: bool,
+    force: bool,
+) -> None:
+    """The RUN_DIR form's own options: --data given, no --json/--csv, --calibrate into one
+    run whose thresholds may be written (checked before anything is predicted)."""
+    if calibrate:
+        if len(run_dirs) != 1:
+            raise CtsegError(
+                "--calibrate writes the thresholds into one run: give one RUN_DIR, not "
+                f"{len(run_dirs)}"
+            )
+        quality_power.check_calibration_target(run_dirs[0], force)
+    if json_path is not None or csv_path is not None:
+        raise CtsegError("--json/--csv apply to --pred/--ref; with RUN_DIR reports go to --out")
+    if data is None:
+        raise CtsegError("give --data PREP_DIR: the prepared store whose split to evaluate")
+
+
+def _print_result(result: Report) -> None:
     """The cases, the summary, the quality's power, what was unpaired, every failure."""
-    if result["cases"]:
-        console.print(_case_table(result["cases"]))
-        console.print(_summary_table(result["summary"]))
-        if quality := result["summary"].get("quality"):
-            console.print(_quality_line(quality))
-    unpaired = result["unpaired"]
-    if unpaired["pred"] or unpaired["ref"]:
+    if result.cases:
+        console.print(_case_table(result.cases))
+        console.print(_summary_table(result.summary))
+        if result.summary.quality:
+            console.print(_quality_line(result.summary.quality))
+    unpaired = result.unpaired
+    if unpaired.pred or unpaired.ref:
         console.print(
             escape(
-                f"unpaired predictions: {', '.join(unpaired['pred']) or 'none'}; "
-                f"unpaired references: {', '.join(unpaired['ref']) or 'none'}"
+                f"unpaired predictions: {', '.join(unpaired.pred) or 'none'}; "
+                f"unpaired references: {', '.join(unpaired.ref) or 'none'}"
             )
         )
-    for error in result["errors"]:
+    for error in result.errors:
         console.print(
             f"[bold red]case {escape(error['case'])} failed:[/] {escape(error['message'])}"
         )
 
 
+def _number(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
 def _quality_line(quality: dict) -> str:
     """The prediction quality's power against the truth, in one line."""
-
-    def number(value: float | None) -> str:
-        return "–" if value is None else f"{value:.2f}"
-
-    return (
-        f"quality against the truth: AUROC liver {number(quality['liver']['auroc'])}, "
-        f"tumour {number(quality['tumour']['auroc'])}; good cases sent to review "
-        f"{number(quality['good_flagged'])} (provisional thresholds)"
+    return escape(
+        f"quality against the truth: AUROC liver {_number(quality['liver']['auroc'])}, "
+        f"tumour {_number(quality['tumour']['auroc'])}; good cases sent to review "
+        f"{_number(quality['good_flagged'])} (thresholds: {quality['thresholds']})"
     )
+
+
+def _calibrate(run_dir: Path, result: Report, data: Path, split: str, force: bool) -> None:
+    """--calibrate: the thresholds chosen on the evaluated cases, written into the run."""
+    cases = result.cases
+    on = f"{len(cases)} case(s) of the {split!r} split of {data}, {date.today().isoformat()}"
+    calibration = quality_power.calibrate_run(run_dir, cases, on, force=force)
+    thresholds = calibration.thresholds.to_json()["thresholds"]
+    chosen = ", ".join(f"{name} {value:.3g}" for name, value in thresholds.items())
+    summary = calibration.summary
+    missed = summary[f"liver_below_{quality_power.LIVER_FAILED_BELOW:g}_not_flagged"]
+    console.print(
+        escape(
+            f"quality thresholds chosen on {summary['n_cases']} case(s), written to "
+            f"{quality_power.thresholds_path(run_dir)}: {chosen}. Under them: AUROC liver "
+            f"{_number(summary['liver']['auroc'])}, tumour "
+            f"{_number(summary['tumour']['auroc'])}; good cases sent to review "
+            f"{_number(summary['good_flagged'])}; livers of Dice < "
+            f"{quality_power.LIVER_FAILED_BELOW:g} not flagged: {len(missed)}"
+        )
+    )
+    for note in calibration.notes:
+        warn(note)
 
 
 @app.command()
@@ -336,12 +402,24 @@ def evaluate(
     csv_path: Annotated[
         Path | None, typer.Option("--csv", help="Write one CSV row of metrics per case here.")
     ] = None,
+    calibrate: Annotated[
+        bool,
+        typer.Option(
+            "--calibrate",
+            help="After evaluating one RUN_DIR, choose the prediction quality's thresholds "
+            "from these labelled cases (at least 10, some of them bad: liver Dice < 0.85, "
+            "tumour Dice < 0.5 or a missed tumour) and write them into the run "
+            "(RUN_DIR/quality.json), which ctseg predict, evaluate and the Python API then "
+            "judge by. An existing RUN_DIR/quality.json is replaced only with --force.",
+        ),
+    ] = False,
     force: Annotated[
         bool,
         typer.Option(
             "--force",
             help="Replace a --json/--csv file that is not an earlier report, or (RUN_DIR form) "
-            "the evaluation of another run or checkpoint in --out. Inputs are never replaced.",
+            "the evaluation of another run or checkpoint in --out, or with --calibrate the "
+            "run's quality thresholds. Inputs are never replaced.",
         ),
     ] = False,
 ) -> None:
@@ -351,6 +429,8 @@ def evaluate(
     tumour; paired by file name), or a RUN_DIR whose model predicts a split (several:
     an ensemble, their probabilities averaged), or (--cross-validation) one fold run
     per fold of the store, each predicting its fold.
+    With --calibrate, the prediction quality's thresholds are then chosen from the
+    evaluated cases and written into the run (RUN_DIR/quality.json).
     Exits 1 when any case could not be evaluated. An existing --json/--csv file is
     replaced only when it is an earlier report of `ctseg evaluate` (or with --force).
     """
@@ -367,19 +447,14 @@ def evaluate(
         "locate": locate,
         "margin": margin,
         "compile-cache": compile_cache,
+        "calibrate": calibrate,
     }
     _check_form(run_dirs, pred, ref, run_options)
     run_dirs = rundir.member_runs(run_dirs)  # folders of runs expanded
-    if len(run_dirs) > 1 and not cross_validation and out is None:
-        raise CtsegError(
-            "an ensemble of several runs writes its predictions and reports into --out DIR: "
-            "give one"
-        )
     if run_dirs:
-        if json_path is not None or csv_path is not None:
-            raise CtsegError("--json/--csv apply to --pred/--ref; with RUN_DIR reports go to --out")
-        if data is None:
-            raise CtsegError("give --data PREP_DIR: the prepared store whose split to evaluate")
+        # The library's one check of what is asked, in the command's words, before JAX starts.
+        check_request(run_dirs, out, locate, margin, cross_validation, names=FLAGS)
+        _check_run_form(run_dirs, data, json_path, csv_path, calibrate, force)
         options = InferenceOptions(
             checkpoint or "best",
             backend=backend and backend.value,
@@ -398,5 +473,7 @@ def evaluate(
         write_reports(result, json_path=json_path, csv_path=csv_path)
 
     _print_result(result)
-    if result["errors"]:
+    if calibrate:
+        _calibrate(run_dirs[0], result, data, split or "val", force)
+    if result.errors:
         raise typer.Exit(1)

@@ -85,17 +85,15 @@ def start_jax(
     device: str = "auto",
     compile_cache: str | None = None,
     verbose: bool = False,
-    *,
-    devices: int | None = None,  # `cpu_devices`' earlier name, until predict and evaluate say it
 ) -> ChosenDevices:
     """Start JAX for `device`, join a multi-host job if asked, and simulate CPU devices;
     the devices `device` chooses, which the command hands down (it chooses once, here).
 
     `cpu_devices`: the CPU devices to simulate over all processes (default: the
-    config's mesh), used only where the CPU is what runs (`devices`: its earlier name,
-    still taken). `compile_cache`: the `--compile-cache` option. Must run before
-    anything touches JAX devices: simulated CPU devices can only be configured before
-    the backend starts. Raises the one-line error of a `device` that is not here.
+    config's mesh), used only where the CPU is what runs. `compile_cache`: the
+    `--compile-cache` option. Must run before anything touches JAX devices: simulated
+    CPU devices can only be configured before the backend starts. Raises the one-line
+    error of a `device` that is not here.
     Prints, as the command's first lines, why `--device auto` runs on the CPU where an
     accelerator failed to start, and why the compilation cache is not used. What XLA
     and its plugins print on starting is held back (`library_output.held`; shown if
@@ -104,7 +102,6 @@ def start_jax(
     from ctseg.parallel import devices as dev
     from ctseg.parallel import partition  # imports JAX; keep `ctseg --help` fast
 
-    cpu_devices = cpu_devices if cpu_devices is not None else devices
     dev.commands_hold_output()  # held below, and shown with --verbose
     dev.restrict_backends(device)
     cache_problem = use_compile_cache(compile_cache_dir(compile_cache))

@@ -1,6 +1,7 @@
 """A cross-validation (``ctseg evaluate RUN_DIR… --cross-validation``): every labelled
-case of a store predicted by the fold run that did not train on it, case by case as
-`ctseg.evaluation.runs.evaluate_run` does, into one report.
+case of a store predicted by the fold run that did not train on it, case by case
+through the skeleton `ctseg.evaluation.runs.evaluate_run` uses
+(`ctseg.evaluation.skeleton`), into one report.
 
 `fold_runs` checks that the runs are one fold run per fold of the store's current
 folds (their fold.json), sharing one config.
@@ -9,16 +10,26 @@ folds (their fold.json), sharing one config.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ctseg import atomic, lock
 from ctseg.config import Config, InferenceOptions
 from ctseg.data.store import Store
 from ctseg.errors import CtsegError
-from ctseg.evaluation.runs import engine_record, score_run, summary_of, write_report
+from ctseg.evaluation.reports import (
+    CrossValidationHead,
+    CrossValidationReport,
+    FoldEntry,
+    Json,
+    Summary,
+)
+from ctseg.evaluation.skeleton import Part, Scored, check_request, evaluate
 from ctseg.progress import Progress
 from ctseg.run import evaluations, rundir
+
+if TYPE_CHECKING:
+    from ctseg.inference.predictor import Predictor
 
 
 class FoldRun(NamedTuple):
@@ -114,63 +125,77 @@ def evaluate_cross_validation(
     progress: Progress | None = None,
     force: bool = False,
     warn: Callable[[str], None] | None = None,
-) -> dict:
+    devices: Sequence[Any] | None = None,
+) -> CrossValidationReport:
     """Every labelled case of the store predicted by the fold run that did not train on
     it, scored as `evaluate_run` scores a run's cases; one report in `out_dir`.
 
     `run_dirs`: one fold run per fold of the store (`fold_runs` checks them). Each
-    run's model is loaded in turn and predicts its fold's cases (its "val" split),
-    through the per-case work of `evaluate_run`. `out_dir` holds one evaluation, under
-    its lock, by the rules of `evaluate_run` (`evaluations.EVALUATED` records the runs,
-    their checkpoints and the store). Returns the report: the cases of every fold, their
-    summary and errors, and ``runs`` (per fold: run, checkpoint step, cases, summary).
+    run's model is loaded in turn (on `devices`, a command's, chosen when it started
+    JAX; default: those `options.device` asks for) and predicts its fold's cases (its
+    "val" split), through the skeleton of `evaluate_run` (`ctseg.evaluation.skeleton`).
+    `out_dir` holds one evaluation, under its lock, by the rules of `evaluate_run`
+    (`evaluations.EVALUATED` records the runs, their checkpoints and the store). Returns
+    the report (`CrossValidationReport`): the cases of every fold, their summary and
+    errors, and ``runs`` (per fold: run, checkpoint step, cases, summary).
     """
-    from ctseg.inference.predictor import Predictor
-
+    check_request(run_dirs, out_dir, cross_validation=True)
     data_dir, out_dir = Path(data_dir), Path(out_dir)
-    options = options or InferenceOptions()
     store = Store.open(data_dir)
     runs = fold_runs(store, run_dirs, configs)
-    folds = {run.fold: [c for c in store.fold_cases(run.fold) if c.labelled] for run in runs}
-    total = sum(len(cases) for cases in folds.values())
-    with lock.hold(out_dir, warn):
-        atomic.claim_folder(out_dir, evaluations.OWN_FILES, force=None)
-        steps = _checkpoint_steps(runs, options.checkpoint)
-        evaluations.claim(out_dir, _record(runs, steps, data_dir), force)
-        records, errors, entries, engine = [], [], [], {}
-        for run in runs:
-            predictor = Predictor.from_run(run.run_dir, options, run.config)
-            cases, done = folds[run.fold], len(records) + len(errors)
+    evaluation = _CrossValidation(store, runs, data_dir, options or InferenceOptions(), devices)
+    return evaluate(evaluation, out_dir, force, progress, warn)
 
-            def counted(i: int, _: int, name: str, done: int = done) -> None:
-                if progress is not None:
-                    progress(done + i, total, name)
 
-            view = store.for_fold(run.fold)
-            fold_records, fold_errors = score_run(predictor, view, cases, out_dir, counted)
-            records += fold_records
-            errors += fold_errors
-            engine = engine or engine_record(predictor)
-            entries.append(
-                {
-                    "run_dir": str(run.run_dir),
-                    "fold": run.fold,
-                    "checkpoint_step": predictor.model.step,
-                    "cases": [case.id for case in cases],
-                    "summary": summary_of(fold_records),
-                }
+@dataclass(frozen=True)
+class _CrossValidation:
+    """A cross-validation: one part per fold run, its fold's labelled cases."""
+
+    store: Store
+    runs: list[FoldRun]
+    data_dir: Path
+    options: InferenceOptions
+    devices: Sequence[Any] | None
+
+    def _load(self, run: FoldRun) -> Callable[[], Predictor]:
+        from ctseg.inference.predictor import Predictor
+
+        return lambda: Predictor.from_run(run.run_dir, self.options, run.config, self.devices)
+
+    @property
+    def parts(self) -> list[Part]:
+        return [
+            Part(
+                self._load(run),
+                self.store.for_fold(run.fold),
+                [case for case in self.store.fold_cases(run.fold) if case.labelled],
             )
-            del predictor  # one model at a time on the devices
-        actual = [entry["checkpoint_step"] for entry in entries]
-        if actual != steps:  # a checkpoint that could not be read was skipped: say which was used
-            atomic.write_json(out_dir / evaluations.EVALUATED, _record(runs, actual, data_dir))
-        head = {
-            "cross_validation": {
-                "data": str(data_dir),
-                "folds": store.folds,
-                "fold_seed": store.fold_seed,
-                **engine,
-            },
-            "runs": entries,
-        }
-        return write_report(head, records, errors, out_dir)
+            for run in self.runs
+        ]
+
+    def record(self, scored: Sequence[Scored] | None) -> Json:
+        if scored is None:  # the checkpoints `options.checkpoint` names
+            steps = _checkpoint_steps(self.runs, self.options.checkpoint)
+        else:  # those the predictors loaded
+            steps = [part.steps[0] for part in scored]
+        return _record(self.runs, steps, self.data_dir)
+
+    def report(self, scored: Sequence[Scored]) -> CrossValidationReport:
+        entries = tuple(
+            FoldEntry(
+                str(run.run_dir),
+                run.fold,
+                part.steps[0],
+                [case.id for case in part.part.cases],
+                Summary.of(part.records),
+            )
+            for run, part in zip(self.runs, scored, strict=True)
+        )
+        head = CrossValidationHead(
+            str(self.data_dir), self.store.folds, self.store.fold_seed, scored[0].engine
+        )
+        records = [record for part in scored for record in part.records]
+        errors = [error for part in scored for error in part.errors]
+        return CrossValidationReport(
+            records, Summary.of(records), errors, cross_validation=head, runs=entries
+        )

@@ -12,21 +12,57 @@ its Dice. Against the truth a case is *bad*
 that a bad case scores higher than a good one, ties counting half; the Mann–Whitney U
 divided by the pairs), when the cases hold both good and bad ones; the share of the bad
 cases the verdict flags; and the share of good cases (good for both) sent to review, the
-cost of the flags. NumPy only.
+cost of the flags.
+
+`choose_thresholds` calibrates the verdict on labelled cases (`make experiment-quality`
+chose the defaults with it; `ctseg evaluate RUN --data STORE --calibrate` a run's own,
+RUN_DIR/quality.json): every case's recorded concerns are judged again
+(`ctseg.inference.quality.rejudged`) under candidate thresholds, starting above every good
+case's value (or at the hand-chosen `HAND_CHOSEN`, where that is higher), then lowered greedily, one
+concern at a time, to wherever flags the most bad cases per good case flagged, while at
+most `GOOD_FLAGGED_TARGET` of the good cases are flagged; then lowered further, whatever
+it costs, until every liver of Dice < `LIVER_FAILED_BELOW` is flagged; each lowered
+threshold is finally set midway between the bad value it reached and the highest good
+value below it. A threshold never goes below its `FLOORS` value. NumPy only.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ctseg.inference.quality import OK  # the one verdict that flags nothing
+from ctseg.errors import CtsegError
+from ctseg.inference.quality import (
+    HAND_CHOSEN,
+    OK,  # the one verdict that flags nothing
+    REVIEW_AT,
+    UNLIKE,
+    Thresholds,
+    rejudged,
+    thresholds_path,
+)
 
 LIVER_BAD_BELOW = 0.85
 TUMOUR_BAD_BELOW = 0.5
 LIVER_FAILED_BELOW = 0.5  # a liver this bad must always be flagged
+GOOD_FLAGGED_TARGET = 0.10  # the share of good cases calibration may send to review
+MIN_CASES = 10  # calibrating on fewer labelled cases is refused
+# The lowest each threshold may be calibrated to (by concern): below these the measures
+# are noise (an expected Dice within 2 % of 1, a liver 5 % outside the training range).
+FLOORS = {
+    "liver_uncertainty": 0.02,
+    "tumour_uncertainty": 0.05,
+    "intensity": 0.25,
+    "liver_volume": 1.05,
+    "fragments": 0.01,
+}
+_FAILED_WEIGHT = 3  # a failed liver counts as this many bad cases while choosing
 
 
 def auroc(scores: Sequence[float], bad: Sequence[bool]) -> float | None:
@@ -94,8 +130,10 @@ def summarize(cases: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
         and c["liver"]["dice"] < LIVER_FAILED_BELOW
         and c["quality"]["verdict"] == OK
     ]
+    recorded = {str(c["quality"].get("thresholds", "unknown")) for c in judged}
     return {
-        "thresholds": "provisional",  # chosen by hand, not yet calibrated against the truth
+        # What the cases' thresholds were calibrated on (as each case's quality records it).
+        "thresholds": recorded.pop() if len(recorded) == 1 else "several",
         "n_cases": len(judged),
         "verdicts": verdicts,
         "liver": _structure(judged, "liver", liver_bad),
@@ -103,3 +141,193 @@ def summarize(cases: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
         "good_flagged": _share(sum(c["quality"]["verdict"] != OK for c in good), len(good)),
         f"liver_below_{LIVER_FAILED_BELOW:g}_not_flagged": failed,
     }
+
+
+# ---------------------------------------------------------------- calibration
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Thresholds chosen on labelled cases, and how the cases fare under them."""
+
+    thresholds: Thresholds
+    summary: dict[str, Any]  # `summarize` of the cases judged by the thresholds
+    notes: tuple[str, ...] = ()  # where a target could not be met
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "thresholds": self.thresholds.to_json(),
+            "summary": self.summary,
+            "notes": list(self.notes),
+        }
+
+
+def rejudge_cases(cases: Sequence[dict[str, Any]], thresholds: Thresholds) -> list[dict]:
+    """The cases with their recorded quality judged again by `thresholds` (those without a
+    quality as they are)."""
+    found = []
+    for case in cases:
+        if isinstance(case.get("quality"), dict):
+            case = {**case, "quality": rejudged(case["quality"], thresholds).to_json()}
+        found.append(case)
+    return found
+
+
+def _value(case: dict[str, Any], name: str) -> float:
+    """A concern's raw value in a case's record (−inf: not measured; +inf: not finite)."""
+    entry = (case["quality"].get("concerns") or {}).get(name)
+    if not isinstance(entry, dict):
+        return -math.inf
+    value = entry.get("value")
+    return math.inf if value is None else float(value)
+
+
+def _always_flagged(case: dict[str, Any]) -> bool:
+    """Flagged whatever the thresholds: a fingerprint check, or a concern without a
+    threshold at its review point (no liver found)."""
+    quality = case["quality"]
+    checks = quality.get("checks")
+    if checks if checks is not None else quality.get("verdict") == UNLIKE:
+        return True
+    return any(
+        name not in Thresholds.CONCERNS and float(entry.get("concern", 0)) >= REVIEW_AT
+        for name, entry in (quality.get("concerns") or {}).items()
+    )
+
+
+def choose_thresholds(
+    cases: Sequence[dict[str, Any]],
+    calibrated_on: str,
+    target: float = GOOD_FLAGGED_TARGET,
+    start: Thresholds = HAND_CHOSEN,
+) -> Calibration:
+    """The thresholds that flag the most bad cases of `cases` (evaluated cases carrying
+    their quality) with at most `target` of the good ones flagged, and every liver of Dice
+    < `LIVER_FAILED_BELOW` (see the module docstring). CtsegError where the cases cannot
+    calibrate: fewer than `MIN_CASES` with a quality and a liver Dice, no bad case or no
+    good one."""
+    judged = [
+        c for c in cases if isinstance(c.get("quality"), dict) and c["liver"]["dice"] is not None
+    ]
+    if len(judged) < MIN_CASES:
+        raise CtsegError(
+            f"calibrating the quality thresholds needs at least {MIN_CASES} labelled cases "
+            f"with a prediction quality; there are {len(judged)}"
+        )
+    bad = np.array([bool(liver_bad(c)) or bool(tumour_bad(c)) for c in judged])
+    failed = np.array([c["liver"]["dice"] < LIVER_FAILED_BELOW for c in judged])
+    good = ~bad
+    if not bad.any():
+        raise CtsegError(
+            f"none of the {len(judged)} cases is bad (liver Dice < {LIVER_BAD_BELOW:g}, "
+            f"tumour Dice < {TUMOUR_BAD_BELOW:g} or a missed tumour): there is nothing to "
+            "calibrate the thresholds against"
+        )
+    if not good.any():
+        raise CtsegError(
+            f"every one of the {len(judged)} cases is bad: there is no good case to keep "
+            "out of review, nothing to calibrate the thresholds against"
+        )
+    names = list(Thresholds.CONCERNS)
+    values = np.array([[_value(c, name) for name in names] for c in judged])
+    fixed = np.array([_always_flagged(c) for c in judged])
+    budget = math.floor(target * good.sum() + 1e-9)
+    gain = np.where(failed, _FAILED_WEIGHT, 1) * bad
+
+    # Start where no good case is flagged by a threshold (or at `start`, if higher).
+    chosen = {}
+    for index, name in enumerate(names):
+        good_values = values[good, index][np.isfinite(values[good, index])]
+        above = float(np.nextafter(good_values.max(), np.inf)) if len(good_values) else -np.inf
+        chosen[name] = max(float(start.of(name)), above, FLOORS[name])
+
+    def flagged(thresholds: dict[str, float]) -> np.ndarray:
+        limits = np.array([thresholds[name] for name in names])
+        return fixed | np.any(values >= limits, axis=1)
+
+    lowered: set[str] = set()
+    while True:  # greedy: the cheapest bad cases first, within the budget
+        current = flagged(chosen)
+        best = None
+        for index, name in enumerate(names):
+            column = values[:, index]
+            for value in np.unique(column[bad & ~current & np.isfinite(column)]):
+                if value >= chosen[name] or value < FLOORS[name]:
+                    continue
+                new = current | (column >= value)
+                extra_good = int((new & good & ~current).sum())
+                if (current & good).sum() + extra_good > budget:
+                    continue
+                won = int(gain[new & ~current].sum())
+                key = (won / (extra_good + 1), won, value)
+                if won and (best is None or key > best[0]):
+                    best = (key, name, float(value))
+        if best is None:
+            break
+        chosen[best[1]] = best[2]
+        lowered.add(best[1])
+
+    notes = []
+    for case_index in np.flatnonzero(failed & ~flagged(chosen)):  # whatever it costs
+        current = flagged(chosen)
+        if current[case_index]:
+            continue
+        options = []
+        for index, name in enumerate(names):
+            value = values[case_index, index]
+            if np.isfinite(value) and value >= FLOORS[name]:
+                extra_good = int(((values[:, index] >= value) & good & ~current).sum())
+                options.append((extra_good, -value, name, float(value)))
+        if not options:
+            notes.append(
+                f"{judged[case_index]['case']}: its liver (Dice "
+                f"{judged[case_index]['liver']['dice']:.2f}) cannot be flagged by any threshold"
+            )
+            continue
+        _, _, name, value = min(options)
+        chosen[name] = min(chosen[name], value)
+        lowered.add(name)
+
+    # Midway between the lowest bad value each lowered threshold reached and the highest
+    # good value below it: flags the same good cases and no fewer bad ones.
+    for index, name in enumerate(names):
+        if name not in lowered:
+            continue
+        below = values[good & (values[:, index] < chosen[name]), index]
+        below = below[np.isfinite(below)]
+        if len(below):
+            chosen[name] = max((chosen[name] + float(below.max())) / 2, FLOORS[name])
+
+    thresholds = dataclasses.replace(
+        start.replace(**chosen), calibrated_on=calibrated_on, n_cases=len(judged)
+    )
+    summary = summarize(rejudge_cases(judged, thresholds))
+    assert summary is not None
+    share = summary["good_flagged"]
+    if share is not None and share > target + 1e-9:
+        notes.append(
+            f"{share:.0%} of the good cases are flagged, above the target of {target:.0%}: "
+            "flagging every liver of Dice < 0.5 took more"
+        )
+    return Calibration(thresholds, summary, tuple(notes))
+
+
+def check_calibration_target(run_dir: Path, force: bool = False) -> None:
+    """CtsegError (one line) where the run holds its thresholds already and not `force`."""
+    path = thresholds_path(run_dir)
+    if path.exists() and not force:
+        raise CtsegError(
+            f"{path} holds the run's quality thresholds already: give --force to replace them"
+        )
+
+
+def calibrate_run(
+    run_dir: Path, cases: Sequence[dict[str, Any]], calibrated_on: str, force: bool = False
+) -> Calibration:
+    """`choose_thresholds` of a run's evaluated `cases`, written (atomically) into the run,
+    where `Reference.of_run` finds them. CtsegError, nothing written, where the run holds
+    thresholds already (without `force`) or the cases cannot calibrate."""
+    check_calibration_target(run_dir, force)
+    calibration = choose_thresholds(cases, calibrated_on)
+    calibration.thresholds.write(thresholds_path(run_dir))
+    return calibration

@@ -5,17 +5,20 @@ name and compares them in their own geometry: a prediction must have its
 reference's shape and affine, so no resampling happens here; both are read by
 `ctseg.io.scans.read_scan`, with the checks every scan read gets. The
 evaluations that predict with trained runs (a run, an ensemble, a cross-validation)
-are `ctseg.evaluation.runs`'s, and go through the same per-case loop (`score_cases`):
+are `ctseg.evaluation.runs`'s and `ctseg.evaluation.cross_validation`'s (one skeleton,
+`ctseg.evaluation.skeleton`), and go through the same per-case loop (`score_cases`):
 a case that fails (unreadable file, other geometry, labels outside 0–2) is listed
 under ``errors`` and the other cases still count. So is every case that could not be
 evaluated at all: a reference without its prediction, and a prediction that cannot be
 read (a dangling link, a pipe, a file without read permission). `evaluate_arrays` is the
-in-memory core of them all; `write_reports` writes summary.json and metrics.csv.
+in-memory core of them all; `write_reports` writes a `ctseg.evaluation.reports.Report`
+as summary.json and metrics.csv.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -30,7 +33,7 @@ from ctseg import compat
 from ctseg.atomic import claim_report, is_json_with, write_text
 from ctseg.errors import CtsegError
 from ctseg.evaluation import metrics
-from ctseg.evaluation import quality as quality_power
+from ctseg.evaluation.reports import Report, Summary, Unpaired
 from ctseg.io import scans
 from ctseg.labels import check_labels
 from ctseg.progress import Progress
@@ -211,23 +214,14 @@ def score_cases(
     return records, errors
 
 
-def evaluate_pairs(pairs: Sequence[CasePair], progress: Progress | None = None) -> dict:
+def evaluate_pairs(pairs: Sequence[CasePair], progress: Progress | None = None) -> Report:
     """Evaluate every pair; a case that fails is listed under "errors" and the rest go on.
 
-    Returns ``{"cases", "summary", "errors", "unpaired"}`` (unpaired lists empty;
-    `evaluate_folders` fills them).
+    Returns the `Report` (nothing unpaired; `evaluate_folders` says what was), its
+    summary with the quality's power where `ctseg predict` recorded the quality.
     """
     cases, errors = score_cases(pairs, lambda pair: pair.case, evaluate_pair, progress)
-    summary = metrics.summarize(cases)
-    power = quality_power.summarize(cases)  # where `ctseg predict` recorded the quality
-    if power is not None:
-        summary["quality"] = power
-    return {
-        "cases": cases,
-        "summary": summary,
-        "errors": errors,
-        "unpaired": {"pred": [], "ref": []},
-    }
+    return Report(cases, Summary.of(cases, grid_dice=False), errors)
 
 
 def _models(pairs: Sequence[CasePair]) -> set[tuple]:
@@ -297,7 +291,7 @@ def _unreadable(unpaired_pred: Sequence[str], pred_dir: Path) -> list[dict]:
     return failed
 
 
-def evaluate_folders(pred_dir: Path, ref_dir: Path, progress: Progress | None = None) -> dict:
+def evaluate_folders(pred_dir: Path, ref_dir: Path, progress: Progress | None = None) -> Report:
     """Pair the two folders' files and evaluate them.
 
     No pair at all is an error; so are one folder given as both (every case would
@@ -322,10 +316,14 @@ def evaluate_folders(pred_dir: Path, ref_dir: Path, progress: Progress | None = 
             "predict every scan with one model (ctseg predict --force) or evaluate them apart"
         )
     result = evaluate_pairs(pairs, progress)
-    result["errors"] += _unreadable(unpaired_pred, pred_dir)
-    result["errors"] += missing_predictions(unpaired_ref, pred_dir)
-    result["unpaired"] = {"pred": unpaired_pred, "ref": unpaired_ref}
-    return result
+    errors = [
+        *result.errors,
+        *_unreadable(unpaired_pred, pred_dir),
+        *missing_predictions(unpaired_ref, pred_dir),
+    ]
+    return dataclasses.replace(
+        result, errors=errors, unpaired=Unpaired(unpaired_pred, unpaired_ref)
+    )
 
 
 # ---------------------------------------------------------------- reports
@@ -394,11 +392,12 @@ def claim_reports(
 
 
 def write_reports(
-    result: dict, json_path: Path | None = None, csv_path: Path | None = None
+    result: Report, json_path: Path | None = None, csv_path: Path | None = None
 ) -> None:
-    """Write the JSON report and/or the per-case CSV, each atomically."""
+    """Write the JSON report (`Report.to_json`) and/or the per-case CSV, each atomically."""
     if json_path is not None:
         # allow_nan=False: a NaN would be a bug in the metrics (they use None), so fail loudly.
-        write_text(json_path, json.dumps(result, indent=2, allow_nan=False) + "\n")
+        text = json.dumps(result.to_json(), indent=2, allow_nan=False)
+        write_text(json_path, text + "\n")
     if csv_path is not None:
-        write_text(csv_path, cases_csv(result["cases"]))
+        write_text(csv_path, cases_csv(result.cases))

@@ -24,10 +24,17 @@ the scan's score the largest of all; 1 where a fingerprint check fires. The verd
 `unlike the training data` (a check fired; its first line is the reason), `review` (the
 score reaches `REVIEW_AT`; the largest concern's sentence is the reason), else `ok`.
 
-The thresholds below are PROVISIONAL: chosen by hand, not yet calibrated against the
-truth (the experiment on re-acquired phantoms and scans the model was not made for has
-not been run). `ctseg evaluate` reports each case's score beside its Dice and the
-score's AUROC (`ctseg.evaluation.quality`), the numbers that calibration will use.
+The thresholds (`Thresholds`: where each concern reaches its review point) are
+CALIBRATED against the truth: `DEFAULT_THRESHOLDS` were chosen by `make
+experiment-quality` (docs/experiments/quality.md: the demo's model on held-out phantoms
+re-acquired seven ways and on scans it was not made for: MR, chest-only, other contrast
+phases) with `ctseg.evaluation.quality.choose_thresholds`, starting from the first
+version's hand-chosen ones (`HAND_CHOSEN`). A run may hold its own (RUN_DIR/quality.json,
+`THRESHOLDS_FILE`: a version and what they were calibrated on), written by `ctseg
+evaluate RUN --data STORE --calibrate` from the user's labelled cases; `Reference.of_run`
+loads them, so that `ctseg predict`, `ctseg evaluate` and the Python API judge by them.
+Every recorded quality names what its thresholds were calibrated on, and keeps each
+concern's raw value, so that it can be judged again by others (`rejudged`).
 
 Cost: a few NumPy passes over the labels (a count, and a strided sample of at most
 `SAMPLED`³ voxels for the median HU and the connected pieces) and one reduction over the
@@ -36,15 +43,19 @@ grid's probabilities where they are.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from scipy import ndimage
 
+from ctseg import atomic
+from ctseg.errors import CtsegError
 from ctseg.labels import liver_mask
 from ctseg.run import rundir
 from ctseg.run.fingerprint import sample_step
@@ -52,23 +63,15 @@ from ctseg.run.fingerprint import sample_step
 OK, REVIEW, UNLIKE = "ok", "review", "unlike the training data"
 VERDICTS = (OK, REVIEW, UNLIKE)
 
-# ---- PROVISIONAL thresholds: chosen by hand, until the calibration experiment sets them
-# from held-out phantoms re-acquired seven ways and scans of other kinds.
+THRESHOLDS_FILE = "quality.json"  # a run's own thresholds: RUN_DIR/quality.json
+THRESHOLDS_FORMAT = "ctseg-quality-thresholds"
+THRESHOLDS_VERSION = 1
 REVIEW_AT = 0.5  # a scan whose score reaches this is sent to review (a concern's midpoint)
-# 1 − expected Dice of the predicted liver at which it is reviewed: a confident model's
-# liver expects Dice > 0.95, and evaluation calls a liver of Dice < 0.85 bad.
-LIVER_UNCERTAINTY_REVIEW = 0.10
-# 1 − expected Dice of the predicted tumours: tumour Dice below 0.5 is the issue's "bad".
-TUMOUR_UNCERTAINTY_REVIEW = 0.50
-# |median HU inside the predicted liver − the training livers' median|, in the training
-# liver voxels' standard deviations (the phantoms': about 33 HU, so a +40 HU contrast
-# shift is 1.2).
-INTENSITY_REVIEW_SD = 1.0
-# How many times smaller or larger than any training liver (the fingerprint's range).
-LIVER_VOLUME_REVIEW_FACTOR = 1.5
-# The share of the liver outside its largest connected piece.
-FRAGMENTS_REVIEW = 0.10
-# ---- how the uncertainty is measured (also provisional)
+DEFAULT_CALIBRATION = (
+    "ctseg's default: the demo's model on 176 phantoms of 11 sets, 2026-11-26 "
+    "(docs/experiments/quality.md)"
+)
+# ---- how the uncertainty is measured (fixed: the calibrated thresholds are on its scale)
 # Probabilities below this are left out of Σ p: a model's faint probability spread over a
 # whole scan would otherwise swamp a small structure. At most ⅓, so that every voxel an
 # argmax predicts counts (its class has ≥ ⅓) and the expected Dice stays ≤ 1.
@@ -81,6 +84,122 @@ SAMPLED = 128
 _MIN_SPREAD_HU = 5.0  # a training spread below this (a flat phantom) counts as this
 
 LIVER, TUMOUR = "liver", "tumour"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Where each concern reaches `REVIEW_AT` (the scan is reviewed): the values of its raw
+    measure. The defaults were calibrated by `make experiment-quality`
+    (docs/experiments/quality.md); a run may hold its own (`THRESHOLDS_FILE`, written by
+    `ctseg evaluate --calibrate`), which `Reference.of_run` loads."""
+
+    # The defaults: chosen by `make experiment-quality` on 2026-11-26 (docs/experiments/
+    # quality.md), the demo's model on 176 phantoms of 11 sets.
+    # 1 − the expected Dice of the predicted liver.
+    liver_uncertainty: float = 0.06385
+    # 1 − the expected Dice of the predicted tumours.
+    tumour_uncertainty: float = 0.1721
+    # |median HU inside the predicted liver − the training livers' median|, in the training
+    # liver voxels' standard deviations (the phantoms': about 30 HU).
+    intensity_sd: float = 0.3794
+    # How many times smaller or larger than any training liver (the fingerprint's range).
+    liver_volume_factor: float = 1.818
+    # The share of the liver outside its largest connected piece.
+    fragments: float = 0.1
+    # What they were chosen on (shown with every verdict).
+    calibrated_on: str = DEFAULT_CALIBRATION
+    n_cases: int | None = 176  # how many labelled cases they were chosen on
+
+    # The concern each threshold belongs to (`Concern.name` → field).
+    CONCERNS: ClassVar[dict[str, str]] = {
+        "liver_uncertainty": "liver_uncertainty",
+        "tumour_uncertainty": "tumour_uncertainty",
+        "intensity": "intensity_sd",
+        "liver_volume": "liver_volume_factor",
+        "fragments": "fragments",
+    }
+
+    def of(self, concern: str) -> float | None:
+        """The review threshold of the concern named `concern` (None: it has none)."""
+        field_name = self.CONCERNS.get(concern)
+        return None if field_name is None else float(getattr(self, field_name))
+
+    def replace(self, **values: Any) -> Thresholds:
+        """A copy with some values replaced (by concern or field name)."""
+        renamed = {self.CONCERNS.get(name, name): value for name, value in values.items()}
+        return dataclasses.replace(self, **renamed)
+
+    def to_json(self) -> dict[str, Any]:
+        """As RUN_DIR/quality.json holds them."""
+        return {
+            "format": THRESHOLDS_FORMAT,
+            "version": THRESHOLDS_VERSION,
+            "calibrated_on": self.calibrated_on,
+            "n_cases": self.n_cases,
+            "thresholds": {name: self.of(name) for name in self.CONCERNS},
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any, source: str = "the thresholds") -> Thresholds:
+        """From `to_json`'s form; CtsegError (one line naming `source`) for anything else:
+        another format or version, a missing or unknown concern, a threshold that is not a
+        positive number (the volume's: above 1)."""
+
+        def refuse(why: str) -> CtsegError:
+            return CtsegError(f"{source} is not a ctseg quality thresholds file: {why}")
+
+        if not isinstance(raw, dict) or raw.get("format") != THRESHOLDS_FORMAT:
+            raise refuse(f"its format is not {THRESHOLDS_FORMAT!r}")
+        if raw.get("version") != THRESHOLDS_VERSION:
+            raise refuse(
+                f"version {raw.get('version')!r}, this ctseg reads version {THRESHOLDS_VERSION}"
+            )
+        values = raw.get("thresholds")
+        if not isinstance(values, dict) or set(values) != set(cls.CONCERNS):
+            raise refuse(f"its thresholds must name exactly {', '.join(cls.CONCERNS)}")
+        for name, value in values.items():
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            low = 1.0 if name == "liver_volume" else 0.0
+            if not number or not math.isfinite(value) or value <= low:
+                raise refuse(f"{name} is {value!r}, not a number above {low:g}")
+        calibrated_on, n_cases = raw.get("calibrated_on"), raw.get("n_cases")
+        if not isinstance(calibrated_on, str):
+            raise refuse("calibrated_on is not a string")
+        if n_cases is not None and (not isinstance(n_cases, int) or isinstance(n_cases, bool)):
+            raise refuse("n_cases is not a whole number")
+        return cls(
+            **{cls.CONCERNS[name]: float(value) for name, value in values.items()},
+            calibrated_on=calibrated_on,
+            n_cases=n_cases,
+        )
+
+    @classmethod
+    def read(cls, path: Path) -> Thresholds:
+        """A thresholds file; CtsegError (one line) where it cannot be read or is malformed."""
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not JSON"
+            raise CtsegError(f"cannot read the quality thresholds {path}: {reason}") from None
+        return cls.from_json(raw, str(path))
+
+    def write(self, path: Path) -> None:
+        """Written atomically (`ctseg.atomic.write_json`)."""
+        atomic.write_json(path, self.to_json())
+
+
+# The first version's thresholds, chosen by hand: where calibration starts
+# (`ctseg.evaluation.quality.choose_thresholds`).
+HAND_CHOSEN = Thresholds(
+    liver_uncertainty=0.10,
+    tumour_uncertainty=0.50,
+    intensity_sd=1.0,
+    liver_volume_factor=1.5,
+    fragments=0.10,
+    calibrated_on="chosen by hand",
+    n_cases=None,
+)
+DEFAULT_THRESHOLDS = Thresholds()
 
 
 @dataclass(frozen=True)
@@ -114,6 +233,7 @@ class Quality:
     tumour: float
     concerns: tuple[Concern, ...] = ()
     checks: tuple[str, ...] = ()  # the fingerprint's findings that made it `unlike`
+    thresholds: str = DEFAULT_THRESHOLDS.calibrated_on  # what the thresholds were chosen on
 
     @property
     def flagged(self) -> bool:
@@ -129,17 +249,20 @@ class Quality:
             "liver": round(self.liver, 4),
             "tumour": round(self.tumour, 4),
             "concerns": {c.name: c.to_json() for c in self.concerns},
-            "thresholds": "provisional",  # not yet calibrated against the truth
+            "checks": list(self.checks),
+            "thresholds": self.thresholds,  # what they were calibrated on
         }
 
 
 @dataclass(frozen=True)
 class Reference:
-    """What of the run's training data (its fingerprint.json) the quality compares with."""
+    """What of the run's training data (its fingerprint.json) the quality compares with, and
+    the thresholds it judges by (the run's own `THRESHOLDS_FILE`, else the defaults)."""
 
     liver_hu_median: float | None = None
     liver_hu_sd: float | None = None
     liver_volume_ml: tuple[float, float] | None = None  # the training livers' min, max
+    thresholds: Thresholds = DEFAULT_THRESHOLDS
 
     @classmethod
     def from_json(cls, raw: dict[str, Any] | None) -> Reference:
@@ -161,13 +284,30 @@ class Reference:
 
     @classmethod
     def of_run(cls, run_dir: Path | None) -> Reference:
-        """The (first) run's reference; empty for a run without a fingerprint, or none."""
+        """The (first) run's reference: its fingerprint (none compared for a run without
+        one, or no run) and its thresholds (RUN_DIR/quality.json, `ctseg evaluate
+        --calibrate`'s; the defaults where it has none). CtsegError (one line) for a
+        thresholds file that cannot be read or is malformed."""
         if run_dir is None:
             return cls()
+        thresholds = read_thresholds(Path(run_dir))
         try:
-            return cls.from_json(rundir.read_fingerprint(Path(run_dir)))
+            reference = cls.from_json(rundir.read_fingerprint(Path(run_dir)))
         except Exception:  # an unreadable fingerprint is the checks' to report, not ours
-            return cls()
+            reference = cls()
+        return dataclasses.replace(reference, thresholds=thresholds)
+
+
+def thresholds_path(run_dir: Path) -> Path:
+    """Where a run keeps its own thresholds."""
+    return Path(run_dir) / THRESHOLDS_FILE
+
+
+def read_thresholds(run_dir: Path) -> Thresholds:
+    """The run's own thresholds (`THRESHOLDS_FILE`), else `DEFAULT_THRESHOLDS`; CtsegError
+    (one line) for a file that cannot be read or is malformed."""
+    path = thresholds_path(run_dir)
+    return Thresholds.read(path) if path.exists() else DEFAULT_THRESHOLDS
 
 
 # ---------------------------------------------------------------- the components
@@ -241,11 +381,16 @@ def expected_dice(in_prediction: float, predicted: float, mass: float) -> float:
     return float((2.0 * in_prediction + SMOOTH_VOXELS) / (predicted + mass + SMOOTH_VOXELS))
 
 
-def uncertainty_concerns(sums: np.ndarray) -> list[Concern]:
+def uncertainty_concerns(
+    sums: np.ndarray, thresholds: Thresholds = DEFAULT_THRESHOLDS
+) -> list[Concern]:
     """The liver's and the tumours' uncertainty from `probability_sums`."""
     found = []
     for (structure, review), (inside, count, mass) in zip(
-        ((LIVER, LIVER_UNCERTAINTY_REVIEW), (TUMOUR, TUMOUR_UNCERTAINTY_REVIEW)),
+        (
+            (LIVER, thresholds.liver_uncertainty),
+            (TUMOUR, thresholds.tumour_uncertainty),
+        ),
         np.asarray(sums, dtype=np.float64).reshape(2, 3),
         strict=True,
     ):
@@ -264,6 +409,7 @@ def liver_concerns(
     labels: np.ndarray, hu: np.ndarray | None, voxel_ml: float, reference: Reference
 ) -> list[Concern]:
     """Plausibility and intensity of the predicted liver (labels ≥ 1, canonical)."""
+    thresholds = reference.thresholds
     voxels = int(np.count_nonzero(liver_mask(labels)))
     if voxels == 0:
         return [Concern("no_liver", LIVER, 1.0, 1.0, "no liver was found")]
@@ -277,7 +423,7 @@ def liver_concerns(
                 "liver_volume",
                 LIVER,
                 factor,
-                _ramp(math.log(factor), math.log(LIVER_VOLUME_REVIEW_FACTOR)),
+                _ramp(math.log(factor), math.log(thresholds.liver_volume_factor)),
                 f"the liver's volume, {_ml(volume)} mL, is {factor:.1f}× outside the training "
                 f"livers' ({_ml(low)}–{_ml(high)} mL)",
             )
@@ -293,7 +439,7 @@ def liver_concerns(
                 "fragments",
                 LIVER,
                 share,
-                _ramp(share, FRAGMENTS_REVIEW),
+                _ramp(share, thresholds.fragments),
                 f"the liver is in {count} piece{'s' * (count > 1)}, {share:.0%} of it outside "
                 "the largest",
             )
@@ -307,7 +453,7 @@ def liver_concerns(
                     "intensity",
                     LIVER,
                     distance,
-                    _ramp(distance, INTENSITY_REVIEW_SD),
+                    _ramp(distance, thresholds.intensity_sd),
                     f"the liver's median intensity, {median:.0f} HU, is {distance:.1f} SD from "
                     f"the training livers' ({reference.liver_hu_median:.0f} HU)",
                 )
@@ -322,9 +468,13 @@ def _ml(value: float) -> str:
 # ---------------------------------------------------------------- the verdict
 
 
-def verdict_of(concerns: Sequence[Concern], checks: Sequence[str] = ()) -> Quality:
-    """The scores and the verdict of `concerns`, and of the fingerprint's `checks` (any makes
-    the scan `unlike the training data`)."""
+def verdict_of(
+    concerns: Sequence[Concern],
+    checks: Sequence[str] = (),
+    thresholds: Thresholds = DEFAULT_THRESHOLDS,
+) -> Quality:
+    """The scores and the verdict of `concerns` (each judged by `thresholds` already), and of
+    the fingerprint's `checks` (any makes the scan `unlike the training data`)."""
 
     def worst(structure: str | None) -> float:
         values = [c.concern for c in concerns if structure in (None, c.structure)]
@@ -341,7 +491,42 @@ def verdict_of(concerns: Sequence[Concern], checks: Sequence[str] = ()) -> Quali
         verdict, reason = REVIEW, top.reason
     else:
         verdict, reason = OK, None
-    return Quality(verdict, reason, score, liver, tumour, tuple(concerns), tuple(checks))
+    return Quality(
+        verdict,
+        reason,
+        score,
+        liver,
+        tumour,
+        tuple(concerns),
+        tuple(checks),
+        thresholds.calibrated_on,
+    )
+
+
+def rejudged(recorded: dict[str, Any], thresholds: Thresholds) -> Quality:
+    """A recorded quality (`Quality.to_json`, as `_stats.json` and an evaluation's cases hold
+    it) judged again by other `thresholds`: each concern's raw value against its new
+    threshold (no prediction needed; how calibration compares candidates). A record
+    without its "checks" (an earlier ctseg's) counts as unlike the training data where its
+    verdict says so."""
+    concerns = []
+    for name, entry in (recorded.get("concerns") or {}).items():
+        value = entry.get("value")
+        value = math.inf if value is None else float(value)
+        review = thresholds.of(name)
+        if review is None:  # no threshold: as recorded (no_liver is 1 whatever the thresholds)
+            concern = float(entry.get("concern", 0.0))
+        elif name == "liver_volume":
+            concern = _ramp(math.log(max(value, 1.0)), math.log(review))
+        else:
+            concern = _ramp(value, review)
+        concerns.append(
+            Concern(name, entry.get("structure", LIVER), value, concern, entry.get("reason", ""))
+        )
+    checks = recorded.get("checks")
+    if checks is None:
+        checks = [recorded.get("reason") or UNLIKE] if recorded.get("verdict") == UNLIKE else []
+    return verdict_of(concerns, checks, thresholds)
 
 
 def assess(
@@ -358,13 +543,14 @@ def assess(
     grid, its first `grid` voxels, or on the scan's voxels; None: the uncertainty is not
     measured, as for an ensemble or a located region), the fingerprint's `checks`."""
     reference = reference or Reference()
+    thresholds = reference.thresholds
     voxel_ml = abs(float(np.linalg.det(np.asarray(affine)[:3, :3]))) / 1000.0
     # Plausibility first: of equal concerns the first is the reason, and "no liver was
     # found" says more than the uncertainty of a liver that is not there.
     concerns = liver_concerns(labels, hu, voxel_ml, reference)
     if probabilities is not None:
-        concerns += uncertainty_concerns(probability_sums(probabilities, grid))
-    return verdict_of(concerns, checks)
+        concerns += uncertainty_concerns(probability_sums(probabilities, grid), thresholds)
+    return verdict_of(concerns, checks, thresholds)
 
 
 def of_prediction(prediction: Any, scan: Any, reference: Reference | None = None) -> Quality:

@@ -9,6 +9,12 @@ acquisition would have shown it: geometric changes move image and labels togethe
 
 `write_sets` writes every change of a folder of held-out pairs (`scripts/reacquire.py`
 runs it); `make experiment-robustness` scores models on every set.
+
+`OTHER_SCANS` are not acquisitions a CT model should cope with but scans it was not made
+for, with their truth: another modality (`mr`: the HU remapped to a T1-weighted MR's
+intensities) and a chest scan that holds only the liver's dome (`chest`). `make
+experiment-quality` asks whether the prediction quality (`ctseg.inference.quality`) flags
+them; `write_sets` writes them only when asked for by name.
 """
 
 from __future__ import annotations
@@ -36,6 +42,17 @@ CHANGES = {
     "thick": "5 mm slices, each the mean of the thin slices it covers",
     "contrast": "portal venous phase: liver +40 HU, tumour +15 HU",
 }
+# Scans of other kinds, with their truth (not in the robustness set: written only by name).
+OTHER_SCANS = {
+    "mr": "another modality: a T1-weighted MR's intensities (fat bright, liver grey, water, "
+    "bone and air dark; no Hounsfield units)",
+    "chest": "a chest scan: the liver's top 25 mm (its dome) and what lies above it",
+}
+# The MR remapping, piecewise linear in HU: air, lung, fat, water, muscle, liver, enhanced
+# blood, bone → T1 signal (arbitrary units, ≥ 0, as an MR scanner writes them).
+_MR_FROM_HU = (-1000.0, -850.0, -100.0, 0.0, 40.0, 60.0, 150.0, 400.0, 1500.0)
+_MR_SIGNAL = (0.0, 20.0, 850.0, 150.0, 350.0, 500.0, 250.0, 120.0, 50.0)
+CHEST_DOME_MM = 25.0
 
 
 def _spacing(affine: np.ndarray) -> np.ndarray:
@@ -80,9 +97,11 @@ def _thick(
 def reacquire(
     change: str, hu: np.ndarray, labels: np.ndarray, affine: np.ndarray, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(hu, labels, affine) of the scan as `change` (one of `CHANGES`) acquires it."""
-    if change not in CHANGES:
-        raise ValueError(f"unknown change {change!r}; one of {', '.join(CHANGES)}")
+    """(hu, labels, affine) of the scan as `change` (one of `CHANGES` or `OTHER_SCANS`)
+    acquires it."""
+    if change not in CHANGES and change not in OTHER_SCANS:
+        known = ", ".join([*CHANGES, *OTHER_SCANS])
+        raise ValueError(f"unknown change {change!r}; one of {known}")
     hu = np.asarray(hu, np.float32)
     labels = np.asarray(labels, np.uint8)
     spacing = _spacing(affine)
@@ -103,7 +122,38 @@ def reacquire(
         return _thick(hu, labels, affine)
     if change == "contrast":
         return enhance(hu, labels, liver_hu=40.0, tumour_hu=15.0), labels, affine
+    if change == "mr":
+        signal = np.interp(hu, _MR_FROM_HU, _MR_SIGNAL).astype(np.float32)
+        if seed is not None:  # an MR's noise: Rician-like, a few % of the liver's signal
+            rng = np.random.default_rng(seed)
+            signal = np.abs(signal + rng.normal(0.0, 15.0, hu.shape).astype(np.float32))
+        return signal, labels, affine
+    if change == "chest":
+        return chest_only(hu, labels, affine)
     return hu, labels, affine
+
+
+def chest_only(
+    hu: np.ndarray, labels: np.ndarray, affine: np.ndarray, dome_mm: float = CHEST_DOME_MM
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The slices from `dome_mm` below the liver's top to the scan's head end: a chest scan
+    that catches the liver's dome. Head is +z in the world (RAS and LPS alike); a scan
+    without a liver is returned whole."""
+    affine = np.asarray(affine, dtype=float)
+    slices = np.flatnonzero(np.any(labels > 0, axis=(0, 1)))
+    if not len(slices):
+        return hu, labels, affine
+    up = affine[2, 2] > 0  # whether the slice index grows towards the head
+    step = _spacing(affine)[2]
+    keep = max(1, int(math.ceil(dome_mm / step)))
+    if up:
+        first, last = int(slices.max()) - keep + 1, hu.shape[2]
+    else:
+        first, last = 0, int(slices.min()) + keep
+    first = max(first, 0)
+    cropped = np.array(affine)
+    cropped[:3, 3] += cropped[:3, 2] * first
+    return hu[:, :, first:last], labels[:, :, first:last], cropped
 
 
 def enhance(hu: np.ndarray, labels: np.ndarray, liver_hu: float, tumour_hu: float) -> np.ndarray:

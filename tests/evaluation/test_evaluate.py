@@ -111,8 +111,8 @@ def test_bad_cases_are_recorded_and_others_evaluated(folders):
     pred, ref = folders
     progress_calls = []
     result = evaluate_folders(pred, ref, progress=lambda *args: progress_calls.append(args))
-    assert [case["case"] for case in result["cases"]] == ["segmentation-1", "segmentation-2"]
-    errors = {error["case"]: error["message"] for error in result["errors"]}
+    assert [case["case"] for case in result.cases] == ["segmentation-1", "segmentation-2"]
+    errors = {error["case"]: error["message"] for error in result.errors}
     assert set(errors) == {"segmentation-3", "segmentation-4", "segmentation-5"}
     assert "shape" in errors["segmentation-3"]
     assert "affine" in errors["segmentation-4"]
@@ -120,11 +120,11 @@ def test_bad_cases_are_recorded_and_others_evaluated(folders):
     assert all("\n" not in message for message in errors.values())
     assert progress_calls[0] == (0, 5, "segmentation-1") and progress_calls[-1][:2] == (5, 5)
 
-    first = result["cases"][0]
+    first = result.cases[0]
     assert first["liver"]["mssd"] == pytest.approx(SPACING[0])  # shifted one voxel along x
-    assert result["cases"][1]["tumour"]["hd95"] is None  # no tumour on either side
-    assert result["summary"]["n_cases"] == 2
-    assert result["summary"]["tumour"]["detection_recall"] == 1.0
+    assert result.cases[1]["tumour"]["hd95"] is None  # no tumour on either side
+    assert result.summary.n_cases == 2
+    assert result.summary.tumour["detection_recall"] == 1.0
 
 
 def test_float_labels_are_accepted_when_whole():
@@ -143,7 +143,9 @@ def test_reports_are_written_with_the_schema(folders, tmp_path):
     write_reports(result, json_path=json_path, csv_path=csv_path)
 
     report = json.loads(json_path.read_text())
-    assert set(report) == {"cases", "summary", "errors", "unpaired"}
+    assert report == result.to_json()  # the returned report is what the file holds
+    assert list(report) == ["cases", "summary", "errors", "unpaired"]
+    assert list(report["summary"]) == ["n_cases", "liver", "tumour"]  # no grid Dice here
     assert set(report["cases"][0]) == {"case", "liver", "tumour", "detection", "burden"}
     structure_keys = {"dice", "jaccard", "voe", "rvd", "assd", "hd95", "mssd"}
     assert structure_keys <= set(report["cases"][0]["tumour"])
@@ -214,3 +216,69 @@ def test_cli_usage_errors_exit_2(arguments, message):
     )
     assert completed.returncode == 2, completed.stderr
     assert "error:" in completed.stderr and message in completed.stderr
+
+
+def test_the_reports_json_keeps_summary_jsons_layout():
+    """A run's and a cross-validation's report give summary.json's keys, in its order."""
+    from ctseg.evaluation.reports import (
+        Checkpoint,
+        CrossValidationHead,
+        CrossValidationReport,
+        Engine,
+        FoldEntry,
+        Locator,
+        RunHead,
+        RunReport,
+        Summary,
+    )
+
+    record = evaluate_arrays("c", labels(), labels(), SPACING)
+    record["grid_dice"] = {"liver": 1.0, "tumour": None}
+    record["located"] = {"region": [[0, 0, 0], [4, 4, 4]]}
+    summary = Summary.of([record])
+    assert list(summary.to_json()) == ["n_cases", "liver", "tumour", "grid_dice", "located"]
+    assert summary.to_json()["located"] == {"region": 1, "whole_scan": 0}
+    engine = Engine("whole volume", "jax", True, "CPU")
+    members = (Checkpoint("a", 2), Checkpoint("b", 3))
+    head = RunHead("a", 2, "p", "val", None, engine, Locator("l", 1, 20.0), members)
+    run = RunReport([record], summary, [], run=head).to_json()
+    assert list(run) == ["run", "cases", "summary", "errors", "unpaired"]
+    assert list(run["run"]) == [
+        *("run_dir", "checkpoint_step", "data", "split", "fold"),
+        *("tiling", "backend", "tta", "device", "locate", "ensemble"),
+    ]
+    assert run["run"]["ensemble"][1] == {"run_dir": "b", "checkpoint_step": 3}
+    assert run["unpaired"] == {"pred": [], "ref": []}
+    entry = FoldEntry("a", 0, 2, ["c"], summary)
+    cv = CrossValidationReport(
+        [record],
+        summary,
+        [],
+        cross_validation=CrossValidationHead("p", 3, 0, engine),
+        runs=(entry,),
+    ).to_json()
+    assert list(cv) == ["cross_validation", "runs", "cases", "summary", "errors", "unpaired"]
+    assert list(cv["cross_validation"]) == [
+        *("data", "folds", "fold_seed", "tiling", "backend", "tta", "device")
+    ]
+    assert list(cv["runs"][0]) == ["run_dir", "fold", "checkpoint_step", "cases", "summary"]
+
+
+def test_the_requests_checks_speak_the_callers_words(tmp_path):
+    """One check of what an evaluation is asked: the library's parameters by default,
+    the command's flags where it passes them."""
+    from ctseg.evaluation.skeleton import check_request
+
+    runs = [tmp_path / "a", tmp_path / "b"]
+    with pytest.raises(CtsegError, match="reports into out_dir: give one"):
+        check_request(runs)
+    with pytest.raises(CtsegError, match="^evaluate_cross_validation writes .* into out_dir"):
+        check_request(runs[:1], cross_validation=True)
+    with pytest.raises(CtsegError, match="^margin_mm applies only around a region: give locate="):
+        check_request(runs[:1], tmp_path, margin_mm=5.0)
+    flags = {"out_dir": "--out DIR", "margin_mm": "--margin", "locate": "--locate COARSE_RUN"}
+    with pytest.raises(CtsegError, match="^--margin applies only .*: give --locate COARSE_RUN$"):
+        check_request(runs[:1], tmp_path, margin_mm=5.0, names=flags)
+    with pytest.raises(CtsegError, match="^--locate COARSE_RUN: .*not a ctseg run"):
+        check_request(runs[:1], tmp_path, locate=tmp_path / "missing", names=flags)
+    check_request(runs, tmp_path)  # an ensemble with its folder: nothing to say

@@ -59,7 +59,7 @@ def test_bad_cases_and_the_summary():
         {"case": "no quality", "liver": {"dice": 0.9}, "tumour": {"dice": 0.9}},
     ]
     summary = power.summarize(cases)
-    assert summary["n_cases"] == 4 and summary["thresholds"] == "provisional"
+    assert summary["n_cases"] == 4 and summary["thresholds"] == "unknown"  # none recorded
     assert summary["verdicts"] == {"ok": 2, "review": 2}
     liver = summary["liver"]
     assert (liver["n_bad"], liver["n_good"]) == (2, 2)
@@ -83,11 +83,11 @@ def test_pred_ref_reports_carry_the_quality_ctseg_predict_recorded(tmp_path):
     save(ref / "case2.nii.gz", labels())
     save(pred / "case2_seg.nii.gz", labels())  # predicted before verdicts: no stats file
     result = evaluate_folders(pred, ref)
-    qualities = [case.get("quality") for case in result["cases"]]
+    qualities = [case.get("quality") for case in result.cases]
     assert [q and q["verdict"] for q in qualities] == ["ok", "review", None]
-    summary = result["summary"]["quality"]
+    summary = result.summary.quality
     assert summary["n_cases"] == 2 and summary["verdicts"] == {"ok": 1, "review": 1}
-    assert result["cases"][1]["liver"]["dice"] < power.LIVER_BAD_BELOW
+    assert result.cases[1]["liver"]["dice"] < power.LIVER_BAD_BELOW
     assert summary["liver"]["auroc"] == 1.0  # the shifted liver scores higher
     write_reports(result, tmp_path / "summary.json", tmp_path / "metrics.csv")
     header, *rows = (tmp_path / "metrics.csv").read_text().splitlines()
@@ -115,6 +115,7 @@ def test_evaluate_run_records_each_cases_quality_beside_its_dice(trained, tmp_pa
         concerns = case["quality"]["concerns"]
         assert {"liver_uncertainty", "intensity", "liver_volume", "fragments"} <= set(concerns)
     assert written["summary"]["quality"]["n_cases"] == len(written["cases"])
-    assert report["summary"]["quality"] == written["summary"]["quality"]
+    assert report.summary.quality == written["summary"]["quality"]
+    assert report.to_json() == written  # the report is what summary.json holds
     header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
     assert "quality_score" in header and "liver_dice" in header

@@ -4,6 +4,7 @@ predict`'s stats and table, the API's `result.quality` and the DICOM SEG's descr
 
 import json
 import math
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -230,7 +231,7 @@ def test_predict_writes_every_readable_scans_quality_and_the_api_returns_it(
     for name in ("volume-0", "volume-1"):
         stats = json.loads((out / f"{name}_stats.json").read_text())
         assert stats["quality"]["verdict"] in quality.VERDICTS
-        assert stats["quality"]["thresholds"] == "provisional"
+        assert stats["quality"]["thresholds"] == quality.DEFAULT_THRESHOLDS.calibrated_on
         assert 0.0 <= stats["quality"]["score"] <= 1.0
         assert {"liver_uncertainty", "intensity", "liver_volume"} <= set(
             stats["quality"]["concerns"]
@@ -249,6 +250,18 @@ def test_predict_writes_every_readable_scans_quality_and_the_api_returns_it(
     written = json.loads((out / "volume-0_stats.json").read_text())["quality"]
     assert api.quality.verdict == written["verdict"]
     assert api.quality.to_json()["score"] == pytest.approx(written["score"], abs=1e-3)
+
+    # A run's own thresholds (`ctseg evaluate --calibrate`'s): predict and the API judge by them.
+    own = tmp_path / "own"
+    shutil.copytree(run_dir, own)
+    strict = quality.Thresholds(1e-6, 1e-6, 1e-6, 1.000001, 1e-6, calibrated_on="strict")
+    strict.write(quality.thresholds_path(own))
+    args = ["predict", str(own), str(inputs / "volume-0.nii.gz"), "--out", str(tmp_path / "o2")]
+    assert runner.invoke(app, [*args, "--checkpoint", "latest"]).exit_code == 0
+    judged = json.loads((tmp_path / "o2" / "volume-0_stats.json").read_text())["quality"]
+    assert judged["thresholds"] == "strict" and judged["verdict"] != quality.OK
+    api = Segmenter(own, checkpoint="latest")(raw / "volume-0.nii.gz")
+    assert api.quality.thresholds == "strict" and api.quality.verdict == judged["verdict"]
 
 
 def test_the_dicom_seg_names_the_verdict_in_its_description(tmp_path):

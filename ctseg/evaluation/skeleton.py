@@ -1,0 +1,231 @@
+"""The one skeleton of the evaluations that predict with trained runs (a run, an
+ensemble, a cross-validation), and the checks of what they are asked.
+
+`evaluate` holds the evaluation folder's lock throughout, claims the folder, records
+what it evaluates (evaluated.json, `ctseg.run.evaluations`), predicts and scores every
+case (`score_parts`, through `ctseg.evaluation.scoring.score_cases`) and writes the
+report (summary.json, metrics.csv). An `Evaluation` supplies only what differs: which
+models predict which cases (its `Part`s, each loaded when its turn comes), its record,
+and its report's head. `check_request` is the one check of the options every form
+shares, in the caller's words (`names`: the library's parameters, or the CLI's flags),
+before anything starts.
+
+The prediction pipeline starts JAX: `ctseg.inference.predictor` is imported only by
+what an `Evaluation` loads, so that the CLI can choose the devices first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+import numpy as np
+
+from ctseg import atomic, labels, lock
+from ctseg.data.store import CaseEntry, Store
+from ctseg.errors import CtsegError
+from ctseg.evaluation.reports import Engine, Json, Report
+from ctseg.evaluation.scoring import evaluate_arrays, score_cases, write_reports
+from ctseg.inference import quality
+from ctseg.inference.region import check_margin
+from ctseg.io import scans
+from ctseg.progress import Progress
+from ctseg.run import evaluations, rundir
+
+if TYPE_CHECKING:
+    from ctseg.inference.predictor import Predictor
+
+R = TypeVar("R", bound=Report, covariant=True)
+
+# How `check_request`'s messages name what was asked: the library's parameters. The CLI
+# passes its flags instead (`ctseg.cli.evaluate`).
+NAMES = {
+    "out_dir": "out_dir",
+    "locate": "locate=COARSE_RUN",
+    "margin_mm": "margin_mm",
+    "cross_validation": "evaluate_cross_validation",
+}
+
+
+def check_request(
+    run_dirs: Sequence[Path],
+    out_dir: Path | None = None,
+    locate: Path | None = None,
+    margin_mm: float | None = None,
+    cross_validation: bool = False,
+    names: Mapping[str, str] | None = None,
+) -> None:
+    """CtsegError, one line, before anything is claimed, loaded or started, unless the
+    request can be evaluated: a margin only with a locator, finite and not negative; a
+    locator that is a run; an ensemble's or a cross-validation's `out_dir` given (they
+    belong to no one run). `names`: how the caller spells each option (default `NAMES`)."""
+    names = {**NAMES, **(names or {})}
+    check_margin(margin_mm, locate is not None, names["margin_mm"], names["locate"])
+    if locate is not None:
+        try:
+            rundir.load_config(Path(locate))
+        except CtsegError as exc:
+            raise CtsegError(f"{names['locate']}: {exc}") from None
+    if out_dir is None and cross_validation:
+        raise CtsegError(
+            f"{names['cross_validation']} writes its predictions and reports into "
+            f"{names['out_dir']}: give one"
+        )
+    if out_dir is None and len(run_dirs) > 1:
+        raise CtsegError(
+            "an ensemble of several runs writes its predictions and reports into "
+            f"{names['out_dir']}: give one"
+        )
+
+
+@dataclass(frozen=True)
+class Part:
+    """Cases that one model (a run's, or an ensemble's mean) predicts: `load` makes its
+    predictor when its turn comes (one model at a time on the devices); `store` as that
+    model saw it (a fold run's: its fold view)."""
+
+    load: Callable[[], Predictor]
+    store: Store
+    cases: Sequence[CaseEntry]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A part's cases scored: their records and failures, each member's checkpoint step,
+    and how its model predicted."""
+
+    part: Part
+    records: list[Json]
+    errors: list[Json]
+    steps: tuple[int, ...]
+    engine: Engine
+
+
+class Evaluation(Protocol[R]):
+    """What differs between evaluations: which models predict which cases, what the
+    folder records, and the report's head."""
+
+    @property
+    def parts(self) -> Sequence[Part]: ...
+
+    def record(self, scored: Sequence[Scored] | None) -> Json:
+        """evaluated.json: before scoring (`scored` None; it may load the model), then
+        of the checkpoints the scored parts used."""
+        ...
+
+    def report(self, scored: Sequence[Scored]) -> R: ...
+
+
+def evaluate(
+    evaluation: Evaluation[R],
+    out_dir: Path,
+    force: bool = False,
+    progress: Progress | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> R:
+    """Run `evaluation` into `out_dir`, under its lock (`ctseg.lock`; `warn` hears of a
+    dead holder's): claim the folder, record what it evaluates (another evaluation's
+    folder is replaced only with `force`, `evaluations.claim`), score every part's cases,
+    say which checkpoints were used where one could not be read, write the report."""
+    with lock.hold(out_dir, warn):
+        atomic.claim_folder(out_dir, evaluations.OWN_FILES, force=None)
+        record = evaluation.record(None)
+        evaluations.claim(out_dir, record, force)
+        scored = score_parts(evaluation.parts, out_dir, progress)
+        used = evaluation.record(scored)
+        if used != record:  # a checkpoint that could not be read was skipped: say which was used
+            atomic.write_json(out_dir / evaluations.EVALUATED, used)
+        report = evaluation.report(scored)
+        write_reports(report, out_dir / "summary.json", out_dir / "metrics.csv")
+        return report
+
+
+def score_parts(
+    parts: Sequence[Part], out_dir: Path, progress: Progress | None = None
+) -> list[Scored]:
+    """Each part's model loaded in turn, its cases predicted and scored; `progress`
+    counts the cases of every part."""
+    total, done, scored = sum(len(part.cases) for part in parts), 0, []
+    for part in parts:
+        predictor = part.load()
+
+        def counted(i: int, _: int, name: str, done: int = done) -> None:
+            if progress is not None:
+                progress(done + i, total, name)
+
+        records, errors = score_run(predictor, part.store, part.cases, out_dir, counted)
+        steps = tuple(member.model.step for member in predictor.members)
+        scored.append(Scored(part, records, errors, steps, engine_of(predictor)))
+        done += len(part.cases)
+        del predictor  # one model at a time on the devices
+    return scored
+
+
+def engine_of(predictor: Predictor) -> Engine:
+    """How a model predicted: tiles, backend, TTA and devices."""
+    return Engine(predictor.plan, predictor.backend, predictor.tta, predictor.summary)
+
+
+def score_run(
+    predictor: Predictor,
+    store: Store,
+    cases: Sequence[CaseEntry],
+    out_dir: Path,
+    progress: Progress | None,
+) -> tuple[list[Json], list[Json]]:
+    """Predict and score `cases` with one model (`score_cases` over `evaluate_case`)."""
+    training = quality.Reference.of_run(predictor.members[0].run_dir)
+
+    def score(case: CaseEntry) -> Json:
+        return evaluate_case(predictor, store, case, out_dir, training)
+
+    return score_cases(cases, lambda case: case.id, score, progress)
+
+
+def evaluate_case(
+    predictor: Predictor,
+    store: Store,
+    case: CaseEntry,
+    out_dir: Path,
+    training: quality.Reference | None = None,
+) -> Json:
+    """Predict one case from its original scan and score it there and on the grid, with
+    the prediction's quality (as `ctseg predict` records it) beside its metrics."""
+    scan = scans.read_scan(case.image_source)
+    # A source is outside the store: use it only while it is the scan the case was made from.
+    if scans.geometry_difference(
+        scan.original_shape, scan.original_affine, case.original_shape, case.original_affine
+    ):
+        raise CtsegError(
+            f"{case.image_source} is not the scan case {case.id} was prepared from (its geometry "
+            "differs from the store manifest's); re-run `ctseg preprocess --force`"
+        )
+    reference = scans.read_scan(case.label_source)
+    if scans.geometry_difference(
+        scan.original_shape,
+        scan.original_affine,
+        reference.original_shape,
+        reference.original_affine,
+    ):
+        raise CtsegError(f"{case.label_source} does not have its scan's geometry")
+    prediction = predictor.predict(scan)
+    predicted = out_dir / evaluations.PREDICTIONS / f"{case.id}_seg.nii.gz"
+    scans.write_labels(scan, prediction.labels, predicted)
+    # Canonical order is a flip/permutation of the file's, and scan.spacing is canonical: the
+    # metrics equal those computed in the file's own voxel order.
+    record = evaluate_arrays(case.id, prediction.labels, reference.array, scan.spacing)
+    if prediction.located is not None:  # a locator's region, or why the whole scan
+        record["located"] = prediction.located
+    # What the training data says of it (`training`: the run's fingerprint).
+    record["quality"] = quality.of_prediction(prediction, scan, training).to_json()
+    # On the grid (the run's and the store's: the same scan, the same resampling), against
+    # the store's labels. An ensemble has no one grid, nor has a prediction on a region's
+    # window of it.
+    on_grid = prediction.grid_labels
+    if on_grid is None:
+        record["grid_dice"] = {"liver": None, "tumour": None}
+        return record
+    record["grid_dice"] = labels.grid_dice(on_grid, np.asarray(store.label(case.id)))
+    return record

@@ -1,0 +1,271 @@
+"""Calibrating the prediction quality's thresholds (`ctseg.evaluation.quality.choose_thresholds`)
+on hand-built cases; the thresholds file (`ctseg.inference.quality.Thresholds`) and a run's
+own thresholds (`Reference.of_run`); `ctseg evaluate RUN --calibrate`."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from helpers import SPACING, labels, tiny_config
+from typer.testing import CliRunner
+
+import ctseg.cli.main  # noqa: F401  (registers the commands)
+from ctseg.cli.app import app
+from ctseg.errors import CtsegError
+from ctseg.evaluation import quality as power
+from ctseg.evaluation.scoring import evaluate_arrays
+from ctseg.inference import quality
+from ctseg.run import rundir
+
+runner = CliRunner()
+
+
+def _case(name, liver, tumour=0.8, missed=False, checks=(), **values):
+    """An evaluated case: its Dice and its recorded quality, with the concerns' raw values
+    (judged by the defaults, as `ctseg predict` would have recorded them)."""
+    values = {"liver_uncertainty": 0.03, "intensity": 0.1, "liver_volume": 1.0, **values}
+    concerns = {
+        name: {
+            "structure": "liver" if name != "tumour_uncertainty" else "tumour",
+            "value": value,
+            "concern": 0.0,
+            "reason": f"{name} is {value}",
+        }
+        for name, value in values.items()
+    }
+    recorded = {"concerns": concerns, "checks": list(checks), "verdict": "ok"}
+    judged = quality.rejudged(recorded, quality.DEFAULT_THRESHOLDS).to_json()
+    return {
+        "case": name,
+        "liver": {"dice": liver},
+        "tumour": {"dice": tumour},
+        "detection": {"n_ref": 2, "n_detected": 1 if missed else 2},
+        "quality": judged,
+    }
+
+
+def _cohort(failed_value=None):
+    """20 good cases, 6 bad livers (their intensity far off), and with `failed_value` a
+    liver of Dice 0.3 whose only sign is that liver uncertainty."""
+    rng = np.random.default_rng(0)
+    cases = [
+        _case(
+            f"good{i}",
+            0.93,
+            liver_uncertainty=float(rng.uniform(0.02, 0.05)),
+            intensity=float(rng.uniform(0.0, 0.3)),
+            liver_volume=float(rng.uniform(1.0, 1.3)),
+        )
+        for i in range(20)
+    ]
+    cases[0]["quality"]["concerns"]["intensity"]["value"] = 0.9  # one odd good case
+    cases += [_case(f"bad{i}", 0.8, intensity=0.8 + 0.1 * i) for i in range(6)]
+    cases += [_case("missed", 0.92, missed=True, tumour_uncertainty=0.6)]
+    if failed_value is not None:
+        cases.append(_case("failed", 0.3, liver_uncertainty=failed_value))
+    return cases
+
+
+def test_choosing_thresholds_keeps_good_cases_out_of_review_where_it_can():
+    chosen = power.choose_thresholds(_cohort(), "hand-built")
+    summary = chosen.summary
+    assert summary["good_flagged"] <= power.GOOD_FLAGGED_TARGET
+    assert summary["liver"]["bad_flagged"] == 1.0  # every bad liver: its intensity
+    assert summary["tumour"]["bad_flagged"] == 1.0  # the missed tumour: its uncertainty
+    # Between the good cases' intensities (≤ 0.3, and the odd 0.9) and the bad ones' 0.8:
+    # the odd good case is the one in ten the target allows.
+    assert 0.3 < chosen.thresholds.intensity_sd <= 0.8
+    assert chosen.thresholds.calibrated_on == "hand-built" and chosen.thresholds.n_cases == 27
+    assert chosen.notes == ()
+    assert summary["liver_below_0.5_not_flagged"] == []
+
+
+def test_choosing_thresholds_flags_every_failed_liver_whatever_it_costs():
+    # The failed liver's uncertainty (0.04) lies among the good ones' (0.02–0.05).
+    chosen = power.choose_thresholds(_cohort(failed_value=0.04), "hand-built")
+    assert chosen.summary["liver_below_0.5_not_flagged"] == []
+    assert chosen.thresholds.liver_uncertainty <= 0.04
+    assert chosen.summary["good_flagged"] > power.GOOD_FLAGGED_TARGET
+    assert any("above the target" in note for note in chosen.notes)
+    # A failure no concern sees (no liver uncertainty measured, nothing off) is reported.
+    blind = _cohort()
+    blind.append(_case("blind", 0.2, liver_uncertainty=0.0, intensity=0.0, liver_volume=1.0))
+    del blind[-1]["quality"]["concerns"]["liver_uncertainty"]
+    chosen = power.choose_thresholds(blind, "hand-built")
+    assert any("blind" in note and "cannot be flagged" in note for note in chosen.notes)
+
+
+def test_choosing_thresholds_refuses_too_few_cases_or_no_bad_ones():
+    with pytest.raises(CtsegError, match="at least 10 labelled cases"):
+        power.choose_thresholds(_cohort()[:5], "x")
+    good = [case for case in _cohort() if case["case"].startswith("good")]
+    with pytest.raises(CtsegError, match="none of the 20 cases is bad"):
+        power.choose_thresholds(good, "x")
+    bad = [_case(f"bad{i}", 0.5) for i in range(12)]
+    with pytest.raises(CtsegError, match="no good case"):
+        power.choose_thresholds(bad, "x")
+
+
+def test_a_case_judged_again_and_the_always_flagged_ones():
+    case = _case("c", 0.9, intensity=0.5)
+    assert case["quality"]["verdict"] == quality.REVIEW  # 0.5 SD: beyond the default's
+    lenient = quality.DEFAULT_THRESHOLDS.replace(intensity=1.0)
+    again = quality.rejudged(case["quality"], lenient)
+    assert again.verdict == quality.OK and again.concerns[1].concern == pytest.approx(0.25)
+    unlike = _case("u", 0.9, checks=["a spacing far outside the training data's"])
+    assert quality.rejudged(unlike["quality"], lenient).verdict == quality.UNLIKE
+    old = {"verdict": quality.UNLIKE, "reason": "far", "concerns": {}}  # no "checks" recorded
+    assert quality.rejudged(old, lenient).reason == "far"
+    none = {"verdict": "review", "concerns": {"no_liver": {"value": 1.0, "concern": 1.0}}}
+    assert quality.rejudged(none, lenient).verdict == quality.REVIEW
+
+
+def test_the_thresholds_file_round_trip_and_malformed_ones(tmp_path):
+    thresholds = quality.Thresholds(0.05, 0.3, 0.6, 2.0, 0.2, calibrated_on="mine", n_cases=12)
+    path = tmp_path / "quality.json"
+    thresholds.write(path)
+    assert quality.Thresholds.read(path) == thresholds
+    assert quality.Thresholds.from_json(json.loads(path.read_text())) == thresholds
+    assert quality.Thresholds() == quality.DEFAULT_THRESHOLDS
+    assert thresholds.of("liver_volume") == 2.0 and thresholds.of("no_liver") is None
+
+    good = thresholds.to_json()
+    broken = [
+        ({**good, "format": "something else"}, "its format"),
+        ({**good, "version": 99}, "version 99"),
+        ({**good, "thresholds": {"intensity": 1.0}}, "must name exactly"),
+        ({**good, "thresholds": {**good["thresholds"], "fragments": -1}}, "fragments is -1"),
+        ({**good, "thresholds": {**good["thresholds"], "liver_volume": 1.0}}, "above 1"),
+        ({**good, "thresholds": {**good["thresholds"], "intensity": True}}, "intensity is True"),
+        ({**good, "thresholds": {**good["thresholds"], "intensity": "1"}}, "intensity is '1'"),
+        ({**good, "calibrated_on": 3}, "calibrated_on"),
+        ([1, 2], "its format"),
+    ]
+    for raw, why in broken:
+        path.write_text(json.dumps(raw))
+        with pytest.raises(CtsegError, match=why) as caught:
+            quality.Thresholds.read(path)
+        assert "\n" not in str(caught.value) and str(path) in str(caught.value)
+    path.write_text("{not json")
+    with pytest.raises(CtsegError, match="not JSON"):
+        quality.Thresholds.read(path)
+
+
+def test_a_runs_own_thresholds_change_its_verdicts(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert quality.Reference.of_run(run_dir).thresholds == quality.DEFAULT_THRESHOLDS
+    liver = np.zeros((20, 20, 10), np.uint8)
+    liver[4:16, 4:16, 2:8] = 1
+    hu = np.where(liver > 0, 80.0, -100.0).astype(np.float32)  # 20 HU off: 0.67 SD
+    affine = np.diag([2.0, 2.0, 5.0, 1.0])
+
+    def judged(reference):
+        training = dataclasses.replace(reference, liver_hu_median=60.0, liver_hu_sd=30.0)
+        return quality.assess(liver, affine, hu, reference=training)
+
+    assert judged(quality.Reference.of_run(run_dir)).verdict == quality.REVIEW
+    own = quality.DEFAULT_THRESHOLDS.replace(intensity=1.0, calibrated_on="the user's cases")
+    own.write(quality.thresholds_path(run_dir))
+    reference = quality.Reference.of_run(run_dir)
+    assert reference.thresholds == own
+    verdict = judged(reference)
+    assert verdict.verdict == quality.OK and verdict.to_json()["thresholds"] == "the user's cases"
+    quality.thresholds_path(run_dir).write_text('{"format": "ctseg-quality-thresholds"}')
+    with pytest.raises(CtsegError, match="quality.json is not a ctseg quality thresholds"):
+        quality.Reference.of_run(run_dir)
+
+
+def _evaluated(cases):
+    """What `evaluate_run` returns, for `cases` of `_case` (fast: nothing predicted)."""
+    from ctseg.evaluation.reports import Engine, RunHead, RunReport, Summary
+
+    records = []
+    for case in cases:
+        record = evaluate_arrays(case["case"], labels(), labels(), SPACING)
+        record["liver"]["dice"], record["tumour"]["dice"] = case["liver"]["dice"], 0.8
+        record["detection"].update(case["detection"])
+        record["quality"], record["grid_dice"] = case["quality"], {"liver": None, "tumour": None}
+        records.append(record)
+    engine = Engine("whole volume", "jax", False, "CPU")
+    head = RunHead("run", 2, "store", "val", None, engine)
+    return RunReport(records, Summary.of(records), [], run=head)
+
+
+def test_evaluate_calibrate_writes_refuses_without_force_and_replaces_with_it(
+    tmp_path, monkeypatch
+):
+    import ctseg.cli.evaluate as command
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rundir.write_or_check_config(run_dir, tiny_config())
+    evaluated = []
+    cohort = _cohort()
+
+    def evaluate_run(*args, **kwargs):
+        evaluated.append(args)
+        return _evaluated(cohort)
+
+    monkeypatch.setattr(command, "evaluate_run", evaluate_run)
+    args = ["evaluate", str(run_dir), "--data", str(tmp_path / "store"), "--calibrate"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    path = quality.thresholds_path(run_dir)
+    written = quality.Thresholds.read(path)
+    assert written.n_cases == 27 and "'val' split" in written.calibrated_on
+    again = power.choose_thresholds(_evaluated(cohort).cases, written.calibrated_on)
+    assert written == again.thresholds
+    output = " ".join(result.output.split())
+    assert "quality thresholds chosen on 27 case(s)" in output and "intensity" in output
+
+    before = path.read_text()
+    refused = runner.invoke(app, args)  # nothing predicted, nothing written
+    assert isinstance(refused.exception, CtsegError) and len(evaluated) == 1
+    assert "give --force to replace them" in str(refused.exception)  # exit 2 from ctseg's main
+    assert path.read_text() == before
+
+    cohort = _cohort(failed_value=0.04)  # other cases: other thresholds
+    replaced = runner.invoke(app, [*args, "--force"])
+    assert replaced.exit_code == 0, replaced.output
+    assert quality.Thresholds.read(path).liver_uncertainty <= 0.04 < written.liver_uncertainty
+
+    cohort = cohort[:5]  # too few to calibrate on: said, nothing replaced
+    before = path.read_text()
+    few = runner.invoke(app, [*args, "--force"])
+    assert isinstance(few.exception, CtsegError)
+    assert "at least 10 labelled cases" in str(few.exception)
+    assert path.read_text() == before
+
+
+def test_calibrate_applies_to_one_run_only(tmp_path):
+    wrong = [
+        (["--pred", "p", "--ref", "r", "--calibrate"], "--calibrate only apply with RUN_DIR"),
+        (["run", "--cross-validation", "--out", "o", "--calibrate"], "not apply to --cross"),
+    ]
+    for args, message in wrong:
+        result = runner.invoke(app, ["evaluate", *args])
+        assert isinstance(result.exception, CtsegError) and message in str(result.exception)
+
+
+def test_the_scans_the_model_was_not_made_for():
+    from ctseg.synth.reacquire import CHANGES, OTHER_SCANS, reacquire
+
+    hu = np.full((8, 8, 40), -1000.0, np.float32)
+    hu[2:6, 2:6, :] = -100.0  # fat
+    hu[3:5, 3:5, 10:30] = 60.0  # liver
+    seg = np.zeros(hu.shape, np.uint8)
+    seg[3:5, 3:5, 10:30] = 1
+    affine = np.diag([2.0, 2.0, 2.0, 1.0])  # head towards +z
+    assert not set(OTHER_SCANS) & set(CHANGES)  # not in the robustness set
+    mr, labels, same = reacquire("mr", hu, seg, affine, seed=None)
+    assert (labels == seg).all() and (same == affine).all() and mr.min() >= 0
+    assert mr[0, 0, 0] == 0 and mr[2, 2, 0] > mr[3, 3, 15] > 0  # air dark, fat brightest
+    image, labels, moved = reacquire("chest", hu, seg, affine)
+    assert image.shape[2] == labels.shape[2] == 40 - 17  # 13 slices (25 mm) of the liver kept
+    assert labels[..., :13].all(axis=2)[3, 3] and not labels[..., 13:].any()  # dome, then chest
+    assert moved[2, 3] == 17 * 2.0  # where the first kept slice lies
+    flipped = np.diag([2.0, 2.0, -2.0, 1.0])  # head towards −z: the dome is at low k
+    image, labels, moved = reacquire("chest", hu, seg, flipped)
+    assert image.shape[2] == 10 + 13 and labels[..., 10:].any() and not labels[..., :10].any()
