@@ -10,7 +10,7 @@ loop is `ctseg.inference.engine.class_probabilities`), and the way back to the s
 voxels (`ctseg.inference.scan_space`). Callers hold a backend, never ask which.
 
 This module imports no JAX (the CLI checks `--backend` before it starts JAX): the two
-backends are imported when one is made (`backend_named`).
+backends are made by `ctseg.inference.engine.backend_named`, above them.
 """
 
 from __future__ import annotations
@@ -57,23 +57,6 @@ def choose_backend(
     if requested is not None:
         return requested
     return "onnx" if not is_accelerator(devices) and have_onnx else "jax"
-
-
-def backend_named(
-    name: str, devices: Sequence[Any] | None = None, one_cpu_device: bool = False
-) -> Backend:
-    """The backend `name` ("jax" or "onnx"). `devices` (JAX): where it runs, by default
-    this process's first device; with `one_cpu_device`, only the first of simulated CPU
-    devices (they share the host's cores: one window at a time, with all the memory)."""
-    if name == "jax":
-        from ctseg.inference.jax_backend import JaxBackend
-
-        return JaxBackend(devices, one_cpu_device)
-    if name == "onnx":
-        from ctseg.inference.onnx_backend import OnnxBackend
-
-        return OnnxBackend()
-    raise CtsegError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 
 class Plan(Protocol):

@@ -24,8 +24,9 @@ from ctseg.config import Config, TileRequest
 from ctseg.config.tile import SIZE, WHOLE
 from ctseg.errors import CtsegError
 from ctseg.inference import tiling
-from ctseg.inference.backends import Backend, backend_named
-from ctseg.inference.jax_backend import COMPILED_SHARE
+from ctseg.inference.backends import BACKENDS, Backend
+from ctseg.inference.jax_backend import COMPILED_SHARE, JaxBackend
+from ctseg.inference.onnx_backend import OnnxBackend
 from ctseg.inference.tiling import Shape, Span, Stage, TileProgress
 from ctseg.run.trained import TrainedModel
 
@@ -171,6 +172,19 @@ def plan_stages_for(config: Config, tile: TileRequest, shape: Shape) -> list[Sta
     whole volume) for the whole volume or a core as large as the grid."""
     core = tile.to_int()
     return tiling.plan_stages(config, core, shape) if 0 < core < max(shape) else []
+
+
+def backend_named(
+    name: str, devices: Sequence[Any] | None = None, one_cpu_device: bool = False
+) -> Backend:
+    """The backend `name` ("jax" or "onnx"). `devices` (JAX): where it runs, by default
+    this process's first device; with `one_cpu_device`, only the first of simulated CPU
+    devices (they share the host's cores: one window at a time, with all the memory)."""
+    if name == "jax":
+        return JaxBackend(devices, one_cpu_device)
+    if name == "onnx":
+        return OnnxBackend()
+    raise CtsegError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 
 # --------------------------------------------------------------------------- probabilities

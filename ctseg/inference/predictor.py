@@ -25,8 +25,8 @@ import numpy as np
 from ctseg.config import Config, InferenceOptions, TileRequest
 from ctseg.errors import CtsegError
 from ctseg.inference import postprocess, scan_checks, scan_space
-from ctseg.inference.backends import backend_named, choose_backend, onnx_available
-from ctseg.inference.engine import Engine
+from ctseg.inference.backends import choose_backend, onnx_available
+from ctseg.inference.engine import Engine, backend_named
 from ctseg.inference.inputs import mask_candidates
 from ctseg.inference.member import Member, OnGrid
 from ctseg.inference.region import Region, region_of
