@@ -17,6 +17,7 @@ what an `Evaluation` loads, so that the CLI can choose the devices first.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -31,6 +32,7 @@ from ctseg.evaluation.scoring import evaluate_arrays, score_cases, write_reports
 from ctseg.inference import quality
 from ctseg.inference.region import check_margin
 from ctseg.io import scans
+from ctseg.io.scans import Scan
 from ctseg.progress import Progress
 from ctseg.run import evaluations, rundir
 
@@ -175,26 +177,26 @@ def score_run(
     out_dir: Path,
     progress: Progress | None,
 ) -> tuple[list[Json], list[Json]]:
-    """Predict and score `cases` with one model (`score_cases` over `evaluate_case`)."""
+    """Predict and score `cases` with one model (`score_cases` over `evaluate_case`); each
+    case's scan and reference are read in a thread while the case before it predicts."""
     training = quality.Reference.of_run(predictor.members[0].run_dir)
+    after = {case.id: following for case, following in zip(cases, cases[1:], strict=False)}
+    with ThreadPoolExecutor(1, thread_name_prefix="ctseg-read") as reader:
+        reading: dict[str, Future[tuple[Scan, Scan]]] = {}
 
-    def score(case: CaseEntry) -> Json:
-        return evaluate_case(predictor, store, case, out_dir, training)
+        def score(case: CaseEntry) -> Json:
+            read = reading.pop(case.id, None) or reader.submit(read_case, case)
+            if (following := after.get(case.id)) is not None:
+                reading[following.id] = reader.submit(read_case, following)
+            return evaluate_case(predictor, store, case, out_dir, training, read.result())
 
-    return score_cases(cases, lambda case: case.id, score, progress)
+        return score_cases(cases, lambda case: case.id, score, progress)
 
 
-def evaluate_case(
-    predictor: Predictor,
-    store: Store,
-    case: CaseEntry,
-    out_dir: Path,
-    training: quality.Reference | None = None,
-) -> Json:
-    """Predict one case from its original scan and score it there and on the grid, with
-    the prediction's quality (as `ctseg predict` records it) beside its metrics."""
+def read_case(case: CaseEntry) -> tuple[Scan, Scan]:
+    """A case's original scan and reference labels, each checked against what the store was
+    prepared from (a source is outside the store: used only while it is that scan)."""
     scan = scans.read_scan(case.image_source)
-    # A source is outside the store: use it only while it is the scan the case was made from.
     if scans.geometry_difference(
         scan.original_shape, scan.original_affine, case.original_shape, case.original_affine
     ):
@@ -210,6 +212,21 @@ def evaluate_case(
         reference.original_affine,
     ):
         raise CtsegError(f"{case.label_source} does not have its scan's geometry")
+    return scan, reference
+
+
+def evaluate_case(
+    predictor: Predictor,
+    store: Store,
+    case: CaseEntry,
+    out_dir: Path,
+    training: quality.Reference | None = None,
+    read: tuple[Scan, Scan] | None = None,
+) -> Json:
+    """Predict one case from its original scan and score it there and on the grid, with
+    the prediction's quality (as `ctseg predict` records it) beside its metrics. `read`:
+    the case's scan and reference if already read (`read_case`)."""
+    scan, reference = read_case(case) if read is None else read
     prediction = predictor.predict(scan)
     predicted = out_dir / evaluations.PREDICTIONS / f"{case.id}_seg.nii.gz"
     scans.write_labels(scan, prediction.labels, predicted)
