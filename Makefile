@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 CTSEG  := $(VENV)/bin/ctseg
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test demo bench bench-predict512 bench-augment gpu-check lint clean experiment-resolution experiment-geometry experiment-robustness experiment-quality targets-table
+.PHONY: install test demo bench bench-predict512 bench-augment bench-windows gpu-check lint clean experiment-resolution experiment-geometry experiment-robustness experiment-quality targets-table
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,6 +41,18 @@ bench-predict512: $(STAMP)
 # affine_transform (about 8 minutes on 2 cores; needs `make demo`'s store).
 bench-augment: $(STAMP)
 	$(PY) scripts/bench_augment.py bench/augment
+
+# Prediction's programs per box shape: the whole volume, level-wise tiles and fixed windows
+# (compiled once per model), compile and run seconds for three box shapes through one
+# backend (the demo's config, untrained, on the CPU: about 2 minutes; on a GPU add
+# DEVICE=gpu CONFIG=configs/lits512_16way.toml CORE=128 and larger BOXES).
+DEVICE ?= cpu
+CONFIG ?= configs/demo.toml
+CORE   ?= 32
+BOXES  ?= [[80,80,80],[96,96,64],[64,80,112]]
+bench-windows: $(STAMP)
+	$(PY) scripts/bench_windows.py --device $(DEVICE) --config $(CONFIG) --core $(CORE) \
+		--boxes '$(BOXES)' --json bench/windows.json
 
 # On a machine with one GPU (install the cuda12 or cuda13 extra first): every GPU figure
 # and target of docs/experiments/gpu.md in about 8 minutes, a table last, one JSON file.
