@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 CTSEG  := $(VENV)/bin/ctseg
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test demo bench bench-predict512 bench-augment bench-windows gpu-check lint clean experiment-resolution experiment-geometry experiment-robustness experiment-quality targets-table
+.PHONY: install test demo bench bench-predict512 bench-augment bench-windows gpu-check gpu-wheels lint clean experiment-resolution experiment-geometry experiment-robustness experiment-quality targets-table
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -59,6 +59,15 @@ bench-windows: $(STAMP)
 gpu-check: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) scripts/gpu_check.py bench/gpu-check --device gpu
+
+# For a GPU machine without network access whose Python 3.12 has JAX and PyTorch but not
+# the rest: ctseg's own wheel and those it lacks, into .whl/ (about 60 MB; then, there:
+# pip install --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site).
+gpu-wheels: $(STAMP)
+	rm -rf .whl && $(PY) -m pip wheel -q --no-deps -w .whl .
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl connected-components-3d nibabel SimpleITK monai
 
 experiment-resolution: $(STAMP)
 	bash scripts/experiment_resolution.sh
