@@ -96,7 +96,7 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def main() -> None:
+def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=["train", "infer"])
     parser.add_argument("--size", type=int, default=128)
@@ -110,14 +110,69 @@ def main() -> None:
     )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
-    cpu = args.device == "cpu"
-    if cpu and args.mode == "train":
+    if args.device == "cpu" and args.mode == "train":
         raise SystemExit("error: the CPU anchor infers only")
-    if not cpu and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: the anchor needs a CUDA GPU (torch.cuda.is_available() is False)")
-    torch.backends.cudnn.benchmark = True
+    return args
+
+
+def train_seconds(net: torch.nn.Module, args: argparse.Namespace) -> float:
+    """The median seconds of a training step at `--size`³ (bfloat16 autocast, fused AdamW)."""
+    r, device = args.size, args.device
+    x = torch.randn(1, 1, r, r, r, device=device).to(memory_format=torch.channels_last_3d)
+    y = torch.randint(0, 3, (1, r, r, r), device=device)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)
+    forward = torch.compile(net) if args.compile else net
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = forward(x)
+        loss_fn(logits, y).backward()
+        opt.step()
+
+    timed(step, 3)  # warm-up: cuDNN's algorithm search, torch.compile
+    return timed(step, args.steps)[args.steps // 2]
+
+
+def infer_seconds(net: torch.nn.Module, args: argparse.Namespace, shape: tuple) -> dict:
+    """Seconds of one inference host to host (and on the device alone, on a GPU): the whole
+    grid, or MONAI's sliding window with `--sw`."""
+    net.eval()
     device = args.device
-    net = UNet(args.base).to(device).to(memory_format=torch.channels_last_3d)
+    host = np.random.default_rng(0).standard_normal((1, 1, *shape), dtype=np.float32)
+    if args.sw:
+        from monai.inferers import sliding_window_inference
+
+        def network(x: torch.Tensor) -> torch.Tensor:
+            window = (args.sw,) * 3
+            overlap = args.overlap
+            return sliding_window_inference(x, window, 4, net, overlap=overlap, mode="gaussian")
+    else:
+        network = net
+    on_device = torch.from_numpy(host).to(device).to(memory_format=torch.channels_last_3d)
+
+    def host_to_host() -> None:
+        x = torch.from_numpy(host).to(device).to(memory_format=torch.channels_last_3d)
+        network(x).float().softmax(1).cpu()
+
+    if device == "cpu":  # float32, as ctseg runs on the CPU; one run: minutes, no warm-up
+        with torch.inference_mode():
+            return {"seconds": timed(host_to_host, 1)[0]}
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+        timed(host_to_host, 1)  # warm-up
+        return {
+            "seconds": timed(host_to_host, 3)[1],
+            "device_seconds": timed(lambda: network(on_device), 3)[1],
+        }
+
+
+def main() -> None:
+    args = parse()
+    cpu = args.device == "cpu"
+    torch.backends.cudnn.benchmark = True
+    net = UNet(args.base).to(args.device).to(memory_format=torch.channels_last_3d)
     r = args.size
     shape = tuple(args.shape) if args.shape else (r, r, r)
     out = {
@@ -134,47 +189,9 @@ def main() -> None:
     if not cpu:
         torch.cuda.reset_peak_memory_stats()
     if args.mode == "train":
-        x = torch.randn(1, 1, r, r, r, device=device).to(memory_format=torch.channels_last_3d)
-        y = torch.randint(0, 3, (1, r, r, r), device=device)
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)
-        forward = torch.compile(net) if args.compile else net
-
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = forward(x)
-            loss_fn(logits, y).backward()
-            opt.step()
-
-        timed(step, 3)  # warm-up: cuDNN's algorithm search, torch.compile
-        out["step_seconds"] = timed(step, args.steps)[args.steps // 2]
+        out["step_seconds"] = train_seconds(net, args)
     else:
-        net.eval()
-        host = np.random.default_rng(0).standard_normal((1, 1, *shape), dtype=np.float32)
-        if args.sw:
-            from monai.inferers import sliding_window_inference
-
-            def network(x: torch.Tensor) -> torch.Tensor:
-                window = (args.sw,) * 3
-                return sliding_window_inference(
-                    x, window, 4, net, overlap=args.overlap, mode="gaussian"
-                )
-        else:
-            network = net
-        on_device = torch.from_numpy(host).to(device).to(memory_format=torch.channels_last_3d)
-
-        def host_to_host() -> None:
-            x = torch.from_numpy(host).to(device).to(memory_format=torch.channels_last_3d)
-            network(x).float().softmax(1).cpu()
-
-        if cpu:  # float32, as ctseg runs on the CPU; one run: minutes, no warm-up to amortise
-            with torch.inference_mode():
-                out["seconds"] = timed(host_to_host, 1)[0]
-        else:
-            with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
-                timed(host_to_host, 1)  # warm-up
-                out["seconds"] = timed(host_to_host, 3)[1]
-                out["device_seconds"] = timed(lambda: network(on_device), 3)[1]
+        out.update(infer_seconds(net, args, shape))
     out["peak_gib"] = peak_rss_gib() if cpu else torch.cuda.max_memory_allocated() / 2**30
     print(json.dumps(out), flush=True)
 

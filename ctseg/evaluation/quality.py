@@ -206,98 +206,13 @@ def choose_thresholds(
     < `LIVER_FAILED_BELOW` (see the module docstring). CtsegError where the cases cannot
     calibrate: fewer than `MIN_CASES` with a quality and a liver Dice, no bad case or no
     good one."""
-    judged = [
-        c for c in cases if isinstance(c.get("quality"), dict) and c["liver"]["dice"] is not None
-    ]
-    if len(judged) < MIN_CASES:
-        raise CtsegError(
-            f"calibrating the quality thresholds needs at least {MIN_CASES} labelled cases "
-            f"with a prediction quality; there are {len(judged)}"
-        )
-    bad = np.array([bool(liver_bad(c)) or bool(tumour_bad(c)) for c in judged])
-    failed = np.array([c["liver"]["dice"] < LIVER_FAILED_BELOW for c in judged])
-    good = ~bad
-    if not bad.any():
-        raise CtsegError(
-            f"none of the {len(judged)} cases is bad (liver Dice < {LIVER_BAD_BELOW:g}, "
-            f"tumour Dice < {TUMOUR_BAD_BELOW:g} or a missed tumour): there is nothing to "
-            "calibrate the thresholds against"
-        )
-    if not good.any():
-        raise CtsegError(
-            f"every one of the {len(judged)} cases is bad: there is no good case to keep "
-            "out of review, nothing to calibrate the thresholds against"
-        )
-    names = list(Thresholds.CONCERNS)
-    values = np.array([[_value(c, name) for name in names] for c in judged])
-    fixed = np.array([_always_flagged(c) for c in judged])
-    budget = math.floor(target * good.sum() + 1e-9)
-    gain = np.where(failed, _FAILED_WEIGHT, 1) * bad
-
-    # Start where no good case is flagged by a threshold (or at `start`, if higher).
-    chosen = {}
-    for index, name in enumerate(names):
-        good_values = values[good, index][np.isfinite(values[good, index])]
-        above = float(np.nextafter(good_values.max(), np.inf)) if len(good_values) else -np.inf
-        chosen[name] = max(float(start.of(name)), above, FLOORS[name])
-
-    def flagged(thresholds: dict[str, float]) -> np.ndarray:
-        limits = np.array([thresholds[name] for name in names])
-        return fixed | np.any(values >= limits, axis=1)
-
-    lowered: set[str] = set()
-    while True:  # greedy: the cheapest bad cases first, within the budget
-        current = flagged(chosen)
-        best = None
-        for index, name in enumerate(names):
-            column = values[:, index]
-            for value in np.unique(column[bad & ~current & np.isfinite(column)]):
-                if value >= chosen[name] or value < FLOORS[name]:
-                    continue
-                new = current | (column >= value)
-                extra_good = int((new & good & ~current).sum())
-                if (current & good).sum() + extra_good > budget:
-                    continue
-                won = int(gain[new & ~current].sum())
-                key = (won / (extra_good + 1), won, value)
-                if won and (best is None or key > best[0]):
-                    best = (key, name, float(value))
-        if best is None:
-            break
-        chosen[best[1]] = best[2]
-        lowered.add(best[1])
-
-    notes = []
-    for case_index in np.flatnonzero(failed & ~flagged(chosen)):  # whatever it costs
-        current = flagged(chosen)
-        if current[case_index]:
-            continue
-        options = []
-        for index, name in enumerate(names):
-            value = values[case_index, index]
-            if np.isfinite(value) and value >= FLOORS[name]:
-                extra_good = int(((values[:, index] >= value) & good & ~current).sum())
-                options.append((extra_good, -value, name, float(value)))
-        if not options:
-            notes.append(
-                f"{judged[case_index]['case']}: its liver (Dice "
-                f"{judged[case_index]['liver']['dice']:.2f}) cannot be flagged by any threshold"
-            )
-            continue
-        _, _, name, value = min(options)
-        chosen[name] = min(chosen[name], value)
-        lowered.add(name)
-
-    # Midway between the lowest bad value each lowered threshold reached and the highest
-    # good value below it: flags the same good cases and no fewer bad ones.
-    for index, name in enumerate(names):
-        if name not in lowered:
-            continue
-        below = values[good & (values[:, index] < chosen[name]), index]
-        below = below[np.isfinite(below)]
-        if len(below):
-            chosen[name] = max((chosen[name] + float(below.max())) / 2, FLOORS[name])
-
+    judged = _calibration_cases(cases)
+    table = _Concerns.of(judged)
+    budget = math.floor(target * table.good.sum() + 1e-9)
+    chosen = table.starting(start)
+    lowered = table.lower_greedily(chosen, budget)
+    notes = table.flag_failed(chosen, lowered, judged)
+    table.midway(chosen, lowered)
     thresholds = dataclasses.replace(
         start.replace(**chosen), calibrated_on=calibrated_on, n_cases=len(judged)
     )
@@ -310,6 +225,145 @@ def choose_thresholds(
             "flagging every liver of Dice < 0.5 took more"
         )
     return Calibration(thresholds, summary, tuple(notes))
+
+
+def _calibration_cases(cases: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cases with a quality and a liver Dice, checked to hold enough, bad and good."""
+    judged = [
+        c for c in cases if isinstance(c.get("quality"), dict) and c["liver"]["dice"] is not None
+    ]
+    if len(judged) < MIN_CASES:
+        raise CtsegError(
+            f"calibrating the quality thresholds needs at least {MIN_CASES} labelled cases "
+            f"with a prediction quality; there are {len(judged)}"
+        )
+    bad = [bool(liver_bad(c)) or bool(tumour_bad(c)) for c in judged]
+    if not any(bad):
+        raise CtsegError(
+            f"none of the {len(judged)} cases is bad (liver Dice < {LIVER_BAD_BELOW:g}, "
+            f"tumour Dice < {TUMOUR_BAD_BELOW:g} or a missed tumour): there is nothing to "
+            "calibrate the thresholds against"
+        )
+    if all(bad):
+        raise CtsegError(
+            f"every one of the {len(judged)} cases is bad: there is no good case to keep "
+            "out of review, nothing to calibrate the thresholds against"
+        )
+    return judged
+
+
+@dataclasses.dataclass(frozen=True)
+class _Concerns:
+    """The cases' raw concern values [case, concern] and what the truth says of each case."""
+
+    names: list[str]
+    values: np.ndarray
+    fixed: np.ndarray  # flagged whatever the thresholds (a fingerprint check, no liver)
+    bad: np.ndarray
+    failed: np.ndarray  # liver Dice < LIVER_FAILED_BELOW: flagged whatever it costs
+    gain: np.ndarray  # what flagging each case wins (a failed liver counts more)
+
+    @classmethod
+    def of(cls, judged: Sequence[dict[str, Any]]) -> _Concerns:
+        names = list(Thresholds.CONCERNS)
+        bad = np.array([bool(liver_bad(c)) or bool(tumour_bad(c)) for c in judged])
+        failed = np.array([c["liver"]["dice"] < LIVER_FAILED_BELOW for c in judged])
+        return cls(
+            names,
+            np.array([[_value(c, name) for name in names] for c in judged]),
+            np.array([_always_flagged(c) for c in judged]),
+            bad,
+            failed,
+            np.where(failed, _FAILED_WEIGHT, 1) * bad,
+        )
+
+    @property
+    def good(self) -> np.ndarray:
+        return ~self.bad
+
+    def flagged(self, thresholds: dict[str, float]) -> np.ndarray:
+        limits = np.array([thresholds[name] for name in self.names])
+        return self.fixed | np.any(self.values >= limits, axis=1)
+
+    def starting(self, start: Thresholds) -> dict[str, float]:
+        """Where no good case is flagged by a threshold (or `start`, if higher)."""
+        chosen = {}
+        for index, name in enumerate(self.names):
+            column = self.values[self.good, index]
+            column = column[np.isfinite(column)]
+            above = float(np.nextafter(column.max(), np.inf)) if len(column) else -np.inf
+            chosen[name] = max(float(start.of(name)), above, FLOORS[name])
+        return chosen
+
+    def lower_greedily(self, chosen: dict[str, float], budget: int) -> set[str]:
+        """Lower thresholds (in place) to flag the cheapest bad cases first, while at most
+        `budget` good cases are flagged; the names of those lowered."""
+        lowered: set[str] = set()
+        while (best := self._cheapest(chosen, budget)) is not None:
+            _, name, value = best
+            chosen[name] = value
+            lowered.add(name)
+        return lowered
+
+    def _cheapest(self, chosen: dict[str, float], budget: int) -> tuple | None:
+        """The threshold value that wins the most bad cases per good case flagged."""
+        current = self.flagged(chosen)
+        best = None
+        for index, name in enumerate(self.names):
+            column = self.values[:, index]
+            for value in np.unique(column[self.bad & ~current & np.isfinite(column)]):
+                if value >= chosen[name] or value < FLOORS[name]:
+                    continue
+                new = current | (column >= value)
+                extra_good = int((new & self.good & ~current).sum())
+                if (current & self.good).sum() + extra_good > budget:
+                    continue
+                won = int(self.gain[new & ~current].sum())
+                key = (won / (extra_good + 1), won, value)
+                if won and (best is None or key > best[0]):
+                    best = (key, name, float(value))
+        return best
+
+    def flag_failed(
+        self, chosen: dict[str, float], lowered: set[str], judged: Sequence[dict[str, Any]]
+    ) -> list[str]:
+        """Lower thresholds (in place) until every failed liver is flagged, whatever it
+        costs, each by the concern that flags the fewest good cases; notes of those none can."""
+        notes = []
+        for case_index in np.flatnonzero(self.failed & ~self.flagged(chosen)):
+            current = self.flagged(chosen)
+            if current[case_index]:
+                continue
+            options = []
+            for index, name in enumerate(self.names):
+                value = self.values[case_index, index]
+                if np.isfinite(value) and value >= FLOORS[name]:
+                    column = self.values[:, index]
+                    extra_good = int(((column >= value) & self.good & ~current).sum())
+                    options.append((extra_good, -value, name, float(value)))
+            if not options:
+                case = judged[case_index]
+                notes.append(
+                    f"{case['case']}: its liver (Dice {case['liver']['dice']:.2f}) cannot be "
+                    "flagged by any threshold"
+                )
+                continue
+            _, _, name, value = min(options)
+            chosen[name] = min(chosen[name], value)
+            lowered.add(name)
+        return notes
+
+    def midway(self, chosen: dict[str, float], lowered: set[str]) -> None:
+        """Each lowered threshold (in place) midway between the lowest bad value it reached
+        and the highest good value below it: the same good cases flagged, no fewer bad."""
+        for index, name in enumerate(self.names):
+            if name not in lowered:
+                continue
+            column = self.values[:, index]
+            below = column[self.good & (column < chosen[name])]
+            below = below[np.isfinite(below)]
+            if len(below):
+                chosen[name] = max((chosen[name] + float(below.max())) / 2, FLOORS[name])
 
 
 def check_calibration_target(run_dir: Path, force: bool = False) -> None:

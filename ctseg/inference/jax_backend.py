@@ -106,6 +106,17 @@ def _below_level(config: Config, stage: Stage) -> tuple[tuple[int, ...], Any]:
     return (1, *below, width), jnp.dtype(config.model.dtype)
 
 
+def _owned(row: jax.Array, block: Shape) -> jax.Array:
+    """The voxels of a window's output block (at the row's `kept` start) that its core owns,
+    between the row's `first` and `stop`: [x, y, z] bool."""
+    kept, first, stop = row[1], row[2], row[3]
+    owned = [
+        (kept[a] + jnp.arange(side) >= first[a]) & (kept[a] + jnp.arange(side) < stop[a])
+        for a, side in enumerate(block)
+    ]
+    return owned[0][:, None, None] & owned[1][None, :, None] & owned[2][None, None, :]
+
+
 def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
     return int(np.prod(shape)) * jnp.dtype(dtype).itemsize
 
@@ -124,33 +135,23 @@ def _stage_program(
     extent, block = stage.extent, stage.block
     out_shape, out_dtype = _output_level(config, stage)
     in_shape, in_dtype = _input_level(config, stage)
-    channels = in_shape[-1]
 
     def body(
         comm: Comm, params: Any, stats: Any, table: jax.Array, count: jax.Array, *levels: jax.Array
     ):
         # The mesh splits no spatial axis, so `comm` pads with zeros, as LOCAL does.
         net = nnx.merge(graphdef, params, stats, copy=True)
-        offsets = [jax.lax.broadcasted_iota(jnp.int32, (side,), 0) for side in block]
 
         def one(step: jax.Array, out: jax.Array) -> jax.Array:
-            start, kept, first, stop = (table[0, step, i] for i in range(4))
-            window = [jax.lax.dynamic_slice(levels[0], (0, *start, 0), (1, *extent, channels))]
-            if stage.kind == UP:
-                below = levels[1]
-                half = (1, *(side // 2 for side in extent), below.shape[-1])
-                window.append(jax.lax.dynamic_slice(below, (0, *(start // 2), 0), half))
-            y = net.stage(stage.kind, stage.level, window, comm)
+            row = table[0, step]
+            start, kept = row[0], row[1]
+            y = net.stage(stage.kind, stage.level, _cut(list(levels), row, extent), comm)
             into = (0, *kept, 0)
             size = (1, *block, out_shape[-1])
             result = jax.lax.dynamic_slice(y, (0, *(kept - start // stage.scale), 0), size)
             # Only the core's voxels: a shortened last core's block overlaps its neighbour's,
             # and on several devices the sum over them must see each voxel once.
-            owned = [
-                (kept[a] + offsets[a] >= first[a]) & (kept[a] + offsets[a] < stop[a])
-                for a in range(3)
-            ]
-            mask = owned[0][:, None, None] & owned[1][None, :, None] & owned[2][None, None, :]
+            mask = _owned(row, block)
             current = jax.lax.dynamic_slice(out, into, size)
             return jax.lax.dynamic_update_slice(
                 out, jnp.where(mask[None, ..., None], result.astype(out_dtype), current), into
@@ -462,16 +463,11 @@ def window_program(
 
     def run(params: Any, stats: Any, row: jax.Array, *inputs: jax.Array) -> jax.Array:
         net = nnx.merge(graphdef, params, stats, copy=True)
-        start, kept, first, stop = row[0], row[1], row[2], row[3]
+        start, kept = row[0], row[1]
         y = net.stage(stage.kind, stage.level, list(inputs), LOCAL)
         at = (0, *(kept - start // stage.scale), 0)
         result = jax.lax.dynamic_slice(y, at, (1, *block, channels))
-        owned = [
-            (kept[a] + jnp.arange(side) >= first[a]) & (kept[a] + jnp.arange(side) < stop[a])
-            for a, side in enumerate(block)
-        ]
-        mask = owned[0][:, None, None] & owned[1][None, :, None] & owned[2][None, None, :]
-        return jnp.where(mask[None, ..., None], result, 0).astype(out_dtype)
+        return jnp.where(_owned(row, block)[None, ..., None], result, 0).astype(out_dtype)
 
     run.__name__ = "window_program"  # as the compile clock counts it
     device = jax.tree.leaves(params)[0].sharding
