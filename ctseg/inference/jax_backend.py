@@ -13,15 +13,10 @@ the level, and a sum over the devices (the cores are disjoint) gives every devic
 whole level for the next stage. The levels kept for the up stages stay on the devices
 while they fit, and are moved to the host whole (never per window) when they do not.
 
-Fixed windows (`WindowPlan`, one device): the spacing grid's boxes follow the scans'
-extents, and every new box shape would compile the programs above anew (lits512's whole
-volume: ~107 s on an H200, mostly XLA's autotuning of the convolutions). There each
-stage's convolutions are one program on one window whose extent does not depend on the
-box (`window_program`, `tiling.fixed_stages`), compiled once per model and stage and kept
-by the `JaxBackend`; a driver on the host cuts the windows out of the level and adds
-their masked cores into the next one with small programs that follow the box's level
-shapes and compile in milliseconds. The default on one accelerator, where compiling per
-box costs minutes and the windows' overlap milliseconds (`JaxBackend.fixed_windows`).
+Fixed windows (`ctseg.inference.jax_windows`, one device), whose programs do not depend
+on the box: the default for the spacing grid on one accelerator, where compiling per box
+shape costs minutes and the windows' overlap milliseconds (`JaxBackend.fixed_windows`).
+The levels' shapes and the window cut both share: `ctseg.inference.levels`.
 
 Planning (no stages given): the hand formula of `ctseg.inference.tiling` proposes candidates
 (the whole volume, then tiles); the candidates' programs are compiled, all of a plan
@@ -32,7 +27,6 @@ memory. A plan is compiled before the first scan, so every scan after it only ru
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,22 +37,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ctseg.config import Config
 from ctseg.errors import CtsegError
 from ctseg.inference import scan_space, tiling
 from ctseg.inference.backends import Backend
+from ctseg.inference.jax_windows import WINDOW_CORES, WindowPlan, WindowPrograms
+from ctseg.inference.levels import (
+    as_batch,
+    below_level,
+    cut,
+    input_level,
+    only_item,
+    output_level,
+    owned,
+    post_bytes,
+    stage_needs,
+)
 from ctseg.inference.tiling import Shape, Stage, TileProgress
-from ctseg.labels import NUM_CLASSES
 from ctseg.memory import human_bytes
-from ctseg.model import plan, unet
+from ctseg.model import plan
 from ctseg.model.step import make_predict
 from ctseg.model.unet import BOTTOM, DOWN, UP
 from ctseg.parallel import devices as dev
 from ctseg.parallel.layouts import fit_split
 from ctseg.parallel.partition import (
-    LOCAL,
     REPLICATED,
     Comm,
     activation_sharding,
@@ -72,53 +76,11 @@ from ctseg.run.trained import TrainedModel
 # beside them, may take. The compiler's figures are the programs' own, so the share
 # only keeps room for the runtime's workspace and for fragmentation.
 COMPILED_SHARE = 0.85
-# Fixed windows' cores chosen from (`JaxBackend.window_core`), largest first: up to 128, a
-# window GPUs' convolutions run efficiently whose box floor (136 voxels a side at k = 3)
-# pads few scans.
-WINDOW_CORES = (128, 96, 64, 48, 32, 24, 16)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """An accelerator's allocation failure, as XLA reports it."""
     return isinstance(exc, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(exc)
-
-
-def _output_level(config: Config, stage: Stage) -> tuple[tuple[int, ...], Any]:
-    """Shape [1, x, y, z, C] and dtype of a stage's output level."""
-    if stage.kind != DOWN and stage.level == 0:
-        return (1, *stage.out_size, NUM_CLASSES), jnp.float32
-    width = unet.level_widths(config.model)[stage.level]
-    return (1, *stage.out_size, width), jnp.dtype(config.model.dtype)
-
-
-def _input_level(config: Config, stage: Stage) -> tuple[tuple[int, ...], Any]:
-    """Shape [1, x, y, z, C] and dtype of a stage's input level (the image at level 0)."""
-    if stage.level == 0:
-        return (1, *stage.size, 1), jnp.float32
-    width = unet.level_widths(config.model)[stage.level - 1]
-    return (1, *stage.size, width), jnp.dtype(config.model.dtype)
-
-
-def _below_level(config: Config, stage: Stage) -> tuple[tuple[int, ...], Any]:
-    """Shape and dtype of an up stage's second input, d_{level+1}, from the stage below."""
-    width = unet.level_widths(config.model)[stage.level + 1]
-    below = tuple(n // 2 for n in stage.size)
-    return (1, *below, width), jnp.dtype(config.model.dtype)
-
-
-def _owned(row: jax.Array, block: Shape) -> jax.Array:
-    """The voxels of a window's output block (at the row's `kept` start) that its core owns,
-    between the row's `first` and `stop`: [x, y, z] bool."""
-    kept, first, stop = row[1], row[2], row[3]
-    owned = [
-        (kept[a] + jnp.arange(side) >= first[a]) & (kept[a] + jnp.arange(side) < stop[a])
-        for a, side in enumerate(block)
-    ]
-    return owned[0][:, None, None] & owned[1][None, :, None] & owned[2][None, None, :]
-
-
-def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
-    return int(np.prod(shape)) * jnp.dtype(dtype).itemsize
 
 
 def _stage_program(
@@ -133,8 +95,8 @@ def _stage_program(
     """
     devices = mesh.shape["data"]
     extent, block = stage.extent, stage.block
-    out_shape, out_dtype = _output_level(config, stage)
-    in_shape, in_dtype = _input_level(config, stage)
+    out_shape, out_dtype = output_level(config, stage)
+    in_shape, in_dtype = input_level(config, stage)
 
     def body(
         comm: Comm, params: Any, stats: Any, table: jax.Array, count: jax.Array, *levels: jax.Array
@@ -145,13 +107,13 @@ def _stage_program(
         def one(step: jax.Array, out: jax.Array) -> jax.Array:
             row = table[0, step]
             start, kept = row[0], row[1]
-            y = net.stage(stage.kind, stage.level, _cut(list(levels), row, extent), comm)
+            y = net.stage(stage.kind, stage.level, cut(list(levels), row, extent), comm)
             into = (0, *kept, 0)
             size = (1, *block, out_shape[-1])
             result = jax.lax.dynamic_slice(y, (0, *(kept - start // stage.scale), 0), size)
             # Only the core's voxels: a shortened last core's block overlaps its neighbour's,
             # and on several devices the sum over them must see each voxel once.
-            mask = _owned(row, block)
+            mask = owned(row, block)
             current = jax.lax.dynamic_slice(out, into, size)
             return jax.lax.dynamic_update_slice(
                 out, jnp.where(mask[None, ..., None], result.astype(out_dtype), current), into
@@ -179,7 +141,7 @@ def _stage_program(
     replicated = NamedSharding(mesh, REPLICATED)
     inputs = [jax.ShapeDtypeStruct(in_shape, in_dtype, sharding=replicated)]
     if stage.kind == UP:
-        below_shape, below_dtype = _below_level(config, stage)
+        below_shape, below_dtype = below_level(config, stage)
         inputs.append(jax.ShapeDtypeStruct(below_shape, below_dtype, sharding=replicated))
     steps = -(-len(stage.windows()) // devices)
     dealt = NamedSharding(mesh, PartitionSpec("data"))
@@ -230,13 +192,8 @@ def _compile_whole(model: TrainedModel, devices: Sequence[Any], shape: Shape) ->
     image = jax.ShapeDtypeStruct((1, *shape, 1), jnp.float32, sharding=activation_sharding(mesh))
     weights = replicated_shapes((model.params, model.stats), mesh)
     compiled = jax.jit(make_predict(model.graphdef, config, mesh)).lower(*weights, image).compile()
-    needed = plan.memory_of(compiled).total + _post_bytes(shape)
+    needed = plan.memory_of(compiled).total + post_bytes(shape)
     return InferencePlan([], [compiled], mesh, spatial, needed)
-
-
-def _post_bytes(shape: Shape) -> int:
-    """Device bytes after the network: the probabilities and a TTA sum of them (float32)."""
-    return 2 * math.prod(shape) * NUM_CLASSES * 4
 
 
 def _compile_stages(
@@ -251,29 +208,13 @@ def _compile_stages(
         return list(pool.map(lambda stage: compile_one(stage=stage), stages))
 
 
-def _stage_needs(config: Config, stages: list[Stage], programs: list, spill: bool) -> list[int]:
-    """Peak bytes per device during each stage: its program (its input and output levels
-    included) plus the other levels alive then (none on the device when `spill`)."""
-    waiting: list[int] = []  # bytes of the levels kept for the up stages, a_0 … a_l
-    post = _post_bytes(stages[0].size)  # the first stage runs on the whole grid
-    needs = []
-    for stage, program in zip(stages, programs, strict=True):
-        if stage.kind == UP:
-            waiting.pop()  # the level this stage reads is its argument now
-        others = 0 if spill else sum(waiting)
-        needs.append(plan.memory_of(program).total + others + post)
-        if stage.kind == DOWN:  # its input level waits for the up stage of its level
-            waiting.append(_bytes(*_input_level(config, stage)))
-    return needs
-
-
 def _plan_tiles(
     model: TrainedModel, stages: list[Stage], mesh: Mesh, budget: float | None
 ) -> InferencePlan:
     """Compile `stages`; with a `budget`, shrink the cores of stages that do not fit it."""
     config = model.config
     programs = _compile_stages(model, stages, mesh)
-    needs = _stage_needs(config, stages, programs, spill=False)
+    needs = stage_needs(config, stages, programs, spill=False)
     spill = False
     while budget is not None and max(needs) > budget:
         over = [
@@ -284,7 +225,7 @@ def _plan_tiles(
         if not over:
             if not spill:  # the cores are as small as they go: the waiting levels leave
                 spill = True
-                needs = _stage_needs(config, stages, programs, spill=True)
+                needs = stage_needs(config, stages, programs, spill=True)
                 continue
             break
         for i in over:
@@ -295,7 +236,7 @@ def _plan_tiles(
         recompiled = _compile_stages(model, [stages[i] for i in over], mesh)
         for i, program in zip(over, recompiled, strict=True):
             programs[i] = program
-        needs = _stage_needs(config, stages, programs, spill)
+        needs = stage_needs(config, stages, programs, spill)
     return InferencePlan(stages, programs, mesh, (1, 1, 1), max(needs), spill)
 
 
@@ -391,7 +332,7 @@ class JaxPlan:
     def place(self, image: np.ndarray | jax.Array) -> jax.Array:
         """A unit-scaled image [x, y, z] as the plan takes it: [1, x, y, z, 1] float32, on
         the devices (one transfer)."""
-        return jax.device_put(_as_batch(image), self._input_sharding)
+        return jax.device_put(as_batch(image), self._input_sharding)
 
     def _table(self, stage: Stage, span: tiling.Span | None = None) -> tuple[jax.Array, ...]:
         """A stage's window table and step counts on the devices (`_dealt_table`)."""
@@ -411,7 +352,7 @@ class JaxPlan:
             if progress is not None:
                 out.block_until_ready()
                 progress(1, 1)
-            return _only_item(out)
+            return only_item(out)
         spans: list[tiling.Span | None] = [None] * len(self.stages)
         tables = self._tables
         if need is not None:
@@ -439,209 +380,7 @@ class JaxPlan:
                 done += len(stage.windows(span))
                 progress(done, total)
         assert below is not None and below.dtype == jnp.float32
-        return _only_item(below)
-
-
-# --------------------------------------------------------------------------- fixed windows
-
-
-def window_program(
-    graphdef: nnx.GraphDef, config: Config, stage: Stage, params: Any, stats: Any
-) -> jax.stages.Compiled:
-    """Stage `stage` on one window of its extent: the network's convolutions, and nothing
-    that depends on the box (`WindowPlan`).
-
-    Arguments: params, stats, the window's row of `tiling.stitch_table` [4, 3], the window
-    of the input level [1, *extent, C] (and of d_{level+1}, halved, for an up stage).
-    Result: the block of `stage.block` output voxels that holds the window's core, zero
-    where the window does not own a voxel, so that adding the blocks into a zero level
-    stitches it exactly. `params` and `stats` are shapes placed on one device.
-    """
-    block = stage.block
-    out_shape, out_dtype = _output_level(config, stage)
-    channels = out_shape[-1]
-
-    def run(params: Any, stats: Any, row: jax.Array, *inputs: jax.Array) -> jax.Array:
-        net = nnx.merge(graphdef, params, stats, copy=True)
-        start, kept = row[0], row[1]
-        y = net.stage(stage.kind, stage.level, list(inputs), LOCAL)
-        at = (0, *(kept - start // stage.scale), 0)
-        result = jax.lax.dynamic_slice(y, at, (1, *block, channels))
-        return jnp.where(_owned(row, block)[None, ..., None], result, 0).astype(out_dtype)
-
-    run.__name__ = "window_program"  # as the compile clock counts it
-    device = jax.tree.leaves(params)[0].sharding
-    _, in_dtype = _input_level(config, stage)
-    inputs = [
-        jax.ShapeDtypeStruct(
-            (1, *stage.extent, _input_level(config, stage)[0][-1]), in_dtype, sharding=device
-        )
-    ]
-    if stage.kind == UP:
-        below_shape, below_dtype = _below_level(config, stage)
-        half = (1, *(n // 2 for n in stage.extent), below_shape[-1])
-        inputs.append(jax.ShapeDtypeStruct(half, below_dtype, sharding=device))
-    row = jax.ShapeDtypeStruct((4, 3), jnp.int32, sharding=device)
-    return jax.jit(run).lower(params, stats, row, *inputs).compile()
-
-
-def _single_shapes(tree: Any, device: Any) -> Any:
-    sharding = SingleDeviceSharding(device)
-    return jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding), tree
-    )
-
-
-# The driver's programs, between the window programs: they depend on the levels' shapes
-# (so compile per box shape, in milliseconds: no convolution to tune) and on nothing of
-# the network. Two per stage, and two dispatches per window (its program, then this).
-
-
-def _cut(levels: list[jax.Array], row: jax.Array, extent: Shape) -> list[jax.Array]:
-    """A window of `extent` voxels of the input level at the row's start, and for an up
-    stage the window of d_{l+1} under it, halved."""
-    start = row[0]
-    windows = [jax.lax.dynamic_slice(levels[0], (0, *start, 0), (1, *extent, levels[0].shape[-1]))]
-    if len(levels) == 2:
-        half = (1, *(n // 2 for n in extent), levels[1].shape[-1])
-        windows.append(jax.lax.dynamic_slice(levels[1], (0, *(start // 2), 0), half))
-    return windows
-
-
-@partial(jax.jit, static_argnums=(2, 3, 4))
-def _begin(
-    levels: list[jax.Array], row: jax.Array, extent: Shape, shape: tuple[int, ...], dtype: Any
-) -> tuple[jax.Array, list[jax.Array]]:
-    """A zero output level of `shape` (on the levels' device), and the first window."""
-    return jnp.zeros(shape, dtype), _cut(levels, row, extent)
-
-
-@partial(jax.jit, static_argnums=4, donate_argnums=0)
-def _add_then_cut(
-    out: jax.Array,
-    block: jax.Array,
-    row: jax.Array,
-    levels: list[jax.Array],
-    extent: Shape,
-    following: jax.Array,
-) -> tuple[jax.Array, list[jax.Array]]:
-    """`out` with a window's masked block added at its row's block start (in place: the
-    blocks own disjoint voxels, and every other voxel of the block adds zero), and the
-    `following` row's window."""
-    at = (0, *row[1], 0)
-    current = jax.lax.dynamic_slice(out, at, block.shape)
-    return jax.lax.dynamic_update_slice(out, current + block, at), _cut(levels, following, extent)
-
-
-class WindowPlan:
-    """Level-wise tiles on one device whose window programs do not depend on the box.
-
-    Each stage's convolutions are one program on one window of a fixed extent
-    (`window_program`, `tiling.fixed_stages`), compiled once per model and stage and kept
-    by the backend, so boxes of every later shape reuse them. A driver on the host cuts
-    each window out of the level on the device, runs the stage's program on it and adds
-    its masked core into the output level (`_begin`, `_add_then_cut`: two small programs
-    per stage and box shape, compiled in milliseconds): nothing passes through the host
-    but the dispatches. The cost: two dispatches per window, and windows of fixed cores
-    (not balanced to the box; deeper levels' cores fit the box floor,
-    `tiling.window_floor`), so more overlap than `JaxPlan`'s tiles: on the lits512 model
-    at cores of 128, 2.1–3.1× the whole pass's multiply-adds against 1.4–1.5× for those
-    tiles. On the backend's first device only: the automatic choice (`JaxBackend`) runs
-    them only where it has one device; on several it plans as before (`JaxPlan`).
-    """
-
-    spatial = (1, 1, 1)
-    spills = False
-
-    def __init__(
-        self,
-        backend: JaxBackend,
-        model: TrainedModel,
-        shape: Shape,
-        stages: list[Stage],
-        memory: int,
-    ):
-        self.model, self.shape, self.stages = model, shape, stages
-        self.device = backend.devices[0]
-        config = model.config
-        weights = _single_shapes((model.params, model.stats), self.device)
-        self._programs = [backend.window_program(model, stage, *weights) for stage in stages]
-        # The window programs' own figures hold no level: each stage's levels are beside them.
-        levels = [
-            _bytes(*_input_level(config, stage))
-            + _bytes(*_output_level(config, stage))
-            + (_bytes(*_below_level(config, stage)) if stage.kind == UP else 0)
-            for stage in stages
-        ]
-        needs = _stage_needs(config, stages, self._programs, spill=False)
-        self.needed = max(need + level for need, level in zip(needs, levels, strict=True))
-        if self.needed > memory:
-            raise CtsegError(
-                f"fixed windows ≤ {max(s.largest_core for s in stages)}³ of the "
-                f"{tiling.shape_text(shape)} grid need {human_bytes(self.needed)}, more than the "
-                f"{human_bytes(memory)} free on {dev.describe([self.device])}; use smaller tiles"
-            )
-        self._params, self._stats = jax.device_put((model.params, model.stats), self.device)
-        self._rows = [self._place_rows(stage) for stage in stages]
-
-    def _place_rows(self, stage: Stage, span: tiling.Span | None = None) -> list[jax.Array]:
-        table = tiling.stitch_table(stage, span)
-        return list(jax.device_put(list(table), self.device))
-
-    def memory_words(self, memory: int) -> str:
-        return f": {human_bytes(self.needed)} of {human_bytes(memory)} free (compiled)"
-
-    def place(self, image: np.ndarray | jax.Array) -> jax.Array:
-        return jax.device_put(_as_batch(image), self.device)
-
-    def _stage(self, stage: Stage, program: Any, rows: list[jax.Array], *levels: jax.Array):
-        """A stage's output level: its windows run one after another (dispatched, not waited
-        for); the last window's following cut is the first's again, unused."""
-        out_shape, out_dtype = _output_level(self.model.config, stage)
-        levels_ = list(levels)
-        out, window = _begin(levels_, rows[0], stage.extent, out_shape, out_dtype)
-        for row, following in zip(rows, [*rows[1:], rows[0]], strict=True):
-            block = program(self._params, self._stats, row, *window)
-            out, window = _add_then_cut(out, block, row, levels_, stage.extent, following)
-        return out
-
-    def logits(
-        self, image: jax.Array, progress: TileProgress | None, need: tiling.Span | None = None
-    ) -> jax.Array:
-        image = jax.device_put(image, self.device)
-        spans: list[tiling.Span | None] = [None] * len(self.stages)
-        rows = self._rows
-        if need is not None:
-            spans = list(tiling.stage_spans(self.stages, need))
-            rows = [self._place_rows(s, span) for s, span in zip(self.stages, spans, strict=True)]
-        total = sum(len(r) for r in rows)
-        done = 0
-        levels: list[Any] = [image]
-        below = None
-        for stage, program, stage_rows in zip(self.stages, self._programs, rows, strict=True):
-            if stage.kind == DOWN:
-                levels.append(self._stage(stage, program, stage_rows, levels[-1]))
-            elif stage.kind == BOTTOM:
-                below = self._stage(stage, program, stage_rows, levels.pop())
-            else:
-                below = self._stage(stage, program, stage_rows, levels.pop(), below)
-            if progress is not None:
-                jax.block_until_ready(below if stage.kind != DOWN else levels[-1])
-                done += len(stage_rows)
-                progress(done, total)
-        assert below is not None and below.dtype == jnp.float32
-        return _only_item(below)
-
-
-@jax.jit
-def _as_batch(image: jax.Array) -> jax.Array:
-    return jnp.asarray(image, jnp.float32)[None, ..., None]
-
-
-@jax.jit
-def _only_item(batch: jax.Array) -> jax.Array:
-    # Jitted: an eager index of a sharded array would send the index from the host.
-    return batch[0]
+        return only_item(below)
 
 
 class JaxBackend(Backend):
@@ -667,20 +406,8 @@ class JaxBackend(Backend):
         if fixed_windows is None:
             fixed_windows = len(self.devices) == 1 and dev.is_accelerator(self.devices)
         self.fixed_windows = fixed_windows
-        # Window programs by model and stage (`window_program`): every box shape reuses them.
-        self._window_programs: dict[tuple, jax.stages.Compiled] = {}
-
-    def window_program(
-        self, model: TrainedModel, stage: Stage, params: Any, stats: Any
-    ) -> jax.stages.Compiled:
-        """Stage `stage`'s window program for `model`'s network, compiled when first asked
-        for (weights are arguments: models of one config share it)."""
-        key = (repr(model.config.model), *tiling.window_key(stage), str(self.devices[0]))
-        if key not in self._window_programs:
-            self._window_programs[key] = window_program(
-                model.graphdef, model.config, stage, params, stats
-            )
-        return self._window_programs[key]
+        # Window programs by model and stage: every box shape reuses them.
+        self.window_programs = WindowPrograms(self.devices[0])
 
     def window_core(self, model: TrainedModel, memory: int) -> int:
         """Fixed windows' core chosen for `memory` bytes: the largest of `WINDOW_CORES` whose
@@ -697,7 +424,7 @@ class JaxBackend(Backend):
     def window_plan(
         self, model: TrainedModel, shape: Shape, stages: list[Stage], memory: int
     ) -> WindowPlan:
-        return WindowPlan(self, model, shape, stages, memory)
+        return WindowPlan(self.window_programs, model, shape, stages, memory)
 
     def dtype(self, config: Config) -> np.dtype:
         return jnp.dtype(config.model.dtype)  # the compute dtype
