@@ -57,7 +57,7 @@ from ctseg.inference.levels import (
 )
 from ctseg.inference.tiling import Shape, Stage, TileProgress
 from ctseg.memory import human_bytes
-from ctseg.model import plan
+from ctseg.model import aot
 from ctseg.model.step import make_predict
 from ctseg.model.unet import BOTTOM, DOWN, UP
 from ctseg.parallel import devices as dev
@@ -192,7 +192,7 @@ def _compile_whole(model: TrainedModel, devices: Sequence[Any], shape: Shape) ->
     image = jax.ShapeDtypeStruct((1, *shape, 1), jnp.float32, sharding=activation_sharding(mesh))
     weights = replicated_shapes((model.params, model.stats), mesh)
     compiled = jax.jit(make_predict(model.graphdef, config, mesh)).lower(*weights, image).compile()
-    needed = plan.memory_of(compiled).total + post_bytes(shape)
+    needed = aot.memory_of(compiled).total + post_bytes(shape)
     return InferencePlan([], [compiled], mesh, spatial, needed)
 
 

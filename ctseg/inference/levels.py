@@ -15,7 +15,7 @@ import numpy as np
 from ctseg.config import Config
 from ctseg.inference.tiling import Shape, Stage
 from ctseg.labels import NUM_CLASSES
-from ctseg.model import plan, unet
+from ctseg.model import aot, unet
 from ctseg.model.unet import DOWN, UP
 
 
@@ -72,7 +72,7 @@ def stage_needs(config: Config, stages: list[Stage], programs: list, spill: bool
         if stage.kind == UP:
             waiting.pop()  # the level this stage reads is its argument now
         others = 0 if spill else sum(waiting)
-        needs.append(plan.memory_of(program).total + others + post)
+        needs.append(aot.memory_of(program).total + others + post)
         if stage.kind == DOWN:  # its input level waits for the up stage of its level
             waiting.append(level_bytes(*input_level(config, stage)))
     return needs

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from ctseg.config import Config, with_mesh
 from ctseg.errors import CtsegError
-from ctseg.model import plan, step
+from ctseg.model import aot, step
 from ctseg.parallel.partition import (
     ACTIVATION_SPEC,
     REPLICATED,
@@ -105,7 +105,7 @@ def layout_config(config: Config, spatial: tuple[int, int, int], partitioner: st
 
 def random_batch(config: Config, mesh: Mesh, seed: int = 0) -> tuple[jax.Array, jax.Array]:
     """A random image in [-1, 1] and random labels; each process makes only its own blocks."""
-    image_shape = plan.global_image_shape(config)
+    image_shape = aot.global_image_shape(config)
 
     def block_rng(index: tuple[slice, ...]) -> np.random.Generator:
         # Seeded by the block's position, so the batch does not depend on the layout.
@@ -121,9 +121,7 @@ def random_batch(config: Config, mesh: Mesh, seed: int = 0) -> tuple[jax.Array, 
         return block_rng(index).integers(0, 3, shape)
 
     image = make_global_array(mesh, image_shape, np.float32, image_block, ACTIVATION_SPEC)
-    label = make_global_array(
-        mesh, image_shape[:-1], plan.LABEL_DTYPE, label_block, step.LABEL_SPEC
-    )
+    label = make_global_array(mesh, image_shape[:-1], aot.LABEL_DTYPE, label_block, step.LABEL_SPEC)
     return image, label
 
 
@@ -134,7 +132,7 @@ def time_layout(config: Config, steps: int, devices: Sequence[Any] | None = None
     graphdef, state = step.init_state(config)
     state = jax.device_put(state, NamedSharding(mesh, REPLICATED))
     image, label = random_batch(config, mesh, config.train.seed)
-    compiled = plan.compile_train_step(graphdef, config, mesh, state, image, label)
+    compiled = aot.compile_train_step(graphdef, config, mesh, state, image, label)
     state, metrics = compiled(state, image, label)
     jax.block_until_ready(metrics)
     times = []
@@ -149,9 +147,9 @@ def time_layout(config: Config, steps: int, devices: Sequence[Any] | None = None
         spatial=config.mesh.spatial,
         devices=mesh.size,
         step_seconds=statistics.median(times),
-        per_device_bytes=plan.memory_of(compiled).total,
+        per_device_bytes=aot.memory_of(compiled).total,
         voxels_per_step=math.prod(image.shape),
-        flops_per_step=plan.flops_of(compiled, mesh.size),
+        flops_per_step=aot.flops_of(compiled, mesh.size),
     )
 
 

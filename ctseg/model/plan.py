@@ -1,4 +1,4 @@
-"""What a layout costs before anything runs: compile from abstract inputs and account.
+"""What a layout costs before anything runs (`ctseg plan`): compiled ahead, and accounted.
 
 `plan` compiles — never runs — the jitted training step and the
 inference pass for the config's mesh and for the unpartitioned mesh with the
@@ -17,38 +17,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding
 
 from ctseg.config import Config, with_mesh
-from ctseg.model import step
+from ctseg.model import aot
 from ctseg.model.unet import level_widths
 from ctseg.parallel.partition import (
-    ACTIVATION_SPEC,
     local_block_shape,
     make_mesh,
-    replicated_shapes,
 )
 from ctseg.progress import Status
 
 MODES = ("train", "predict")
-LABEL_DTYPE = jnp.int32  # labels as the input pipeline hands them to the step
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Per-device bytes of one compiled program, as XLA's buffer assignment reports them."""
-
-    arguments: int
-    outputs: int
-    temporaries: int
-    aliased: int  # outputs written into donated argument buffers
-
-    @property
-    def total(self) -> int:
-        return self.arguments + self.outputs + self.temporaries - self.aliased
 
 
 @dataclass(frozen=True)
@@ -58,7 +38,7 @@ class LayoutPlan:
     mode: str  # "train" or "predict"
     spatial: tuple[int, int, int]
     local_shape: tuple[int, ...]
-    memory: Memory
+    memory: aot.Memory
     halo_bytes: int
     flops: float | None  # whole step, summed over all devices; None: not counted
     compile_seconds: float  # lowering and compiling, on this machine's CPU
@@ -83,82 +63,7 @@ class LayoutPlan:
 # --------------------------------------------------------------------------- layouts
 
 
-def global_image_shape(config: Config) -> tuple[int, ...]:
-    r = config.data.resolution
-    return (config.train.batch_size, r, r, r, 1)
-
-
-# --------------------------------------------------------------------------- abstract inputs
-
-
-def replicated_abstract_state(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, step.TrainState]:
-    """The train state's shapes (no values), replicated over `mesh`, and the model's graphdef."""
-    graphdef, shapes = step.abstract_state(config)
-    return graphdef, replicated_shapes(shapes, mesh)
-
-
-def abstract_batch(config: Config, mesh: Mesh) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """Image and label descriptions, sharded as the step expects them."""
-    shape = global_image_shape(config)
-    image = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, ACTIVATION_SPEC))
-    label = jax.ShapeDtypeStruct(
-        shape[:-1], LABEL_DTYPE, sharding=NamedSharding(mesh, step.LABEL_SPEC)
-    )
-    return image, label
-
-
-def compile_train_step(
-    graphdef: nnx.GraphDef,
-    config: Config,
-    mesh: Mesh,
-    state: Any,
-    image: Any,
-    label: Any,
-    held_norm: bool = False,
-) -> jax.stages.Compiled:
-    """Compile the jitted training step for these (abstract or concrete) arguments.
-
-    The state is donated, as a training loop does, so its buffers are reused
-    for the new state and count once in the memory analysis.
-    """
-    train_step = step.make_train_step(graphdef, config, mesh, held_norm)
-    return jax.jit(train_step, donate_argnums=0).lower(state, image, label).compile()
-
-
-def compile_predict(
-    graphdef: nnx.GraphDef, config: Config, mesh: Mesh, state: step.TrainState, image: Any
-) -> jax.stages.Compiled:
-    predict = step.make_predict(graphdef, config, mesh)
-    return jax.jit(predict).lower(state.params, state.stats, image).compile()
-
-
 # --------------------------------------------------------------------------- accounting
-
-
-def memory_of(compiled: jax.stages.Compiled) -> Memory:
-    """Per-device memory: an SPMD program is compiled once for every device alike."""
-    stats = compiled.memory_analysis()
-    return Memory(
-        arguments=stats.argument_size_in_bytes,
-        outputs=stats.output_size_in_bytes,
-        temporaries=stats.temp_size_in_bytes,
-        aliased=stats.alias_size_in_bytes,
-    )
-
-
-def flops_of(compiled: jax.stages.Compiled, devices: int) -> float | None:
-    """FLOPs of the whole step: XLA counts the per-device program, so × devices; None where
-    the compiler counts none (a GPU compiled for without one).
-
-    `cost_analysis()` is a dict in recent JAX and a one-element list in older
-    versions.
-    """
-    costs = compiled.cost_analysis()
-    if isinstance(costs, (list, tuple)):
-        costs = costs[0] if costs else None
-    if not costs or "flops" not in costs:
-        return None
-    return float(costs["flops"]) * devices
 
 
 def _conv_input_channels(config: Config) -> list[tuple[int, int]]:
@@ -206,7 +111,7 @@ def halo_bytes(config: Config, mode: str) -> int:
     spatial = config.mesh.spatial
     if math.prod(spatial) == 1:
         return 0
-    local = local_block_shape(global_image_shape(config), _mesh_shape(config))
+    local = local_block_shape(aot.global_image_shape(config), _mesh_shape(config))
     batch, base_block = local[0], local[1:4]
     width = config.model.kernel_size // 2
     dtype_bytes = jnp.dtype(config.model.dtype).itemsize
@@ -235,11 +140,11 @@ def plan_layout(
     """Compile the training step and the inference pass for `config`'s layout on `devices`
     (default: JAX's default devices); account both."""
     mesh = make_mesh(config.mesh.spatial, config.mesh.data, devices)
-    graphdef, state = replicated_abstract_state(config, mesh)
-    image, label = abstract_batch(config, mesh)
+    graphdef, state = aot.replicated_abstract_state(config, mesh)
+    image, label = aot.abstract_batch(config, mesh)
     compilers = {
-        "train": lambda: compile_train_step(graphdef, config, mesh, state, image, label),
-        "predict": lambda: compile_predict(graphdef, config, mesh, state, image),
+        "train": lambda: aot.compile_train_step(graphdef, config, mesh, state, image, label),
+        "predict": lambda: aot.compile_predict(graphdef, config, mesh, state, image),
     }
     plans = []
     for mode in MODES:
@@ -254,10 +159,10 @@ def plan_layout(
                 partitioner=config.mesh.partitioner,
                 mode=mode,
                 spatial=config.mesh.spatial,
-                local_shape=local_block_shape(global_image_shape(config), mesh.shape),
-                memory=memory_of(compiled),
+                local_shape=local_block_shape(aot.global_image_shape(config), mesh.shape),
+                memory=aot.memory_of(compiled),
                 halo_bytes=halo_bytes(config, mode),
-                flops=flops_of(compiled, mesh.size),
+                flops=aot.flops_of(compiled, mesh.size),
                 compile_seconds=seconds,
             )
         )

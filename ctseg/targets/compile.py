@@ -26,7 +26,7 @@ from ctseg.data.grids import GridSpec, inference_box
 from ctseg.errors import CtsegError
 from ctseg.inference.jax_backend import COMPILED_SHARE, plan_inference
 from ctseg.inference.member import BOX_MULTIPLE
-from ctseg.model import plan, unet
+from ctseg.model import aot, plan, unet
 from ctseg.parallel.layouts import auto_spatial, fit_training
 from ctseg.parallel.partition import make_mesh
 from ctseg.run.trained import TrainedModel
@@ -119,7 +119,7 @@ def training(config: Config, devices: list[Any], memory: int) -> dict[str, Any]:
         mesh = make_mesh(fitted.mesh.spatial, fitted.mesh.data, layout.devices)
         began = time.perf_counter()
         augmenter = Augmenter(fitted, mesh, fitted.data.resolution, largest_grid(fitted))
-        needed = plan.memory_of(augmenter.compiled).total
+        needed = aot.memory_of(augmenter.compiled).total
         entry.update(
             augment_bytes=needed,
             augment_block=list(augmenter.block or augmenter.slab),

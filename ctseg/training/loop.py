@@ -35,7 +35,7 @@ from ctseg.errors import CtsegError
 from ctseg.io import pictures
 from ctseg.labels import TUMOUR
 from ctseg.memory import human_bytes
-from ctseg.model import plan
+from ctseg.model import aot
 from ctseg.model.step import (
     TrainState,
     init_state,
@@ -151,7 +151,7 @@ def check_memory(compiled: jax.stages.Compiled, config: cfg.Config, devices: lis
     """On accelerators: the compiled step must fit the devices' free memory."""
     if not dev.is_accelerator(devices):
         return  # simulated CPU devices share the host's RAM; the OS has the last word
-    needed, free = plan.memory_of(compiled).total, dev.free_memory(devices)
+    needed, free = aot.memory_of(compiled).total, dev.free_memory(devices)
     if needed > free:
         raise CtsegError(
             f"the training step on {config.data.resolution}³ "
@@ -221,8 +221,8 @@ class _Programs:
 
     def __init__(self, graphdef: Any, config: cfg.Config, mesh: Any, state: TrainState):
         self.graphdef, self.config, self.mesh = graphdef, config, mesh
-        self.train_step = plan.compile_train_step(
-            graphdef, config, mesh, state, *plan.abstract_batch(config, mesh)
+        self.train_step = aot.compile_train_step(
+            graphdef, config, mesh, state, *aot.abstract_batch(config, mesh)
         )
         check_memory(self.train_step, config, list(mesh.devices.flat))
         self.held_step: Any = None
@@ -236,7 +236,7 @@ class _Programs:
         if step < hold_from:
             return self.train_step
         if self.held_step is None:
-            self.held_step = plan.compile_train_step(
+            self.held_step = aot.compile_train_step(
                 self.graphdef, self.config, self.mesh, state, image, label, held_norm=True
             )
         return self.held_step

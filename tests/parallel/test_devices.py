@@ -197,7 +197,7 @@ def test_exact_mesh_is_an_error_where_the_devices_are_missing():
 
 @dataclass
 class FakeCompiled:
-    """What `plan.memory_of` reads of a compiled step."""
+    """What `aot.memory_of` reads of a compiled step."""
 
     temp: int
 

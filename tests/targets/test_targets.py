@@ -17,7 +17,7 @@ from helpers import REPO, tiny_config
 from ctseg.errors import CtsegError
 from ctseg.inference import tiling
 from ctseg.inference.jax_backend import plan_inference
-from ctseg.model import plan, unet
+from ctseg.model import aot, unet
 from ctseg.parallel.partition import make_mesh
 from ctseg.run.trained import TrainedModel
 from ctseg.targets import compile as target_compile
@@ -72,9 +72,9 @@ def h100s():
 
 def _train_step(config, devices):
     mesh = make_mesh(config.mesh.spatial, 1, devices)
-    graphdef, state = plan.replicated_abstract_state(config, mesh)
-    image, label = plan.abstract_batch(config, mesh)
-    return plan.compile_train_step(graphdef, config, mesh, state, image, label)
+    graphdef, state = aot.replicated_abstract_state(config, mesh)
+    image, label = aot.abstract_batch(config, mesh)
+    return aot.compile_train_step(graphdef, config, mesh, state, image, label)
 
 
 @gpu_plugin
@@ -82,7 +82,7 @@ def test_partitioned_training_on_gpus_halves_memory_with_halo_exchanges(h100s):
     _, devices = h100s
     split = _train_step(tiny_config(*SMALL, "mesh.spatial=[2,2,1]"), devices)
     whole = _train_step(tiny_config(*SMALL), devices[:1])
-    assert plan.memory_of(split).total < 0.5 * plan.memory_of(whole).total
+    assert aot.memory_of(split).total < 0.5 * aot.memory_of(whole).total
     assert "collective-permute" in split.as_text()  # the halo exchange, as XLA compiled it
     assert "collective-permute" not in whole.as_text()
 
@@ -124,7 +124,7 @@ def test_a_plan_that_does_not_fit_says_so_and_what_would(h100s, tmp_path):
     the fewest partitions that fit, and the largest grid for the one, are found by
     compiling."""
     config = tiny_config(*SMALL)
-    needed = plan.memory_of(_train_step(config, h100s[1][:1])).total
+    needed = aot.memory_of(_train_step(config, h100s[1][:1])).total
     memory = int(0.7 * needed)
     # Far smaller than any GPU, so that it compiles in seconds: a target file of it would be
     # refused (below 1 GiB), so the target is made here.
@@ -148,7 +148,7 @@ def test_partitioned_training_compiles_for_a_tpu_slice():
     assert len(devices) == 4 and target_compile.per_device_memory(target, devices) == 16 * 2**30
     split = _train_step(tiny_config("mesh.spatial=[2,2,1]"), devices)
     assert "collective-permute" in split.as_text()
-    assert plan.memory_of(split).total < 16 * 2**30
+    assert aot.memory_of(split).total < 16 * 2**30
 
 
 @gpu_plugin

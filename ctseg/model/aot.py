@@ -1,0 +1,114 @@
+"""Programs compiled ahead of time, and what XLA says of them.
+
+The training step and the inference pass compiled from abstract inputs
+(`jax.ShapeDtypeStruct`s carrying their shardings; the state from `jax.eval_shape`), so
+that nothing of a 512³ grid is allocated to compile for it; a compiled program's memory
+per device and FLOPs from XLA's own analysis. Training compiles its step here, and `ctseg
+plan` (`ctseg.model.plan`), `ctseg bench`, inference's plans and the targets read the
+figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from ctseg.config import Config
+from ctseg.model import step
+from ctseg.parallel.partition import ACTIVATION_SPEC, replicated_shapes
+
+LABEL_DTYPE = jnp.int32  # labels as the input pipeline hands them to the step
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Per-device bytes of one compiled program, as XLA's buffer assignment reports them."""
+
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int  # outputs written into donated argument buffers
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs + self.temporaries - self.aliased
+
+
+def global_image_shape(config: Config) -> tuple[int, ...]:
+    r = config.data.resolution
+    return (config.train.batch_size, r, r, r, 1)
+
+
+# --------------------------------------------------------------------------- abstract inputs
+
+
+def replicated_abstract_state(config: Config, mesh: Mesh) -> tuple[nnx.GraphDef, step.TrainState]:
+    """The train state's shapes (no values), replicated over `mesh`, and the model's graphdef."""
+    graphdef, shapes = step.abstract_state(config)
+    return graphdef, replicated_shapes(shapes, mesh)
+
+
+def abstract_batch(config: Config, mesh: Mesh) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Image and label descriptions, sharded as the step expects them."""
+    shape = global_image_shape(config)
+    image = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, ACTIVATION_SPEC))
+    label = jax.ShapeDtypeStruct(
+        shape[:-1], LABEL_DTYPE, sharding=NamedSharding(mesh, step.LABEL_SPEC)
+    )
+    return image, label
+
+
+def compile_train_step(
+    graphdef: nnx.GraphDef,
+    config: Config,
+    mesh: Mesh,
+    state: Any,
+    image: Any,
+    label: Any,
+    held_norm: bool = False,
+) -> jax.stages.Compiled:
+    """Compile the jitted training step for these (abstract or concrete) arguments.
+
+    The state is donated, as a training loop does, so its buffers are reused
+    for the new state and count once in the memory analysis.
+    """
+    train_step = step.make_train_step(graphdef, config, mesh, held_norm)
+    return jax.jit(train_step, donate_argnums=0).lower(state, image, label).compile()
+
+
+def compile_predict(
+    graphdef: nnx.GraphDef, config: Config, mesh: Mesh, state: step.TrainState, image: Any
+) -> jax.stages.Compiled:
+    predict = step.make_predict(graphdef, config, mesh)
+    return jax.jit(predict).lower(state.params, state.stats, image).compile()
+
+
+def memory_of(compiled: jax.stages.Compiled) -> Memory:
+    """Per-device memory: an SPMD program is compiled once for every device alike."""
+    stats = compiled.memory_analysis()
+    return Memory(
+        arguments=stats.argument_size_in_bytes,
+        outputs=stats.output_size_in_bytes,
+        temporaries=stats.temp_size_in_bytes,
+        aliased=stats.alias_size_in_bytes,
+    )
+
+
+def flops_of(compiled: jax.stages.Compiled, devices: int) -> float | None:
+    """FLOPs of the whole step: XLA counts the per-device program, so × devices; None where
+    the compiler counts none (a GPU compiled for without one).
+
+    `cost_analysis()` is a dict in recent JAX and a one-element list in older
+    versions.
+    """
+    costs = compiled.cost_analysis()
+    if isinstance(costs, (list, tuple)):
+        costs = costs[0] if costs else None
+    if not costs or "flops" not in costs:
+        return None
+    return float(costs["flops"]) * devices
