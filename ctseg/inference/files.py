@@ -276,7 +276,7 @@ def _write_outputs(
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
         # From the grid's probabilities where they are (six scalars come back) and the labels.
         judged = quality.of_prediction(prediction, scan, reference)
-    prediction.grid_probabilities = None  # freed before writing
+    prediction.grid_probabilities = prediction.uncertainty = None  # freed before writing
     outcome.warnings += prediction.warnings + volume_warnings(stats)
     outcome.checks += prediction.checks
     paths = output_paths(out_dir, outcome.name, with_probabilities, output_type)

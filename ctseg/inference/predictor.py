@@ -30,7 +30,7 @@ from ctseg.inference.engine import Engine, backend_named
 from ctseg.inference.inputs import mask_candidates
 from ctseg.inference.member import Member, OnGrid
 from ctseg.inference.region import Region, region_of
-from ctseg.inference.tiling import Shape
+from ctseg.inference.tiling import Shape, Span
 from ctseg.io.scans import Scan, geometry_difference, read_scan, scan_name
 from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_clock
@@ -66,6 +66,10 @@ class Prediction:
     # None: the whole scan was predicted as asked.
     located: dict[str, Any] | None = None
     grid: Shape | None = None  # the run's grid of the scan, the first voxels of the box
+    # What the model's uncertainty is measured on (`ctseg.inference.quality`): a lone run's
+    # box probabilities, on the devices, and the voxels [lo, hi) per axis where they hold
+    # (its grid, or a region's exact span); None for an ensemble (its grids differ).
+    uncertainty: tuple[Any, Span] | None = None
 
     @property
     def grid_labels(self) -> np.ndarray | None:
@@ -390,6 +394,11 @@ class Predictor:
             checks = scan_checks.checks(self.fingerprint, scan, labels)
         # On the grid: a lone run's whole one (training validates there); an ensemble has none.
         whole = len(probabilities) == 1 and on_grids[0].window is None
+        uncertainty = None
+        if len(probabilities) == 1:
+            window = on_grids[0].window
+            span = window.need if window is not None else tuple((0, n) for n in on_grids[0].grid)
+            uncertainty = (probabilities[0], span)
         return Prediction(
             labels=labels,
             grid_probabilities=probabilities[0] if whole else None,
@@ -401,6 +410,7 @@ class Predictor:
             seconds=seconds,
             checks=checks,
             located=on_grids[0].located,
+            uncertainty=uncertainty,
         )
 
     def predict(

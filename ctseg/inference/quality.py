@@ -8,7 +8,9 @@ Every prediction gets a `Quality` (`assess`): a few *concerns*, each a number in
   (`expected_dice`): 2·Σ_pred p / (|pred| + Σ p), the probabilities that a voxel is the
   structure summed where it was predicted and everywhere. Mirrored TTA's disagreement
   shows as probabilities near ½ and lowers it. Computed where the probabilities are (on
-  the devices for a JAX engine: only six scalars come back);
+  the devices for a JAX engine: only six scalars come back), on a lone run's grid or a
+  region's exact voxels (`Prediction.uncertainty`); an ensemble's only from probabilities
+  kept on the scan's voxels;
 - how unlike the training data the scan is: the run's fingerprint checks
   (`ctseg.inference.scan_checks.checks`, any of which makes the verdict
   `unlike the training data`), and the median HU inside the predicted liver against the
@@ -343,14 +345,16 @@ def _sums(probabilities: Any, xp: Any, inside: Any = None) -> Any:
     return xp.stack(found)
 
 
-def _device_sums(probabilities: Any, grid: Any) -> Any:
-    """`_sums` of the box's first `grid` voxels (a traced [3] array: one program per box
-    shape, as the engine has, whatever the scan's grid inside it)."""
+def _device_sums(probabilities: Any, lo: Any, hi: Any) -> Any:
+    """`_sums` of the box's voxels [lo, hi) per axis (traced [3] arrays: one program per box
+    shape, as the engine has, whatever the span inside it)."""
     import jax.numpy as jnp
 
     x, y, z = (jnp.arange(n) for n in probabilities.shape[:3])
     inside = (
-        (x[:, None, None] < grid[0]) & (y[None, :, None] < grid[1]) & (z[None, None, :] < grid[2])
+        ((x >= lo[0]) & (x < hi[0]))[:, None, None]
+        & ((y >= lo[1]) & (y < hi[1]))[None, :, None]
+        & ((z >= lo[2]) & (z < hi[2]))[None, None, :]
     )
     return _sums(probabilities, jnp, inside)
 
@@ -358,20 +362,22 @@ def _device_sums(probabilities: Any, grid: Any) -> Any:
 _jitted_sums = None
 
 
-def probability_sums(probabilities: Any, grid: Sequence[int] | None = None) -> np.ndarray:
-    """`_sums` of the class probabilities [x, y, z, 3] within `grid` (their first voxels;
-    None: all of them): with jax.numpy where they are a JAX array (only the six scalars
-    leave the devices), else NumPy."""
-    grid = tuple(probabilities.shape[:3]) if grid is None else tuple(int(n) for n in grid)
+def probability_sums(probabilities: Any, span: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+    """`_sums` of the class probabilities [x, y, z, 3] on their voxels [lo, hi) per axis of
+    `span` (None: all of them): with jax.numpy where they are a JAX array (only the six
+    scalars leave the devices), else NumPy."""
+    if span is None:
+        span = [(0, n) for n in probabilities.shape[:3]]
+    lo, hi = (np.asarray([int(ends[i]) for ends in span], dtype=np.int32) for i in (0, 1))
     if isinstance(probabilities, np.ndarray):
-        cropped = probabilities[: grid[0], : grid[1], : grid[2]]
+        cropped = probabilities[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))]
         return np.asarray(_sums(cropped, np), dtype=np.float64)
     global _jitted_sums
     import jax
 
     if _jitted_sums is None:
         _jitted_sums = jax.jit(_device_sums)
-    found = _jitted_sums(probabilities, np.asarray(grid, dtype=np.int32))
+    found = _jitted_sums(probabilities, lo, hi)
     return np.asarray(jax.device_get(found), dtype=np.float64)
 
 
@@ -534,14 +540,15 @@ def assess(
     affine: np.ndarray,
     hu: np.ndarray | None = None,
     probabilities: Any = None,
-    grid: Sequence[int] | None = None,
+    span: Sequence[Sequence[int]] | None = None,
     checks: Sequence[str] = (),
     reference: Reference | None = None,
 ) -> Quality:
     """The quality of a prediction: its post-processed canonical `labels` (voxel → mm
     `affine`), the scan's canonical HU, the class probabilities [x, y, z, 3] (on the run's
-    grid, its first `grid` voxels, or on the scan's voxels; None: the uncertainty is not
-    measured, as for an ensemble or a located region), the fingerprint's `checks`."""
+    grid or a region's box of it, their voxels [lo, hi) per axis of `span` where they hold,
+    or on the scan's voxels; None: the uncertainty is not measured, as for an ensemble),
+    the fingerprint's `checks`."""
     reference = reference or Reference()
     thresholds = reference.thresholds
     voxel_ml = abs(float(np.linalg.det(np.asarray(affine)[:3, :3]))) / 1000.0
@@ -549,22 +556,22 @@ def assess(
     # found" says more than the uncertainty of a liver that is not there.
     concerns = liver_concerns(labels, hu, voxel_ml, reference)
     if probabilities is not None:
-        concerns += uncertainty_concerns(probability_sums(probabilities, grid), thresholds)
+        concerns += uncertainty_concerns(probability_sums(probabilities, span), thresholds)
     return verdict_of(concerns, checks, thresholds)
 
 
 def of_prediction(prediction: Any, scan: Any, reference: Reference | None = None) -> Quality:
-    """`assess` of a `ctseg.inference.predictor.Prediction` of `scan` (a `Scan`): the grid's
-    probabilities where it has them, else those on the scan's voxels when asked for."""
-    probabilities, grid = prediction.grid_probabilities, prediction.grid
-    if probabilities is None:
-        probabilities, grid = prediction.probabilities, None
+    """`assess` of a `ctseg.inference.predictor.Prediction` of `scan` (a `Scan`): the model's
+    uncertainty from its probabilities where they hold (`Prediction.uncertainty`: a lone
+    run's grid, or a region's exact voxels), else from those on the scan's voxels when
+    asked for."""
+    probabilities, span = prediction.uncertainty or (prediction.probabilities, None)
     return assess(
         prediction.labels,
         scan.affine,
         scan.array,
         probabilities,
-        grid,
+        span,
         prediction.checks,
         reference,
     )

@@ -8,6 +8,7 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import nibabel as nib
 import numpy as np
 import pytest
 from helpers import liver_with_tumour
@@ -102,13 +103,15 @@ def test_a_likely_tumour_that_was_not_predicted_is_reviewed():
 def test_the_uncertainty_is_the_same_on_the_host_and_on_16_devices():
     labels = _labels()
     p = _probabilities(labels, 0.7)
-    padded = np.zeros((SHAPE[0], SHAPE[1] + 4, SHAPE[2], 3), np.float32)  # a box beyond the grid
-    padded[:, : SHAPE[1], :] = p
-    padded[:, SHAPE[1] :, :, 1] = 1.0  # would be "liver" if the crop were missed
-    host = quality.probability_sums(padded, SHAPE)
+    # A box beyond the span on both sides of one axis, as a region's window is.
+    padded = np.zeros((SHAPE[0], SHAPE[1] + 7, SHAPE[2], 3), np.float32)
+    padded[:, 3 : 3 + SHAPE[1], :] = p
+    padded[:, :3, :, 1] = padded[:, 3 + SHAPE[1] :, :, 1] = 1.0  # "liver" if not cropped
+    span = ((0, SHAPE[0]), (3, 3 + SHAPE[1]), (0, SHAPE[2]))
+    host = quality.probability_sums(padded, span)
     mesh = Mesh(np.array(jax.devices()[:16]), ("x",))
     sharded = jax.device_put(jnp.asarray(padded), NamedSharding(mesh, PartitionSpec("x")))
-    on_devices = quality.probability_sums(sharded, SHAPE)
+    on_devices = quality.probability_sums(sharded, span)
     np.testing.assert_allclose(on_devices, host, rtol=1e-5)
     np.testing.assert_allclose(host, quality.probability_sums(p), rtol=1e-6)
 
@@ -209,6 +212,27 @@ def test_the_verdict_is_the_same_whole_tiled_and_partitioned(trained):
         for mine, theirs in zip(judged[0].concerns, other.concerns, strict=True):
             assert mine.name == theirs.name
             assert mine.value == pytest.approx(theirs.value, abs=1e-4)
+
+
+def test_a_regions_prediction_measures_the_uncertainty_on_its_exact_voxels(trained, tmp_path):
+    from ctseg.inference.predictor import Predictor
+
+    run_dir, _, raw = trained
+    scan = read_scan(raw / "volume-0.nii.gz")
+    reference = quality.Reference.of_run(run_dir)
+    predictor = Predictor(load_model(run_dir, "latest"), InferenceOptions(tile=0))
+    whole = quality.of_prediction(predictor.predict(scan), scan, reference)
+    mask = tmp_path / "roi.nii.gz"  # the whole scan as the region: the same voxels count
+    nib.save(nib.Nifti1Image(np.ones(scan.original_shape, np.uint8), scan.original_affine), mask)
+    predictor.predict_region(roi=mask, margin_mm=0.0)
+    prediction = predictor.predict(scan)
+    assert prediction.grid_probabilities is None and prediction.uncertainty is not None
+    region = quality.of_prediction(prediction, scan, reference)
+    uncertain = {c.name: c.value for c in region.concerns if c.name.endswith("uncertainty")}
+    assert set(uncertain) == {"liver_uncertainty", "tumour_uncertainty"}
+    for concern in whole.concerns:
+        if concern.name in uncertain:
+            assert uncertain[concern.name] == pytest.approx(concern.value, abs=0.05)
 
 
 def test_predict_writes_every_readable_scans_quality_and_the_api_returns_it(
