@@ -23,7 +23,7 @@ from datetime import date
 from pathlib import Path
 
 from ctseg.evaluation import quality as power
-from ctseg.inference.quality import HAND_CHOSEN
+from ctseg.inference.thresholds import HAND_CHOSEN
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:

@@ -39,14 +39,12 @@ import numpy as np
 
 from ctseg.errors import CtsegError
 from ctseg.inference.quality import (
-    HAND_CHOSEN,
     OK,  # the one verdict that flags nothing
     REVIEW_AT,
     UNLIKE,
-    Thresholds,
     rejudged,
-    thresholds_path,
 )
+from ctseg.inference.thresholds import HAND_CHOSEN, Thresholds, thresholds_path
 
 LIVER_BAD_BELOW = 0.85
 TUMOUR_BAD_BELOW = 0.5

@@ -46,18 +46,16 @@ grid's probabilities where they are.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 from scipy import ndimage
 
-from ctseg import atomic
-from ctseg.errors import CtsegError
+from ctseg.inference.thresholds import DEFAULT_THRESHOLDS, Thresholds, read_thresholds
 from ctseg.labels import liver_mask
 from ctseg.run import rundir
 from ctseg.run.fingerprint import sample_step
@@ -65,14 +63,7 @@ from ctseg.run.fingerprint import sample_step
 OK, REVIEW, UNLIKE = "ok", "review", "unlike the training data"
 VERDICTS = (OK, REVIEW, UNLIKE)
 
-THRESHOLDS_FILE = "quality.json"  # a run's own thresholds: RUN_DIR/quality.json
-THRESHOLDS_FORMAT = "ctseg-quality-thresholds"
-THRESHOLDS_VERSION = 1
 REVIEW_AT = 0.5  # a scan whose score reaches this is sent to review (a concern's midpoint)
-DEFAULT_CALIBRATION = (
-    "ctseg's default: the demo's model on 176 phantoms of 11 sets, 2026-11-26 "
-    "(docs/experiments/quality.md)"
-)
 # ---- how the uncertainty is measured (fixed: the calibrated thresholds are on its scale)
 # Probabilities below this are left out of Σ p: a model's faint probability spread over a
 # whole scan would otherwise swamp a small structure. At most ⅓, so that every voxel an
@@ -86,122 +77,6 @@ SAMPLED = 128
 _MIN_SPREAD_HU = 5.0  # a training spread below this (a flat phantom) counts as this
 
 LIVER, TUMOUR = "liver", "tumour"
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Where each concern reaches `REVIEW_AT` (the scan is reviewed): the values of its raw
-    measure. The defaults were calibrated by `make experiment-quality`
-    (docs/experiments/quality.md); a run may hold its own (`THRESHOLDS_FILE`, written by
-    `ctseg evaluate --calibrate`), which `Reference.of_run` loads."""
-
-    # The defaults: chosen by `make experiment-quality` on 2026-11-26 (docs/experiments/
-    # quality.md), the demo's model on 176 phantoms of 11 sets.
-    # 1 − the expected Dice of the predicted liver.
-    liver_uncertainty: float = 0.06385
-    # 1 − the expected Dice of the predicted tumours.
-    tumour_uncertainty: float = 0.1721
-    # |median HU inside the predicted liver − the training livers' median|, in the training
-    # liver voxels' standard deviations (the phantoms': about 30 HU).
-    intensity_sd: float = 0.3794
-    # How many times smaller or larger than any training liver (the fingerprint's range).
-    liver_volume_factor: float = 1.818
-    # The share of the liver outside its largest connected piece.
-    fragments: float = 0.1
-    # What they were chosen on (shown with every verdict).
-    calibrated_on: str = DEFAULT_CALIBRATION
-    n_cases: int | None = 176  # how many labelled cases they were chosen on
-
-    # The concern each threshold belongs to (`Concern.name` → field).
-    CONCERNS: ClassVar[dict[str, str]] = {
-        "liver_uncertainty": "liver_uncertainty",
-        "tumour_uncertainty": "tumour_uncertainty",
-        "intensity": "intensity_sd",
-        "liver_volume": "liver_volume_factor",
-        "fragments": "fragments",
-    }
-
-    def of(self, concern: str) -> float | None:
-        """The review threshold of the concern named `concern` (None: it has none)."""
-        field_name = self.CONCERNS.get(concern)
-        return None if field_name is None else float(getattr(self, field_name))
-
-    def replace(self, **values: Any) -> Thresholds:
-        """A copy with some values replaced (by concern or field name)."""
-        renamed = {self.CONCERNS.get(name, name): value for name, value in values.items()}
-        return dataclasses.replace(self, **renamed)
-
-    def to_json(self) -> dict[str, Any]:
-        """As RUN_DIR/quality.json holds them."""
-        return {
-            "format": THRESHOLDS_FORMAT,
-            "version": THRESHOLDS_VERSION,
-            "calibrated_on": self.calibrated_on,
-            "n_cases": self.n_cases,
-            "thresholds": {name: self.of(name) for name in self.CONCERNS},
-        }
-
-    @classmethod
-    def from_json(cls, raw: Any, source: str = "the thresholds") -> Thresholds:
-        """From `to_json`'s form; CtsegError (one line naming `source`) for anything else:
-        another format or version, a missing or unknown concern, a threshold that is not a
-        positive number (the volume's: above 1)."""
-
-        def refuse(why: str) -> CtsegError:
-            return CtsegError(f"{source} is not a ctseg quality thresholds file: {why}")
-
-        if not isinstance(raw, dict) or raw.get("format") != THRESHOLDS_FORMAT:
-            raise refuse(f"its format is not {THRESHOLDS_FORMAT!r}")
-        if raw.get("version") != THRESHOLDS_VERSION:
-            raise refuse(
-                f"version {raw.get('version')!r}, this ctseg reads version {THRESHOLDS_VERSION}"
-            )
-        values = raw.get("thresholds")
-        if not isinstance(values, dict) or set(values) != set(cls.CONCERNS):
-            raise refuse(f"its thresholds must name exactly {', '.join(cls.CONCERNS)}")
-        for name, value in values.items():
-            number = isinstance(value, int | float) and not isinstance(value, bool)
-            low = 1.0 if name == "liver_volume" else 0.0
-            if not number or not math.isfinite(value) or value <= low:
-                raise refuse(f"{name} is {value!r}, not a number above {low:g}")
-        calibrated_on, n_cases = raw.get("calibrated_on"), raw.get("n_cases")
-        if not isinstance(calibrated_on, str):
-            raise refuse("calibrated_on is not a string")
-        if n_cases is not None and (not isinstance(n_cases, int) or isinstance(n_cases, bool)):
-            raise refuse("n_cases is not a whole number")
-        return cls(
-            **{cls.CONCERNS[name]: float(value) for name, value in values.items()},
-            calibrated_on=calibrated_on,
-            n_cases=n_cases,
-        )
-
-    @classmethod
-    def read(cls, path: Path) -> Thresholds:
-        """A thresholds file; CtsegError (one line) where it cannot be read or is malformed."""
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "not JSON"
-            raise CtsegError(f"cannot read the quality thresholds {path}: {reason}") from None
-        return cls.from_json(raw, str(path))
-
-    def write(self, path: Path) -> None:
-        """Written atomically (`ctseg.atomic.write_json`)."""
-        atomic.write_json(path, self.to_json())
-
-
-# The first version's thresholds, chosen by hand: where calibration starts
-# (`ctseg.evaluation.quality.choose_thresholds`).
-HAND_CHOSEN = Thresholds(
-    liver_uncertainty=0.10,
-    tumour_uncertainty=0.50,
-    intensity_sd=1.0,
-    liver_volume_factor=1.5,
-    fragments=0.10,
-    calibrated_on="chosen by hand",
-    n_cases=None,
-)
-DEFAULT_THRESHOLDS = Thresholds()
 
 
 @dataclass(frozen=True)
@@ -298,18 +173,6 @@ class Reference:
         except Exception:  # an unreadable fingerprint is the checks' to report, not ours
             reference = cls()
         return dataclasses.replace(reference, thresholds=thresholds)
-
-
-def thresholds_path(run_dir: Path) -> Path:
-    """Where a run keeps its own thresholds."""
-    return Path(run_dir) / THRESHOLDS_FILE
-
-
-def read_thresholds(run_dir: Path) -> Thresholds:
-    """The run's own thresholds (`THRESHOLDS_FILE`), else `DEFAULT_THRESHOLDS`; CtsegError
-    (one line) for a file that cannot be read or is malformed."""
-    path = thresholds_path(run_dir)
-    return Thresholds.read(path) if path.exists() else DEFAULT_THRESHOLDS
 
 
 # ---------------------------------------------------------------- the components

@@ -1,5 +1,5 @@
 """Calibrating the prediction quality's thresholds (`ctseg.evaluation.quality.choose_thresholds`)
-on hand-built cases; the thresholds file (`ctseg.inference.quality.Thresholds`) and a run's
+on hand-built cases; the thresholds file (`ctseg.inference.thresholds.Thresholds`) and a run's
 own thresholds (`Reference.of_run`); `ctseg evaluate RUN --calibrate`."""
 
 import dataclasses
@@ -15,7 +15,7 @@ from ctseg.cli.app import app
 from ctseg.errors import CtsegError
 from ctseg.evaluation import quality as power
 from ctseg.evaluation.scoring import evaluate_arrays
-from ctseg.inference import quality
+from ctseg.inference import quality, thresholds
 from ctseg.run import rundir
 
 runner = CliRunner()
@@ -35,7 +35,7 @@ def _case(name, liver, tumour=0.8, missed=False, checks=(), **values):
         for name, value in values.items()
     }
     recorded = {"concerns": concerns, "checks": list(checks), "verdict": "ok"}
-    judged = quality.rejudged(recorded, quality.DEFAULT_THRESHOLDS).to_json()
+    judged = quality.rejudged(recorded, thresholds.DEFAULT_THRESHOLDS).to_json()
     return {
         "case": name,
         "liver": {"dice": liver},
@@ -110,7 +110,7 @@ def test_choosing_thresholds_refuses_too_few_cases_or_no_bad_ones():
 def test_a_case_judged_again_and_the_always_flagged_ones():
     case = _case("c", 0.9, intensity=0.5)
     assert case["quality"]["verdict"] == quality.REVIEW  # 0.5 SD: beyond the default's
-    lenient = quality.DEFAULT_THRESHOLDS.replace(intensity=1.0)
+    lenient = thresholds.DEFAULT_THRESHOLDS.replace(intensity=1.0)
     again = quality.rejudged(case["quality"], lenient)
     assert again.verdict == quality.OK and again.concerns[1].concern == pytest.approx(0.25)
     unlike = _case("u", 0.9, checks=["a spacing far outside the training data's"])
@@ -122,15 +122,15 @@ def test_a_case_judged_again_and_the_always_flagged_ones():
 
 
 def test_the_thresholds_file_round_trip_and_malformed_ones(tmp_path):
-    thresholds = quality.Thresholds(0.05, 0.3, 0.6, 2.0, 0.2, calibrated_on="mine", n_cases=12)
+    mine = thresholds.Thresholds(0.05, 0.3, 0.6, 2.0, 0.2, calibrated_on="mine", n_cases=12)
     path = tmp_path / "quality.json"
-    thresholds.write(path)
-    assert quality.Thresholds.read(path) == thresholds
-    assert quality.Thresholds.from_json(json.loads(path.read_text())) == thresholds
-    assert quality.Thresholds() == quality.DEFAULT_THRESHOLDS
-    assert thresholds.of("liver_volume") == 2.0 and thresholds.of("no_liver") is None
+    mine.write(path)
+    assert thresholds.Thresholds.read(path) == mine
+    assert thresholds.Thresholds.from_json(json.loads(path.read_text())) == mine
+    assert thresholds.Thresholds() == thresholds.DEFAULT_THRESHOLDS
+    assert mine.of("liver_volume") == 2.0 and mine.of("no_liver") is None
 
-    good = thresholds.to_json()
+    good = mine.to_json()
     broken = [
         ({**good, "format": "something else"}, "its format"),
         ({**good, "version": 99}, "version 99"),
@@ -145,17 +145,17 @@ def test_the_thresholds_file_round_trip_and_malformed_ones(tmp_path):
     for raw, why in broken:
         path.write_text(json.dumps(raw))
         with pytest.raises(CtsegError, match=why) as caught:
-            quality.Thresholds.read(path)
+            thresholds.Thresholds.read(path)
         assert "\n" not in str(caught.value) and str(path) in str(caught.value)
     path.write_text("{not json")
     with pytest.raises(CtsegError, match="not JSON"):
-        quality.Thresholds.read(path)
+        thresholds.Thresholds.read(path)
 
 
 def test_a_runs_own_thresholds_change_its_verdicts(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    assert quality.Reference.of_run(run_dir).thresholds == quality.DEFAULT_THRESHOLDS
+    assert quality.Reference.of_run(run_dir).thresholds == thresholds.DEFAULT_THRESHOLDS
     liver = np.zeros((20, 20, 10), np.uint8)
     liver[4:16, 4:16, 2:8] = 1
     hu = np.where(liver > 0, 80.0, -100.0).astype(np.float32)  # 20 HU off: 0.67 SD
@@ -166,13 +166,13 @@ def test_a_runs_own_thresholds_change_its_verdicts(tmp_path):
         return quality.assess(liver, affine, hu, reference=training)
 
     assert judged(quality.Reference.of_run(run_dir)).verdict == quality.REVIEW
-    own = quality.DEFAULT_THRESHOLDS.replace(intensity=1.0, calibrated_on="the user's cases")
-    own.write(quality.thresholds_path(run_dir))
+    own = thresholds.DEFAULT_THRESHOLDS.replace(intensity=1.0, calibrated_on="the user's cases")
+    own.write(thresholds.thresholds_path(run_dir))
     reference = quality.Reference.of_run(run_dir)
     assert reference.thresholds == own
     verdict = judged(reference)
     assert verdict.verdict == quality.OK and verdict.to_json()["thresholds"] == "the user's cases"
-    quality.thresholds_path(run_dir).write_text('{"format": "ctseg-quality-thresholds"}')
+    thresholds.thresholds_path(run_dir).write_text('{"format": "ctseg-quality-thresholds"}')
     with pytest.raises(CtsegError, match="quality.json is not a ctseg quality thresholds"):
         quality.Reference.of_run(run_dir)
 
@@ -212,8 +212,8 @@ def test_evaluate_calibrate_writes_refuses_without_force_and_replaces_with_it(
     args = ["evaluate", str(run_dir), "--data", str(tmp_path / "store"), "--calibrate"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
-    path = quality.thresholds_path(run_dir)
-    written = quality.Thresholds.read(path)
+    path = thresholds.thresholds_path(run_dir)
+    written = thresholds.Thresholds.read(path)
     assert written.n_cases == 27 and "'val' split" in written.calibrated_on
     again = power.choose_thresholds(_evaluated(cohort).cases, written.calibrated_on)
     assert written == again.thresholds
@@ -229,7 +229,7 @@ def test_evaluate_calibrate_writes_refuses_without_force_and_replaces_with_it(
     cohort = _cohort(failed_value=0.04)  # other cases: other thresholds
     replaced = runner.invoke(app, [*args, "--force"])
     assert replaced.exit_code == 0, replaced.output
-    assert quality.Thresholds.read(path).liver_uncertainty <= 0.04 < written.liver_uncertainty
+    assert thresholds.Thresholds.read(path).liver_uncertainty <= 0.04 < written.liver_uncertainty
 
     cohort = cohort[:5]  # too few to calibrate on: said, nothing replaced
     before = path.read_text()

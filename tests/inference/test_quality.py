@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg.cli.app import app
 from ctseg.config import InferenceOptions
-from ctseg.inference import quality
+from ctseg.inference import quality, thresholds
 from ctseg.inference.scan_checks import liver_checks
 from ctseg.io import dicom_seg
 from ctseg.io.scans import read_scan
@@ -255,7 +255,7 @@ def test_predict_writes_every_readable_scans_quality_and_the_api_returns_it(
     for name in ("volume-0", "volume-1"):
         stats = json.loads((out / f"{name}_stats.json").read_text())
         assert stats["quality"]["verdict"] in quality.VERDICTS
-        assert stats["quality"]["thresholds"] == quality.DEFAULT_THRESHOLDS.calibrated_on
+        assert stats["quality"]["thresholds"] == thresholds.DEFAULT_THRESHOLDS.calibrated_on
         assert 0.0 <= stats["quality"]["score"] <= 1.0
         assert {"liver_uncertainty", "intensity", "liver_volume"} <= set(
             stats["quality"]["concerns"]
@@ -278,8 +278,8 @@ def test_predict_writes_every_readable_scans_quality_and_the_api_returns_it(
     # A run's own thresholds (`ctseg evaluate --calibrate`'s): predict and the API judge by them.
     own = tmp_path / "own"
     shutil.copytree(run_dir, own)
-    strict = quality.Thresholds(1e-6, 1e-6, 1e-6, 1.000001, 1e-6, calibrated_on="strict")
-    strict.write(quality.thresholds_path(own))
+    strict = thresholds.Thresholds(1e-6, 1e-6, 1e-6, 1.000001, 1e-6, calibrated_on="strict")
+    strict.write(thresholds.thresholds_path(own))
     args = ["predict", str(own), str(inputs / "volume-0.nii.gz"), "--out", str(tmp_path / "o2")]
     assert runner.invoke(app, [*args, "--checkpoint", "latest"]).exit_code == 0
     judged = json.loads((tmp_path / "o2" / "volume-0_stats.json").read_text())["quality"]
