@@ -29,8 +29,12 @@ bench: $(STAMP)
 # One 512×512 scan through `ctseg predict` with the lits512 model on ONNX Runtime, on
 # the CPU: wall time and peak memory of the whole scan and of its liver's region
 # (`--roi`, automatic tiles and tiles of 128), and MONAI's sliding window over the same
-# grid in PyTorch (the `bench` extra, installed here). About 25 minutes on 2 cores. On
-# a GPU, see docs/guides/gpu-tpu.md.
+# grid in PyTorch (the `bench` extra, installed here). About 25 minutes on 2 cores. The
+# run's network is untrained but for a few weights that make it predict the phantom's
+# liver, so post-processing and writing cost what a real prediction's do. The host's
+# figures alone, in a few minutes (the network's width shrunk, the lits512 grid kept):
+# `python scripts/bench_predict512.py WORK --device cpu --backend onnx --host-figures-only
+# --scans 2` (docs/experiments/gpu.md). On a GPU, see docs/guides/gpu-tpu.md.
 bench-predict512: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) scripts/bench_predict512.py bench/predict512 --device cpu --backend onnx --cold-only \

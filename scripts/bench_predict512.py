@@ -3,20 +3,50 @@
     python scripts/bench_predict512.py WORKDIR [--device auto|cpu|gpu|tpu]
         [--backend jax|onnx] [--tile N] [--scans 10] [--cold-only] [--anchor]
         [--config configs/lits512_16way.toml] [--size 512] [--roi] [--roi-tile N]
+        [--host-figures-only] [--checkout DIR]
 
 Speed and memory do not depend on the weights, so the run directory holds an
 untrained model (`configs/lits512_16way.toml`, checkpoint at step 0), made in a
 CPU-only process so that no accelerator memory is taken before the timed runs. The
-scan is a synthetic size×size phantom (`ctseg synth --size`), copied under N names.
+host's work after the network does depend on what the network predicts: an untrained
+network's scattered specks of liver and tumour are no scan's prediction. So a few of
+its weights are set (`follow_the_liver`) to predict the phantom's liver as a trained
+model would: the first level's encoder averages the HU window over its 3×3×3 kernel
+and ramps it at 50, 60, 85 and 95 HU, its second block averages the ramps again, the
+first level's decoder passes them on (its half from the levels below weighs nothing),
+and the head makes a trapezoid of them: liver where the averaged HU lies between about
+55 and 90 HU, background elsewhere, with probabilities near 1. No tumour is predicted:
+the phantom's tumours (about 25 HU) are as dark as its muscle, which no local rule
+tells apart. Every other weight stays untrained, and every level still runs. On the
+512×512×63 phantom the liver's Dice against its truth is 0.95 (`liver_dice` in
+each run's result): a prediction whose post-processing and writing cost what a real
+one's do. The network needs 4 base filters or more.
+
+`--host-figures-only` shrinks the network's width to 4 base filters in float32, its
+depth (and so the box the scan goes on) and the config's data and grid sections kept: a
+pass over the lits512 grid takes a minute or two on a CPU (ONNX Runtime) rather than the
+full network's many minutes. Its network figures (`infer`, compiling, the anchor) mean
+nothing; its host figures (read, resample, postprocess, write, `host_seconds`, the
+not-overlapped seconds) are the config's grid's, as `"network"` in the result says.
+
+`--checkout DIR` runs `ctseg predict` of another checkout (DIR on `PYTHONPATH`, its
+`ctseg.cli.main`) on the same run directory and scans, made by this checkout: the
+same inputs measured at another commit. Give it a WORKDIR of its own holding a copy
+of the first one's `run`, `scan` and `liver-mask.nii.gz`.
+
+The scan is a synthetic size×size phantom (`ctseg synth --size`), copied under N names.
 `ctseg predict` runs as a user runs it, in its own process, twice on the same scans:
 **cold** (an empty compilation cache) and **warm** (the cache the cold run filled;
 `--cold-only` skips it). For each run: wall seconds, the process's peak resident
 memory, the network's seconds per scan (`infer` in the scans' `_stats.json`: the
 grid from host memory to the devices, the network, the probabilities back), the
 first scan's compile seconds, each scan's seconds per phase (read, resample: to the
-grid and back, infer, postprocess, write) and its host seconds (all but infer), and
+grid and back, infer, postprocess, write) and its host seconds (all but infer), the
+liver's Dice of the first scan's labels against the phantom's truth (`liver_dice`), and
 with several scans the network's seconds per scan after the first, the wall seconds of
-the same call on one scan, warm (`one_scan_wall_seconds`), the wall seconds each
+the same call on one scan, warm (`one_scan_wall_seconds`; its phases and host seconds,
+`one_scan_seconds` and `one_scan_host_seconds`, all on the critical path as nothing
+overlaps them), the wall seconds each
 further scan adds, and of those the seconds not overlapped with the network
 (`not_overlapped_seconds_per_scan`: the host's work on the critical path).
 
@@ -49,14 +79,32 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ctseg import atomic  # no JAX here: this process leaves the accelerators to the runs
 
+if TYPE_CHECKING:
+    from ctseg import config as cfg
+
 REPO = Path(__file__).resolve().parent.parent
 CTSEG = [sys.executable, "-m", "ctseg"]  # the command line of this Python's ctseg
+# `--checkout`'s: its command line where every commit has it (`python -m ctseg` came later).
+CHECKOUT_CTSEG = "import sys; from ctseg.cli.main import main; sys.exit(main())"
 CONFIG = REPO / "configs" / "lits512_16way.toml"
 ANCHOR = REPO / "scripts" / "monai_anchor.py"
-UNTRAINED = "--untrained-run"  # the child's argument: make the run directory, nothing else
+MAKE_RUN = "--make-run"  # the child's argument: make the run directory, nothing else
+# `--host-figures-only`: the network's width shrunk to 4 base filters (the fewest that
+# `follow_the_liver` needs), in float32 (XLA:CPU's bfloat16 convolutions are many times
+# slower; ONNX Runtime runs float32 anyway), its depth and the config's data and grid kept,
+# so the box the scan goes on is the config's: a pass over the lits512 grid takes a minute
+# or two on a CPU, not the full network's many minutes.
+SHRUNK = ["model.base_filters=4", "model.dtype=float32"]
+# The run's network predicts liver where the grid's HU, averaged over a kernel, lies in
+# the phantom's liver band (`follow_the_liver`): ramps at these HU make a trapezoid that
+# is half way up at 55 and 90 HU (the phantom's liver, its tumours darker, lies between;
+# nothing tells its tumours from its muscle by HU alone, so none are predicted).
+RAMPS_HU = (50.0, 60.0, 85.0, 95.0)
+LOGIT_GAIN = 10.0  # the liver's logit on the plateau: probabilities near 1, as a trained net's
 # A scan's phases as its `_stats.json` records them ("resample": to the grid and back),
 # and those the host does: one scan's, or with several each scan's not overlapped with
 # the network (`not_overlapped_seconds_per_scan`).
@@ -64,33 +112,95 @@ SCAN_PHASES = ("read", "resample", "infer", "postprocess", "write")
 HOST_PHASES = ("read", "resample", "postprocess", "write")
 
 
-def make_untrained_run(run_dir: Path, config_path: Path) -> None:
-    """A run directory with the config and a step-0 checkpoint of freshly initialised weights
-    (in the child process, `untrained_run`)."""
+def make_run(run_dir: Path, config: cfg.Config) -> None:
+    """A run directory with `config` and a step-0 checkpoint of freshly initialised weights,
+    a few of them set to follow the phantom's liver (`follow_the_liver`): in the child
+    process, `make_run_apart`."""
     import logging
 
-    from ctseg import config as cfg
     from ctseg.model.step import init_state
     from ctseg.run import rundir
     from ctseg.run.checkpoints import Checkpoints
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on saving a step 0
-    config = cfg.load(config_path)
     run_dir.mkdir(parents=True, exist_ok=True)
     rundir.write_or_check_config(run_dir, config)
     _, state = init_state(config)
     checkpoints = Checkpoints(run_dir, keep=1)
-    checkpoints.save(state)
+    checkpoints.save(follow_the_liver(config, state))
     checkpoints.wait()
     checkpoints.close()
 
 
-def untrained_run(run_dir: Path, config_path: Path) -> None:
-    """`make_untrained_run` in a CPU-only process: JAX started here on a GPU would hold
-    most of its memory (JAX's preallocation) through every timed run."""
+def make_run_apart(run_dir: Path, config_path: Path, shrunk: bool) -> None:
+    """`make_run` in a CPU-only process: JAX started here on a GPU would hold most of its
+    memory (JAX's preallocation) through every timed run. `shrunk`: `SHRUNK`'s network."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, __file__, UNTRAINED, str(run_dir), str(config_path)]
+    command = [sys.executable, __file__, MAKE_RUN, str(run_dir), str(config_path)]
+    command += SHRUNK if shrunk else []
     subprocess.run(command, env=env, check=True)
+
+
+def follow_the_liver(config: cfg.Config, state: Any) -> Any:
+    """`state` whose inference weights predict the phantom's liver: the first
+    level's encoder averages the HU window's values over its kernel and ramps them at
+    `RAMPS_HU`, its second block averages each ramp again, the first level's decoder passes
+    them on (its half from below weighs nothing), and the head combines them into a
+    trapezoid on the liver's band. Every other weight stays untrained; the network's work
+    is the same whatever its weights."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from ctseg.data.grids import hu_to_unit
+    from ctseg.model import unet
+
+    graphdef, _, _ = unet.abstract(config.model)
+    model = nnx.merge(graphdef, state.weights, state.stats)
+    width = model.head.kernel.shape[0]
+    if width < len(RAMPS_HU):
+        sys.exit(f"the run's network needs model.base_filters >= {len(RAMPS_HU)}, got {width}")
+    ramps = hu_to_unit(np.array(RAMPS_HU), config.data.hu_window)
+    # Channels beyond the ramps repeat the last one; the head leaves them out.
+    thresholds = np.pad(ramps, (0, width - len(ramps)), "edge")
+    _set_block(model.down[0].first, np.ones((1, width)), thresholds)
+    _set_block(model.down[0].second, np.eye(width), np.zeros(width))
+    if config.model.depth > 1:  # the skip passes; the level below is left out
+        _set_block(model.up[0].first, np.eye(2 * width, width), np.zeros(width), centre=True)
+        _set_block(model.up[0].second, np.eye(width), np.zeros(width), centre=True)
+    # liver − background: (r0 − r1 − r2 + r3) / (r0's plateau) − ½, > 0 inside the band.
+    plateau = ramps[1] - ramps[0]
+    kernel = np.zeros((width, 3))
+    kernel[:4, 1] = np.array([1.0, -1.0, -1.0, 1.0]) * LOGIT_GAIN / plateau
+    bias = np.array([LOGIT_GAIN / 2, 0.0, -LOGIT_GAIN])  # tumour: never
+    model.head.kernel.set_value(jnp.asarray(kernel, jnp.float32))
+    model.head.bias.set_value(jnp.asarray(bias, jnp.float32))
+    weights, stats = nnx.state(model, nnx.Param), nnx.state(model, nnx.BatchStat)
+    if state.average is None:
+        return state._replace(params=weights, stats=stats)
+    return state._replace(average=weights, stats=stats)
+
+
+def _set_block(block: Any, mixing: Any, mean: Any, centre: bool = False) -> None:
+    """A conv block as a plain filter: input channel i goes to output channel j with weight
+    `mixing[i, j]`, averaged over the kernel (`centre`: the centre voxel alone), then
+    `x − mean` (the batch norm, whose variance + epsilon is 1) and the ReLU."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    size = block.conv.kernel.shape[0]
+    taps = np.zeros((size,) * 3)
+    if centre:
+        taps[(size // 2,) * 3] = 1.0
+    else:
+        taps[...] = 1.0 / taps.size
+    kernel = taps[..., None, None] * np.asarray(mixing)[None, None, None]
+    block.conv.kernel.set_value(jnp.asarray(kernel, jnp.float32))
+    norm = block.norm
+    norm.mean.set_value(jnp.asarray(mean, jnp.float32))
+    norm.var.set_value(jnp.full(norm.var.shape, 1.0 - norm.epsilon, jnp.float32))
+    norm.scale.set_value(jnp.ones(norm.scale.shape, jnp.float32))
+    norm.bias.set_value(jnp.zeros(norm.bias.shape, jnp.float32))
 
 
 # `ctseg synth --seed 94` draws a liver-only scan of 63 slices of 3.9 mm (512×512×63 at
@@ -115,11 +225,11 @@ def make_scans(folder: Path, count: int, size: int) -> list[Path]:
     return scans
 
 
-def measured(command: list[str]) -> tuple[int, float, float]:
+def measured(command: list[str], env: dict[str, str] | None = None) -> tuple[int, float, float]:
     """Run `command`: its exit status, wall seconds and peak resident GiB (its own, as
     `wait4` reports it for this child and its children; not another run's)."""
     began = time.perf_counter()
-    child = subprocess.Popen(command)
+    child = subprocess.Popen(command, env=env)
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - began
     return os.waitstatus_to_exitcode(status), wall, usage.ru_maxrss / 2**20
@@ -136,7 +246,11 @@ def predict(
     """One `ctseg predict` process over `scans` (tiles of `tile`, default `--tile`'s): wall
     seconds, peak RSS, the scans' stats."""
     shutil.rmtree(out, ignore_errors=True)
-    command = [*CTSEG, "predict", str(run_dir), *map(str, scans), "--out", str(out)]
+    ctseg, env = CTSEG, None
+    if args.checkout:
+        ctseg = [sys.executable, "-c", CHECKOUT_CTSEG]
+        env = {**os.environ, "PYTHONPATH": str(args.checkout.resolve())}
+    command = [*ctseg, "predict", str(run_dir), *map(str, scans), "--out", str(out)]
     if roi is not None:
         command += ["--roi", str(roi)]
     tile = args.tile if tile is None else tile
@@ -144,7 +258,7 @@ def predict(
     command += ["--compile-cache", str(args.workdir / "xla-cache")]
     if args.backend:
         command += ["--backend", args.backend]
-    status, wall, peak = measured(command)
+    status, wall, peak = measured(command, env)
     if status != 0:
         sys.exit(f"ctseg predict failed (exit status {status}); measured so far: {args.result}")
     stats = [json.loads((out / f"{s.name[:-7]}_stats.json").read_text()) for s in scans]
@@ -160,11 +274,24 @@ def predict(
         "compiled": stats[-1]["compiled"],
         "seconds": seconds,
         "host_seconds": [sum(seconds[p][i] for p in HOST_PHASES) for i in range(len(stats))],
+        "liver_dice": liver_dice(out / f"{scans[0].name[:-7]}_seg.nii.gz", args.truth),
     }
     if len(scans) > 1:
         later = run["infer_seconds"][1:]
         run["infer_seconds_after_first"] = sum(later) / len(later)
     return run
+
+
+def liver_dice(labels: Path, truth: Path) -> float:
+    """The Dice of the liver (tumour included) of a label map against the phantom's truth:
+    how near the run's prediction is to a real one."""
+    import numpy as np
+
+    from ctseg.io.scans import read_scan
+
+    predicted, true = read_scan(labels).array > 0, read_scan(truth).array > 0
+    both = np.count_nonzero(predicted & true)
+    return 2 * both / (np.count_nonzero(predicted) + np.count_nonzero(true))
 
 
 def grid_shape(config_path: Path, scan: Path) -> list[int]:
@@ -198,7 +325,17 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--tile", type=int, default=-1)
     parser.add_argument("--scans", type=int, default=1)
     parser.add_argument("--cold-only", action="store_true", help="skip the warm run")
-    parser.add_argument("--config", type=Path, default=CONFIG, help="the untrained run's config")
+    parser.add_argument("--config", type=Path, default=CONFIG, help="the run's config")
+    parser.add_argument(
+        "--host-figures-only",
+        action="store_true",
+        help="shrink the network's width (its depth, data and grid kept): host figures only",
+    )
+    parser.add_argument(
+        "--checkout",
+        type=Path,
+        help="run `ctseg predict` of this checkout (on PYTHONPATH): same inputs, another commit",
+    )
     parser.add_argument("--size", type=int, default=512, help="in-plane size of the scan")
     parser.add_argument(
         "--anchor", action="store_true", help="also time MONAI's sliding window (PyTorch)"
@@ -220,15 +357,27 @@ def _arguments() -> argparse.Namespace:
     return args
 
 
+def _header(args: argparse.Namespace) -> dict:
+    """What the result's figures are of: scans, tiles, size, and where they are not this
+    checkout's lits512 network (`--host-figures-only`, `--checkout`)."""
+    header: dict = {"scans": args.scans, "tile": args.tile, "size": args.size}
+    if args.host_figures_only:
+        header["network"] = "width shrunk: host figures only"
+    if args.checkout:
+        header["checkout"] = str(args.checkout)
+    return header
+
+
 def main() -> None:
     args = _arguments()
     args.result = args.workdir / "result.json"
+    args.truth = args.workdir / "liver-mask.nii.gz"  # the phantom's label map (`make_scans`)
     run_dir, out = args.workdir / "run", args.workdir / "pred"
     if not (run_dir / "checkpoints").is_dir():
-        untrained_run(run_dir, args.config)
+        make_run_apart(run_dir, args.config, args.host_figures_only)
     scans = make_scans(args.workdir / "scan", args.scans, args.size)
     shutil.rmtree(args.workdir / "xla-cache", ignore_errors=True)
-    result: dict = {"scans": args.scans, "tile": args.tile, "size": args.size}
+    result = _header(args)
     kinds = ("cold",) if args.cold_only else ("cold", "warm")
     for kind in kinds:
         result[kind] = predict(args, run_dir, scans, out)
@@ -239,6 +388,9 @@ def main() -> None:
         per_scan = (result["warm"]["wall_seconds"] - single["wall_seconds"]) / (args.scans - 1)
         result["warm"]["wall_seconds_per_scan_after_first"] = per_scan
         result["warm"]["one_scan_wall_seconds"] = single["wall_seconds"]
+        # Alone, nothing overlaps its host's work: all of it is on the critical path.
+        result["warm"]["one_scan_host_seconds"] = single["host_seconds"][0]
+        result["warm"]["one_scan_seconds"] = {p: s[0] for p, s in single["seconds"].items()}
         # What each further scan adds beyond its network: the host's work on the critical path.
         network = result["warm"]["infer_seconds_after_first"]
         result["warm"]["not_overlapped_seconds_per_scan"] = per_scan - network
@@ -277,7 +429,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == [UNTRAINED]:
-        make_untrained_run(Path(sys.argv[2]), Path(sys.argv[3]))
+    if sys.argv[1:2] == [MAKE_RUN]:
+        from ctseg import config as cfg
+
+        run_dir, config_path, *overrides = sys.argv[2:]
+        make_run(Path(run_dir), cfg.load(config_path, overrides))
     else:
         main()

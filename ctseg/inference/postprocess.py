@@ -11,15 +11,15 @@ from typing import Any
 
 import cc3d
 import numpy as np
-from scipy import ndimage, spatial
+from scipy import spatial
 
-from ctseg.labels import LIVER, bounding_box, liver_mask, tumour_burden, tumour_mask
+from ctseg.labels import LIVER, bounding_box, liver_mask, tumour_mask
 
 # Tumours (the largest by volume) whose largest diameter `scan_stats` measures: RECIST
 # follows at most 5 target lesions, and a noisy prediction can have tens of thousands.
 MEASURED_TUMOURS = 20
-# Tumours of more voxels than this are measured on their surface voxels only.
-_SURFACE_FROM = 1000
+# A tumour given as more voxels than this is rebuilt as a mask to find its hull's candidates.
+_CANDIDATES_FROM = 1000
 # Rows of the distance matrix between hull vertices computed at once: 8 kB per vertex.
 _CHUNK = 1024
 
@@ -84,35 +84,43 @@ def max_diameter_mm(voxels: np.ndarray, affine: np.ndarray) -> float:
     """Largest distance in mm between the centres of the given voxel indices [n, 3].
 
     The farthest pair lies on the convex hull, so only its vertices are compared. In
-    bounded time and memory on any shape: a solid tumour is reduced to its surface
-    first, and a flat or straight one (one slice thick, say, where a 3-D hull does not
-    exist) is measured in its plane or along its line.
+    bounded time and memory on any shape: a solid tumour is reduced to the voxels that
+    may be hull vertices first (`_hull_candidates`), and a flat or straight one (one
+    slice thick, say, where a 3-D hull does not exist) is measured in its plane or along
+    its line.
     """
     voxels = np.asarray(voxels)
-    if len(voxels) > _SURFACE_FROM:
-        voxels = _surface(voxels.astype(np.int64))
+    if len(voxels) > _CANDIDATES_FROM:
+        corner = voxels.min(axis=0).astype(np.int64)
+        offsets = voxels.astype(np.int64) - corner
+        mask = np.zeros(tuple(offsets.max(axis=0) + 1), dtype=bool)
+        mask[tuple(offsets.T)] = True
+        voxels = _hull_candidates(mask) + corner
+    return _diameter_mm(voxels, affine)
+
+
+def _diameter_mm(voxels: np.ndarray, affine: np.ndarray) -> float:
+    """`max_diameter_mm` of voxels that hold every hull vertex of the tumour's."""
     points = voxels @ affine[:3, :3].T  # the translation cancels in differences
     if len(points) < 2:
         return 0.0
     return _farthest_pair(_hull_vertices(points))
 
 
-def _measured_voxels(mask: np.ndarray) -> np.ndarray:
-    """The voxels [n, 3] of a tumour's mask that its diameter is measured on: its surface
-    alone where it is large (as `max_diameter_mm` does), found on the mask itself rather
-    than on a mask rebuilt from millions of voxel indices."""
-    if np.count_nonzero(mask) > _SURFACE_FROM:
-        mask = mask & ~ndimage.binary_erosion(mask, border_value=0)
-    return np.argwhere(mask)
-
-
-def _surface(voxels: np.ndarray) -> np.ndarray:
-    """The voxels [n, 3] with a 6-neighbour outside the set: every hull vertex is one."""
-    corner = voxels.min(axis=0)
-    mask = np.zeros(tuple(voxels.max(axis=0) - corner + 1), dtype=bool)
-    mask[tuple((voxels - corner).T)] = True
-    inner = ndimage.binary_erosion(mask, border_value=0)
-    return np.argwhere(mask & ~inner) + corner
+def _hull_candidates(mask: np.ndarray) -> np.ndarray:
+    """The voxels [n, 3] of a 3-D mask that may be vertices of its convex hull: those first
+    or last of their row along every axis. A voxel with others of its row on both sides
+    lies on the segment between them, never a vertex; a solid tumour keeps a few of its
+    surface voxels, a sprawling one of thousands its tips."""
+    kept = mask.copy()
+    for axis in range(3):
+        ends = np.zeros_like(mask)
+        last = mask.shape[axis] - 1
+        for index in (np.argmax(mask, axis=axis), last - np.argmax(np.flip(mask, axis), axis=axis)):
+            # Rows without a voxel mark their first; `kept` holds only the mask's voxels.
+            np.put_along_axis(ends, np.expand_dims(index, axis), True, axis)
+        kept &= ends
+    return np.argwhere(kept)
 
 
 def _hull_vertices(points: np.ndarray) -> np.ndarray:
@@ -160,29 +168,7 @@ def scan_stats(labels: np.ndarray, affine: np.ndarray) -> dict[str, Any]:
     liver_voxels = int(np.count_nonzero(liver_mask(labels)))
     tumour = tumour_mask(labels)
     tumour_voxels = int(np.count_nonzero(tumour))
-    tumours: list[dict[str, Any]] = []
-    box = bounding_box(tumour)
-    if box is not None:
-        origin = np.array([s.start for s in box])
-        pieces, count = components(tumour[box])
-        sizes = np.bincount(pieces[tumour[box]], minlength=count + 1)[1:]
-        objects = ndimage.find_objects(pieces)
-        # Where each tumour is: the centre of its bounding box, in mm.
-        centres = np.array([[(s.start + s.stop - 1) / 2 for s in o] for o in objects]) + origin
-        centres_mm = centres @ affine[:3, :3].T + affine[:3, 3]
-        order = np.argsort(-sizes, kind="stable")
-        for rank, piece in enumerate(order):
-            entry = {
-                "volume_ml": float(sizes[piece] * voxel_ml),
-                "box_centre_mm": [round(float(c), 2) for c in centres_mm[piece]],
-            }
-            if rank < MEASURED_TUMOURS:
-                where = objects[piece]
-                corner = np.array([s.start for s in where]) + origin
-                voxels = _measured_voxels(pieces[where] == piece + 1) + corner
-                entry["diameter_mm"] = max_diameter_mm(voxels.astype(float), affine)
-            tumours.append(entry)
-    burden = tumour_burden(labels)
+    tumours = _tumours(tumour, affine, voxel_ml)
     return {
         "liver_volume_ml": liver_voxels * voxel_ml,
         "tumour_volume_ml": tumour_voxels * voxel_ml,
@@ -190,6 +176,37 @@ def scan_stats(labels: np.ndarray, affine: np.ndarray) -> dict[str, Any]:
         "largest_tumour_diameter_mm": max(
             (t["diameter_mm"] for t in tumours[:MEASURED_TUMOURS]), default=0.0
         ),
-        "tumour_burden_percent": 0.0 if burden is None else 100.0 * burden,
+        # `labels.tumour_burden`, from the counts at hand.
+        "tumour_burden_percent": 100.0 * (tumour_voxels / liver_voxels) if liver_voxels else 0.0,
         "tumours": tumours,
     }
+
+
+def _tumours(tumour: np.ndarray, affine: np.ndarray, voxel_ml: float) -> list[dict[str, Any]]:
+    """Each tumour's volume, place and (the `MEASURED_TUMOURS` largest) diameter, largest
+    first; found in the tumours' bounding box, each measured in its own."""
+    box = bounding_box(tumour)
+    if box is None:
+        return []
+    origin = np.array([s.start for s in box])
+    pieces, _ = components(tumour[box])
+    # Sizes and bounding boxes in one pass over the pieces (index 0: the background).
+    statistics = cc3d.statistics(pieces)
+    sizes = statistics["voxel_counts"][1:].astype(np.int64)  # unsigned: negated below
+    objects = statistics["bounding_boxes"][1:]
+    # Where each tumour is: the centre of its bounding box, in mm.
+    centres = np.array([[(s.start + s.stop - 1) / 2 for s in o] for o in objects]) + origin
+    centres_mm = centres @ affine[:3, :3].T + affine[:3, 3]
+    tumours = []
+    for rank, piece in enumerate(np.argsort(-sizes, kind="stable")):
+        entry = {
+            "volume_ml": float(sizes[piece] * voxel_ml),
+            "box_centre_mm": [round(float(c), 2) for c in centres_mm[piece]],
+        }
+        if rank < MEASURED_TUMOURS:
+            where = objects[piece]
+            corner = np.array([s.start for s in where]) + origin
+            voxels = _hull_candidates(pieces[where] == piece + 1) + corner
+            entry["diameter_mm"] = _diameter_mm(voxels.astype(float), affine)
+        tumours.append(entry)
+    return tumours

@@ -129,6 +129,37 @@ def test_diameter_equals_every_pair_compared(seed):
     assert max_diameter_mm(voxels, affine) == pytest.approx(every_pair, rel=1e-9)
 
 
+def sprawling_tumours(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A liver block whose tumours are thresholded smooth noise: tens to hundreds of
+    pieces, solid and sprawling, some of them thousands of voxels (as an untrained
+    network predicts), on an oblique, sheared affine."""
+    rng = np.random.default_rng(seed)
+    labels = np.zeros((60, 50, 40), np.uint8)
+    labels[5:55, 5:45, 3:37] = 1
+    noise = ndimage.gaussian_filter(rng.normal(size=labels.shape), rng.uniform(0.7, 3.0))
+    labels[(noise > np.quantile(noise, rng.uniform(0.8, 0.97))) & (labels == 1)] = 2
+    affine = np.eye(4)
+    affine[:3, :3] = rng.normal(size=(3, 3))
+    return labels, affine
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_diameters_of_many_sprawling_tumours_equal_every_pair_compared(seed):
+    labels, affine = sprawling_tumours(seed)
+    stats = scan_stats(labels, affine)
+    pieces, count = ndimage.label(labels == 2, structure=np.ones((3, 3, 3)))
+    assert stats["tumour_count"] == count > MEASURED_TUMOURS
+    sizes = np.bincount(pieces.ravel())[1:]
+    largest = np.argsort(-sizes, kind="stable")[:MEASURED_TUMOURS] + 1
+    assert sizes.max() > 1000  # measured from its hull's candidates, not from every voxel
+    for tumour, piece in zip(stats["tumours"], largest, strict=False):
+        points = np.argwhere(pieces == piece) @ affine[:3, :3].T
+        every_pair = spatial.distance.pdist(points).max() if len(points) > 1 else 0.0
+        # The same two voxels' distance, computed alike: equal, not merely close.
+        assert tumour["diameter_mm"] == every_pair
+    assert all("diameter_mm" not in t for t in stats["tumours"][MEASURED_TUMOURS:])
+
+
 def test_keep_largest_liver_drops_other_pieces_with_their_tumour():
     labels, _ = phantom()
     labels[52:58, 52:58, 20:25] = 1  # a small detached "liver"
