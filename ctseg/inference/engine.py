@@ -104,12 +104,12 @@ class Engine:
             split = "" if self.spatial == (1, 1, 1) else f" split {list(self.spatial)}"
             return f"whole volume {tiling.shape_text(self.shape)}{split}"
         windows = sum(len(stage.windows()) for stage in self.stages)
+        at_once = f", {len(self.devices)} at a time" if len(self.devices) > 1 else ""
         if self.windows is not None:
             return (
                 f"fixed windows ≤ {self.tile}³ of {tiling.shape_text(self.shape)} "
-                f"({len(self.stages)} stages, {windows} windows)"
+                f"({len(self.stages)} stages, {windows} windows{at_once})"
             )
-        at_once = f", {len(self.devices)} at a time" if len(self.devices) > 1 else ""
         return (
             f"level-wise tiles ≤ {self.tile}³ "
             f"({len(self.stages)} stages, {windows} windows{at_once})"

@@ -13,9 +13,9 @@ the level, and a sum over the devices (the cores are disjoint) gives every devic
 whole level for the next stage. The levels kept for the up stages stay on the devices
 while they fit, and are moved to the host whole (never per window) when they do not.
 
-Fixed windows (`ctseg.inference.jax_windows`, one device), whose programs do not depend
-on the box: the default for the spacing grid on one accelerator, where compiling per box
-shape costs minutes and the windows' overlap milliseconds (`JaxBackend.fixed_windows`).
+Fixed windows (`ctseg.inference.jax_windows`, dealt out over the devices), whose programs
+do not depend on the box: the default for the spacing grid on accelerators, where compiling
+per box shape costs minutes and the windows' overlap milliseconds (`JaxBackend.fixed_windows`).
 The levels' shapes and the window cut both share: `ctseg.inference.levels`.
 
 Planning (no stages given): the hand formula of `ctseg.inference.tiling` proposes candidates
@@ -396,18 +396,22 @@ class JaxBackend(Backend):
         fixed_windows: bool | None = None,
     ):
         """`fixed_windows`: boxes whose shape varies (the spacing grid) run in fixed windows
-        (`WindowPlan`); default, on one accelerator, where a program per box shape costs
-        minutes of compiling and the windows' overlap milliseconds of running."""
+        (`WindowPlan`); default, on accelerators, one or several, where a program per box
+        shape costs minutes of compiling (XLA's autotuning) and the windows' overlap
+        milliseconds of running. The window programs compile once per model, stage and
+        device; on several devices the windows are dealt out over them and run side by
+        side, at the cost of each stage's level(s) copied to every device and the devices'
+        partial levels summed onto the first."""
         self.devices = list(devices or jax.local_devices()[:1])
         if one_cpu_device and not dev.is_accelerator(self.devices):
             # Simulated CPU devices share the host's cores: one window at a time, with all
             # the memory (16 side by side ran 4 % faster but cut 512³ cores from 128 to 48).
             self.devices = self.devices[:1]
         if fixed_windows is None:
-            fixed_windows = len(self.devices) == 1 and dev.is_accelerator(self.devices)
+            fixed_windows = dev.is_accelerator(self.devices)
         self.fixed_windows = fixed_windows
-        # Window programs by model and stage: every box shape reuses them.
-        self.window_programs = WindowPrograms(self.devices[0])
+        # Window programs by model, stage and device: every box shape reuses them.
+        self.window_programs = WindowPrograms()
 
     def window_core(self, model: TrainedModel, memory: int) -> int:
         """Fixed windows' core chosen for `memory` bytes: the largest of `WINDOW_CORES` whose
@@ -424,7 +428,7 @@ class JaxBackend(Backend):
     def window_plan(
         self, model: TrainedModel, shape: Shape, stages: list[Stage], memory: int
     ) -> WindowPlan:
-        return WindowPlan(self.window_programs, model, shape, stages, memory)
+        return WindowPlan(self.window_programs, model, shape, stages, self.devices, memory)
 
     def dtype(self, config: Config) -> np.dtype:
         return jnp.dtype(config.model.dtype)  # the compute dtype

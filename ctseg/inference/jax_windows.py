@@ -1,17 +1,23 @@
-"""Fixed windows on one JAX device: level-wise tiles whose programs do not depend on the box.
+"""Fixed windows on JAX devices: level-wise tiles whose programs do not depend on the box.
 
 The spacing grid's boxes follow the scans' extents, and every new box shape would compile
 the whole-volume or stage programs anew (`ctseg.inference.jax_backend`; lits512's whole
 volume: ~107 s on an H200, mostly XLA's autotuning of the convolutions). Here each stage's
 convolutions are one program on one window whose extent does not depend on the box
-(`window_program`, `tiling.fixed_stages`), compiled once per model and stage and kept in
-`WindowPrograms`; a driver on the host cuts the windows out of the level and adds their
-masked cores into the next one with small programs that follow the box's level shapes
-and compile in milliseconds (`WindowPlan`).
+(`window_program`, `tiling.fixed_stages`), compiled once per model, stage and device and
+kept in `WindowPrograms`; a driver on the host cuts the windows out of the level and adds
+their masked cores into the next one with small programs that follow the box's level
+shapes and compile in milliseconds (`WindowPlan`).
+
+On several devices the windows are dealt out over them, so the devices run side by side
+and a new box shape still compiles no convolution on any of them; the cost is each
+stage's level(s) copied from the first device to the others and the devices' partial
+output levels summed back onto it (exact: the windows' blocks own disjoint voxels).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -49,20 +55,40 @@ WINDOW_CORES = (128, 96, 64, 48, 32, 24, 16)
 
 
 class WindowPrograms:
-    """The window programs of one device, by model and stage (`window_program`): every box
-    shape reuses them."""
+    """The window programs of a backend's devices, by model, stage and device
+    (`window_program`): every box shape reuses them."""
 
-    def __init__(self, device: Any):
-        self.device = device
+    def __init__(self) -> None:
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
 
-    def of(self, model: TrainedModel, stage: Stage, params: Any, stats: Any) -> jax.stages.Compiled:
-        """Stage `stage`'s window program for `model`'s network, compiled when first asked
-        for (weights are arguments: models of one config share it)."""
-        key = (repr(model.config.model), *tiling.window_key(stage), str(self.device))
-        if key not in self._compiled:
-            self._compiled[key] = window_program(model.graphdef, model.config, stage, params, stats)
-        return self._compiled[key]
+    def of(
+        self, model: TrainedModel, stages: list[Stage], devices: list[Any]
+    ) -> list[list[jax.stages.Compiled]]:
+        """Every stage's window program on every device ([stage][device]), those not kept
+        yet compiled concurrently (XLA compiles in threads of its own). The first device's
+        compile first: XLA keeps a GPU's autotuning results in the process by the GPU's
+        kind, so the other devices' compiles of the same programs should find them there
+        rather than tune again (not yet measured on several GPUs)."""
+        self._compile(model, stages, devices[:1])
+        self._compile(model, stages, devices[1:])
+        return [[self._compiled[_key(model, s, d)] for d in devices] for s in stages]
+
+    def _compile(self, model: TrainedModel, stages: list[Stage], devices: list[Any]) -> None:
+        wanted = {_key(model, s, d): (s, d) for s in stages for d in devices}
+        missing = {key: each for key, each in wanted.items() if key not in self._compiled}
+
+        def compile_one(stage: Stage, device: Any) -> jax.stages.Compiled:
+            weights = _single_shapes((model.params, model.stats), device)
+            return window_program(model.graphdef, model.config, stage, *weights)
+
+        with ThreadPoolExecutor() as pool:
+            compiled = pool.map(lambda wanted: compile_one(*wanted), missing.values())
+            self._compiled.update(zip(missing, compiled, strict=True))
+
+
+def _key(model: TrainedModel, stage: Stage, device: Any) -> tuple:
+    # Weights are arguments: models of one config share the program.
+    return (repr(model.config.model), *tiling.window_key(stage), str(device))
 
 
 def window_program(
@@ -112,9 +138,15 @@ def _single_shapes(tree: Any, device: Any) -> Any:
     )
 
 
+def _shaped(level: tuple[tuple[int, ...], Any], sharding: Any) -> jax.ShapeDtypeStruct:
+    shape, dtype = level
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
 # The driver's programs, between the window programs: they depend on the levels' shapes
 # (so compile per box shape, in milliseconds: no convolution to tune) and on nothing of
-# the network. Two per stage, and two dispatches per window (its program, then this).
+# the network. Two per stage (and on several devices the sum of their levels, `_add`),
+# and two dispatches per window (its program, then `_add_then_cut`).
 
 
 @partial(jax.jit, static_argnums=(2, 3, 4))
@@ -142,21 +174,52 @@ def _add_then_cut(
     return jax.lax.dynamic_update_slice(out, current + block, at), cut(levels, following, extent)
 
 
+@partial(jax.jit, donate_argnums=0)
+def _add(level: jax.Array, other: jax.Array) -> jax.Array:
+    return level + other
+
+
+def _summed(parts: list[jax.Array], devices: list[Any]) -> jax.Array:
+    """The sum of the partial output levels `parts` (parts[i] on devices[i]), on the first
+    device: pairwise in rounds, each device taking in one level per round, so none holds
+    more than ⌈log2 n⌉ levels beside its own (n − 1 if all went to the first at once).
+    Exact: the blocks own disjoint voxels, so each voxel adds zeros to its one value."""
+    while len(parts) > 1:
+        pairs = range(0, len(parts) - 1, 2)
+        summed = [_add(parts[i], jax.device_put(parts[i + 1], devices[i])) for i in pairs]
+        parts, devices = summed + parts[2 * len(summed) :], devices[::2]
+    return parts[0]
+
+
+def _receives(devices: int) -> int:
+    """How many partial levels the first of `devices` takes in (`_summed`): ⌈log2 n⌉."""
+    return (devices - 1).bit_length()
+
+
 class WindowPlan:
-    """Level-wise tiles on one device whose window programs do not depend on the box.
+    """Level-wise tiles on the backend's devices whose window programs do not depend on the
+    box.
 
     Each stage's convolutions are one program on one window of a fixed extent
-    (`window_program`, `tiling.fixed_stages`), compiled once per model and stage and kept
-    by the backend, so boxes of every later shape reuse them. A driver on the host cuts
-    each window out of the level on the device, runs the stage's program on it and adds
-    its masked core into the output level (`_begin`, `_add_then_cut`: two small programs
-    per stage and box shape, compiled in milliseconds): nothing passes through the host
-    but the dispatches. The cost: two dispatches per window, and windows of fixed cores
-    (not balanced to the box; deeper levels' cores fit the box floor,
-    `tiling.window_floor`), so more overlap than `JaxPlan`'s tiles: on the lits512 model
-    at cores of 128, 2.1–3.1× the whole pass's multiply-adds against 1.4–1.5× for those
-    tiles. On the backend's first device only: the automatic choice (`JaxBackend`) runs
-    them only where it has one device; on several it plans as before (`JaxPlan`).
+    (`window_program`, `tiling.fixed_stages`), compiled once per model, stage and device
+    and kept by the backend (`WindowPrograms`), so boxes of every later shape reuse them.
+    A driver on the host cuts each window out of the level on a device, runs the stage's
+    program on it and adds its masked core into that device's output level (`_begin`,
+    `_add_then_cut`: two small programs per stage, device and box shape, compiled in
+    milliseconds, all at once when the plan is made): nothing passes through the host but
+    the dispatches. The cost: two dispatches per window, and windows of fixed cores (not
+    balanced to the box; deeper levels' cores fit the box floor, `tiling.window_floor`),
+    so more overlap than `JaxPlan`'s tiles: on the lits512 model at cores of 128, 2.1–3.1×
+    the whole pass's multiply-adds against 1.4–1.5× for those tiles.
+
+    On several devices the windows are dealt round-robin (window i on device i mod n),
+    so the devices run side by side, every dispatch asynchronous: each stage's input
+    level(s) are copied from the first device to every device that has windows, each
+    device adds its blocks into a zero level of its own, and the partial levels are
+    summed onto the first device (`_summed`; exact, the blocks own disjoint voxels). The
+    cost on top of one device: each stage's level(s) copied to every device, and the
+    partial levels summed; each device holds a stage's whole levels (and the first up to
+    ⌈log2 n⌉ partial levels taken in), so the memory per device is one device's.
     """
 
     spatial = (1, 1, 1)
@@ -168,75 +231,135 @@ class WindowPlan:
         model: TrainedModel,
         shape: Shape,
         stages: list[Stage],
+        devices: list[Any],
         memory: int,
     ):
         self.model, self.shape, self.stages = model, shape, stages
-        self.device = programs.device
-        config = model.config
-        weights = _single_shapes((model.params, model.stats), self.device)
-        self._programs = [programs.of(model, stage, *weights) for stage in stages]
+        self.devices = list(devices)
+        self.device = self.devices[0]  # the image, the levels between stages, the logits
+        self._programs = programs.of(model, stages, self.devices)
+        self.needed = self._needed(memory)
+        self._compile_drivers()
+        # The weights once per device, for every box this plan runs.
+        self._weights = [jax.device_put((model.params, model.stats), d) for d in self.devices]
+        self._dealt = [self._deal(stage) for stage in stages]
+
+    def _needed(self, memory: int) -> int:
+        """Peak bytes on a device (the first, which also sums the partial levels), checked
+        against `memory` bytes per device."""
+        config = self.model.config
+        stages = self.stages
+        firsts = [programs[0] for programs in self._programs]  # the same on every device
         # The window programs' own figures hold no level: each stage's levels are beside them.
-        levels = [
-            level_bytes(*input_level(config, stage))
-            + level_bytes(*output_level(config, stage))
-            + (level_bytes(*below_level(config, stage)) if stage.kind == UP else 0)
-            for stage in stages
-        ]
-        needs = stage_needs(config, stages, self._programs, spill=False)
-        self.needed = max(need + level for need, level in zip(needs, levels, strict=True))
-        if self.needed > memory:
+        levels = []
+        for stage in stages:
+            out = level_bytes(*output_level(config, stage))
+            busy = min(len(self.devices), len(stage.windows()))
+            levels.append(
+                level_bytes(*input_level(config, stage))
+                + out * (1 + _receives(busy))
+                + (level_bytes(*below_level(config, stage)) if stage.kind == UP else 0)
+            )
+        needs = stage_needs(config, stages, firsts, spill=False)
+        needed = max(need + level for need, level in zip(needs, levels, strict=True))
+        if needed > memory:
             raise CtsegError(
                 f"fixed windows ≤ {max(s.largest_core for s in stages)}³ of the "
-                f"{tiling.shape_text(shape)} grid need {human_bytes(self.needed)}, more than the "
-                f"{human_bytes(memory)} free on {dev.describe([self.device])}; use smaller tiles"
+                f"{tiling.shape_text(self.shape)} grid need {human_bytes(needed)} per device, "
+                f"more than the {human_bytes(memory)} free on {dev.describe(self.devices)}; "
+                "use smaller tiles"
             )
-        self._params, self._stats = jax.device_put((model.params, model.stats), self.device)
-        self._rows = [self._place_rows(stage) for stage in stages]
+        return needed
 
-    def _place_rows(self, stage: Stage, span: tiling.Span | None = None) -> list[jax.Array]:
-        table = tiling.stitch_table(stage, span)
-        return list(jax.device_put(list(table), self.device))
+    def _compile_drivers(self) -> None:
+        """The driver's programs of every stage on every device that has windows, compiled
+        now, concurrently, into `jax.jit`'s own cache (the dispatches then find them there):
+        compiled one after another as first dispatched, their count per box shape (two per
+        stage and device, and the sums) would add up on several devices."""
+        config = self.model.config
+        lowerings = []
+        for stage in self.stages:
+            busy = self.devices[: len(stage.windows())]
+            out_shape, out_dtype = output_level(config, stage)
+            for index, device in enumerate(busy):
+                sharding = SingleDeviceSharding(device)
+                levels = [_shaped(input_level(config, stage), sharding)]
+                if stage.kind == UP:
+                    levels.append(_shaped(below_level(config, stage), sharding))
+                row = jax.ShapeDtypeStruct((4, 3), jnp.int32, sharding=sharding)
+                out = _shaped((out_shape, out_dtype), sharding)
+                block = _shaped(((1, *stage.block, out_shape[-1]), out_dtype), sharding)
+                lowerings.append(
+                    partial(_begin.lower, levels, row, stage.extent, out_shape, out_dtype)
+                )
+                lowerings.append(
+                    partial(_add_then_cut.lower, out, block, row, levels, stage.extent, row)
+                )
+                if index % 2 == 0 and index + 1 < len(busy):  # a device `_summed` adds into
+                    lowerings.append(partial(_add.lower, out, out))
+        with ThreadPoolExecutor() as pool:
+            list(pool.map(lambda lower: lower().compile(), lowerings))
+
+    def _deal(self, stage: Stage, span: tiling.Span | None = None) -> list[list[jax.Array]]:
+        """The stage's window rows (`tiling.stitch_table`, of its `span`) dealt round-robin
+        over the devices, each device's rows placed on it ([] for a device with none)."""
+        table = list(tiling.stitch_table(stage, span))
+        count = len(self.devices)
+        return [
+            list(jax.device_put(table[i::count], device)) if table[i::count] else []
+            for i, device in enumerate(self.devices)
+        ]
 
     def memory_words(self, memory: int) -> str:
-        return f": {human_bytes(self.needed)} of {human_bytes(memory)} free (compiled)"
+        return f": {human_bytes(self.needed)} per device of {human_bytes(memory)} free (compiled)"
 
     def place(self, image: np.ndarray | jax.Array) -> jax.Array:
         return jax.device_put(as_batch(image), self.device)
 
-    def _stage(self, stage: Stage, program: Any, rows: list[jax.Array], *levels: jax.Array):
-        """A stage's output level: its windows run one after another (dispatched, not waited
-        for); the last window's following cut is the first's again, unused."""
+    def _stage(self, stage: Stage, index: int, dealt: list[list[jax.Array]], *levels: jax.Array):
+        """A stage's output level on the first device. Each device with windows gets its own
+        copy of the levels (device to device) and a zero output level; the windows are
+        dispatched round-robin, never waited for; a device's last window's following cut is
+        its first's again, unused."""
         out_shape, out_dtype = output_level(self.model.config, stage)
-        levels_ = list(levels)
-        out, window = _begin(levels_, rows[0], stage.extent, out_shape, out_dtype)
-        for row, following in zip(rows, [*rows[1:], rows[0]], strict=True):
-            block = program(self._params, self._stats, row, *window)
-            out, window = _add_then_cut(out, block, row, levels_, stage.extent, following)
-        return out
+        busy = [d for d, rows in enumerate(dealt) if rows]
+        inputs = {d: list(jax.device_put(levels, self.devices[d])) for d in busy}
+        state = {
+            d: _begin(inputs[d], dealt[d][0], stage.extent, out_shape, out_dtype) for d in busy
+        }
+        for step in range(len(dealt[0])):  # the first device has the most windows
+            for d in busy:
+                rows = dealt[d]
+                if step == len(rows):
+                    break  # round-robin: the later devices have no more windows either
+                out, window = state[d]
+                block = self._programs[index][d](*self._weights[d], rows[step], *window)
+                following = rows[(step + 1) % len(rows)]
+                state[d] = _add_then_cut(out, block, rows[step], inputs[d], stage.extent, following)
+        return _summed([state[d][0] for d in busy], [self.devices[d] for d in busy])
 
     def logits(
         self, image: jax.Array, progress: TileProgress | None, need: tiling.Span | None = None
     ) -> jax.Array:
         image = jax.device_put(image, self.device)
-        spans: list[tiling.Span | None] = [None] * len(self.stages)
-        rows = self._rows
+        dealt = self._dealt
         if need is not None:
-            spans = list(tiling.stage_spans(self.stages, need))
-            rows = [self._place_rows(s, span) for s, span in zip(self.stages, spans, strict=True)]
-        total = sum(len(r) for r in rows)
+            spans = tiling.stage_spans(self.stages, need)
+            dealt = [self._deal(s, span) for s, span in zip(self.stages, spans, strict=True)]
+        total = sum(len(rows) for stage_dealt in dealt for rows in stage_dealt)
         done = 0
         levels: list[Any] = [image]
         below = None
-        for stage, program, stage_rows in zip(self.stages, self._programs, rows, strict=True):
+        for index, (stage, stage_dealt) in enumerate(zip(self.stages, dealt, strict=True)):
             if stage.kind == DOWN:
-                levels.append(self._stage(stage, program, stage_rows, levels[-1]))
+                levels.append(self._stage(stage, index, stage_dealt, levels[-1]))
             elif stage.kind == BOTTOM:
-                below = self._stage(stage, program, stage_rows, levels.pop())
+                below = self._stage(stage, index, stage_dealt, levels.pop())
             else:
-                below = self._stage(stage, program, stage_rows, levels.pop(), below)
+                below = self._stage(stage, index, stage_dealt, levels.pop(), below)
             if progress is not None:
                 jax.block_until_ready(below if stage.kind != DOWN else levels[-1])
-                done += len(stage_rows)
+                done += sum(len(rows) for rows in stage_dealt)
                 progress(done, total)
         assert below is not None and below.dtype == jnp.float32
         return only_item(below)

@@ -1,9 +1,10 @@
 """Fixed windows: level-wise tiles whose compiled window programs serve boxes of every shape.
 
 Each stage's convolutions run on windows of one extent that does not depend on the box
-(`tiling.fixed_stages`), compiled once per model and stage and kept by the backend; the
-driver's small programs (cut a window, add its core) follow the level shapes. Stitched,
-the windows equal the whole-volume pass of the same box.
+(`tiling.fixed_stages`), compiled once per model, stage and device and kept by the backend;
+the driver's small programs (cut a window, add its core) follow the level shapes. Stitched,
+the windows equal the whole-volume pass of the same box; dealt out over several devices,
+they equal one device's windows exactly.
 """
 
 from pathlib import Path
@@ -25,7 +26,7 @@ from ctseg.parallel.compile_cache import compile_clock
 from ctseg.run.trained import TrainedModel
 
 # The driver's programs: they depend on a box's level shapes, not on the network.
-DRIVER = {"jit(_begin)", "jit(_add_then_cut)", "jit(_as_batch)", "jit(_only_item)"}
+DRIVER = {"jit(_begin)", "jit(_add_then_cut)", "jit(_add)", "jit(as_batch)", "jit(only_item)"}
 
 
 class _Calls(list):
@@ -35,8 +36,20 @@ class _Calls(list):
         self.append((done, count))
 
 
-def _windows_backend() -> JaxBackend:
-    return JaxBackend(jax.devices()[:1], fixed_windows=True)
+def _windows_backend(devices: int = 1) -> JaxBackend:
+    return JaxBackend(jax.devices()[:devices], fixed_windows=True)
+
+
+@pytest.fixture(scope="module")
+def one_device() -> JaxBackend:
+    """One device's fixed windows, the reference of the dealt ones (its window programs
+    compiled once for the module)."""
+    return _windows_backend()
+
+
+@pytest.fixture(scope="module")
+def four_devices() -> JaxBackend:
+    return _windows_backend(4)
 
 
 @pytest.mark.parametrize(("depth", "core"), [(2, 6), (2, 12), (3, 8)])
@@ -81,17 +94,66 @@ def test_fixed_windows_with_tta_and_a_region_equal_the_whole_pass():
     assert not logits[:, :, :8].any() and not logits[:, :, 90:].any()
 
 
-def test_window_programs_compile_once_for_boxes_of_every_shape():
-    """Three box shapes through one backend: each stage's window program is compiled once,
-    with the first box; a new box shape compiles the driver's small programs only, a
-    bounded number of them, and a box seen before compiles nothing."""
+def test_fixed_windows_dealt_over_four_devices_equal_one_device(one_device, four_devices):
+    """Windows dealt round-robin over the devices, each device's partial level summed onto
+    the first: on boxes of two shapes the logits are exactly one device's windows' (the
+    blocks own disjoint voxels) and the whole pass's, moved device to device only."""
     model = random_model(3)
-    backend = _windows_backend()
+    core = 8
+    for index, box in enumerate([(32, 32, 32), (24, 40, 24)]):
+        image = np.random.default_rng(index).uniform(-1, 1, box).astype(np.float32)
+        whole = np.asarray(Engine(model, tile=0, shape=box, backend=one_device).logits(image))
+        alone = Engine(model, tile=core, shape=box, backend=one_device, windows=core)
+        dealt = Engine(model, tile=core, shape=box, backend=four_devices, windows=core)
+        assert dealt.description == alone.description.replace(")", ", 4 at a time)")
+        windows = [len(s.windows()) for s in dealt.stages]
+        assert min(windows) > 4  # every device has windows in every stage
+        placed = dealt.place(image)
+        calls = _Calls()
+        with no_host_transfers():  # device to device, never through the host
+            logits = jax.block_until_ready(dealt.logits(placed, calls))
+        assert calls[-1] == (sum(windows), sum(windows))
+        assert logits.devices() == {jax.devices()[0]}
+        np.testing.assert_array_equal(logits, alone.logits(image), err_msg=str(box))
+        np.testing.assert_allclose(logits, whole, rtol=0, atol=1e-5, err_msg=str(box))
+
+
+def test_fixed_windows_over_four_devices_with_tta_and_a_region(one_device, four_devices):
+    """Mirrored TTA over four devices is one device's exactly (and so the whole pass's,
+    `test_fixed_windows_with_tta_and_a_region_equal_the_whole_pass`); a region's voxels
+    (`need`) compute only their cone, its last stage's one window on the first device, the
+    other three left out."""
+    model = random_model(3)
+    box = (24, 40, 24)
+    image = np.random.default_rng(5).uniform(-1, 1, box).astype(np.float32)
+    alone = Engine(model, tile=8, shape=box, backend=one_device, windows=8)
+    dealt = Engine(model, tile=8, shape=box, backend=four_devices, windows=8)
+    mirrored = [np.asarray(class_probabilities(e, image, True)) for e in (alone, dealt)]
+    np.testing.assert_array_equal(mirrored[1], mirrored[0])
+    need = ((6, 12), (10, 16), (8, 14))
+    spans = tiling.stage_spans(dealt.stages, need)
+    assert len(dealt.stages[-1].windows(spans[-1])) == 1
+    region = tuple(slice(lo, hi) for lo, hi in need)
+    calls = _Calls()
+    logits = np.asarray(dealt.logits(image, calls, need))
+    expected = np.asarray(alone.logits(image, None, need))
+    np.testing.assert_array_equal(logits[region], expected[region])
+    assert calls[-1][0] < sum(len(s.windows()) for s in dealt.stages)
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_window_programs_compile_once_for_boxes_of_every_shape(devices):
+    """Three box shapes through one backend: each stage's window program is compiled once
+    per device, with the first box; a new box shape compiles the driver's small programs
+    only, a bounded number of them per device, and a box seen before compiles nothing."""
+    model = random_model(3)
+    backend = _windows_backend(devices)
     clock = compile_clock()
     core = 8
     keys = {tiling.window_key(s) for s in tiling.fixed_stages(model.config, core, (32,) * 3)}
     compiled = []
-    for box in [(32, 32, 32), (24, 40, 56), (48, 28, 36), (24, 40, 56)]:
+    # Shapes no other test runs: the driver's programs are jax.jit's, kept by the process.
+    for box in [(32, 32, 40), (24, 40, 56), (48, 24, 32), (24, 40, 56)]:
         before = dict(clock.by_name)
         image = np.random.default_rng(0).uniform(-1, 1, box).astype(np.float32)
         engine = Engine(model, tile=core, shape=box, backend=backend, windows=core)
@@ -99,24 +161,26 @@ def test_window_programs_compile_once_for_boxes_of_every_shape():
         compiled.append({k: v - before.get(k, 0) for k, v in clock.by_name.items()})
         compiled[-1] = {k: v for k, v in compiled[-1].items() if v}
     first, *later = compiled
-    assert first.get("jit(window_program)") == len(keys)
+    assert first.get("jit(window_program)") == len(keys) * devices
     stages = len(tiling.stage_order(model.config.model.depth))
     for programs in later[:2]:
         assert set(programs) <= DRIVER, programs  # no convolution compiled again
-        # Per stage its first window's cut and zero level, and the add-then-cut.
-        assert sum(programs.values()) <= 2 * stages + 2
+        # Per stage and device its first window's cut and zero level, and the add-then-cut;
+        # the sums on every other device.
+        assert sum(programs.values()) <= (2 * stages + 2) * devices
     assert later[2] == {}  # the same shape again: nothing
 
 
-def test_the_automatic_plan_runs_fixed_windows_on_one_accelerator_only(monkeypatch):
+def test_the_automatic_plan_runs_fixed_windows_on_accelerators(monkeypatch):
     """On the CPU the default stays the box's own plan (fastest there, measured); on one
-    accelerator the spacing grid's boxes run in fixed windows of a core chosen from memory;
-    the whole volume asked for, or a backend without them, runs none."""
+    accelerator or several the spacing grid's boxes run in fixed windows of a core chosen
+    from memory; the whole volume asked for, or a backend without them, runs none."""
     model = random_model(2)
     assert not JaxBackend(jax.devices()[:1]).fixed_windows
+    assert not JaxBackend(jax.devices()[:4]).fixed_windows
     monkeypatch.setattr(dev, "is_accelerator", lambda devices: True)
     assert JaxBackend(jax.devices()[:1]).fixed_windows
-    assert not JaxBackend(jax.devices()[:2]).fixed_windows  # windows run on one device
+    assert JaxBackend(jax.devices()[:4]).fixed_windows  # the windows dealt out over them
     backend = JaxBackend(jax.devices()[:1])
     assert fixed_window_core(model, TileRequest.size(16), backend, 2**30) == 16
     assert fixed_window_core(model, TileRequest.whole(), backend, 2**30) is None
