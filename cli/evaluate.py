@@ -242,15 +242,11 @@ def _check_run_form(
     calibrate: bool,
     force: bool,
 ) -> None:
-    """The RUN_DIR form's own options: --data given, no --json/--csv, --calibrate into one
-    run whose thresholds may be written (checked before anything is predicted)."""
+    """The RUN_DIR form's own options: --data given, no --json/--csv, --calibrate into the
+    first run, whose thresholds (its own, or an ensemble's) may be written (checked before
+    anything is predicted)."""
     if calibrate:
-        if len(run_dirs) != 1:
-            raise CtsegError(
-                "--calibrate writes the thresholds into one run: give one RUN_DIR, not "
-                f"{len(run_dirs)}"
-            )
-        quality_power.check_calibration_target(run_dirs[0], force)
+        quality_power.check_calibration_target(run_dirs[0], force, len(run_dirs) > 1)
     if json_path is not None or csv_path is not None:
         raise CtsegError("--json/--csv apply to --pred/--ref; with RUN_DIR reports go to --out")
     if data is None:
@@ -291,11 +287,14 @@ def _quality_line(quality: dict) -> str:
     )
 
 
-def _calibrate(run_dir: Path, result: Report, data: Path, split: str, force: bool) -> None:
-    """--calibrate: the thresholds chosen on the evaluated cases, written into the run."""
-    cases = result.cases
+def _calibrate(run_dirs: list[Path], result: Report, data: Path, split: str, force: bool) -> None:
+    """--calibrate: the thresholds chosen on the evaluated cases, written into the (first)
+    run: its own, or those of the ensembles it leads."""
+    cases, ensemble, run_dir = result.cases, len(run_dirs) > 1, run_dirs[0]
     on = f"{len(cases)} case(s) of the {split!r} split of {data}, {date.today().isoformat()}"
-    calibration = quality_power.calibrate_run(run_dir, cases, on, force=force)
+    if ensemble:
+        on = f"an ensemble of {len(run_dirs)} runs led by {run_dir.name}, {on}"
+    calibration = quality_power.calibrate_run(run_dir, cases, on, force, ensemble)
     thresholds = calibration.thresholds.to_json()["thresholds"]
     chosen = ", ".join(f"{name} {value:.3g}" for name, value in thresholds.items())
     summary = calibration.summary
@@ -303,8 +302,8 @@ def _calibrate(run_dir: Path, result: Report, data: Path, split: str, force: boo
     console.print(
         escape(
             f"quality thresholds chosen on {summary['n_cases']} case(s), written to "
-            f"{quality_power.thresholds_path(run_dir)}: {chosen}. Under them: AUROC liver "
-            f"{_number(summary['liver']['auroc'])}, tumour "
+            f"{quality_power.thresholds_path(run_dir, ensemble)}: {chosen}. Under them: "
+            f"AUROC liver {_number(summary['liver']['auroc'])}, tumour "
             f"{_number(summary['tumour']['auroc'])}; good cases sent to review "
             f"{_number(summary['good_flagged'])}; livers of Dice < "
             f"{quality_power.LIVER_FAILED_BELOW:g} not flagged: {len(missed)}"
@@ -406,11 +405,12 @@ def evaluate(
         bool,
         typer.Option(
             "--calibrate",
-            help="After evaluating one RUN_DIR, choose the prediction quality's thresholds "
+            help="After evaluating RUN_DIR, choose the prediction quality's thresholds "
             "from these labelled cases (at least 10, some of them bad: liver Dice < 0.85, "
             "tumour Dice < 0.5 or a missed tumour) and write them into the run "
-            "(RUN_DIR/quality.json), which ctseg predict, evaluate and the Python API then "
-            "judge by. An existing RUN_DIR/quality.json is replaced only with --force.",
+            "(RUN_DIR/quality.json; for an ensemble, its first run's "
+            "quality-ensemble.json), which ctseg predict, evaluate and the Python API then "
+            "judge by. An existing file is replaced only with --force.",
         ),
     ] = False,
     force: Annotated[
@@ -474,6 +474,6 @@ def evaluate(
 
     _print_result(result)
     if calibrate:
-        _calibrate(run_dirs[0], result, data, split or "val", force)
+        _calibrate(run_dirs, result, data, split or "val", force)
     if result.errors:
         raise typer.Exit(1)

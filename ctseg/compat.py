@@ -73,3 +73,12 @@ def evaluation_of_summary(summary: dict[str, Any]) -> tuple[str, int, str, str]:
     KeyError or TypeError when the summary does not say."""
     run = summary["run"]
     return run["run_dir"], run["checkpoint_step"], run["data"], run["split"]
+
+
+def quality_thresholds(raw: dict[str, Any], defaults: dict[str, float]) -> dict[str, Any]:
+    """A run's quality thresholds (RUN_DIR/quality.json). Version 1 had no thresholds for an
+    ensemble's disagreement: those take today's `defaults` (by concern)."""
+    if raw.get("version") != 1 or not isinstance(raw.get("thresholds"), dict):
+        return raw
+    added = {name: defaults[name] for name in ("liver_disagreement", "tumour_disagreement")}
+    return {**raw, "version": 2, "thresholds": {**added, **raw["thresholds"]}}

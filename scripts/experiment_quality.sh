@@ -15,7 +15,8 @@
 # liver of Dice < 0.5 is flagged (docs/experiments/quality.md). Everything goes under
 # experiment/quality (git-ignored); sets and scores already there are kept (delete
 # experiment/quality/scores after changing the quality's code).
-# Override with OUT=…, RUN=…, CASES=… (per set).
+# Override with OUT=…, RUN=…, CASES=… (per set); ENSEMBLE="RUN2 RUN3 …" predicts with an
+# ensemble of RUN and those runs (`ctseg predict --run`), which adds its members' agreement.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CTSEG=${CTSEG:-.venv/bin/ctseg}
@@ -23,6 +24,8 @@ PY=${PY:-.venv/bin/python}
 OUT=${OUT:-experiment/quality}
 RUN=${RUN:-demo/run}
 CASES=${CASES:-16}
+MEMBERS=()
+for member in ${ENSEMBLE:-}; do MEMBERS+=(--run "$member"); done
 SETS=(clean rotated larger smaller noise soft thick contrast mr chest)
 
 if [ ! -f "$RUN/config.toml" ]; then
@@ -41,10 +44,10 @@ start=$(date +%s)
 for name in "${SETS[@]}" phases; do
   [ -f "$OUT/scores/$name.json" ] && continue
   echo "== $name"
-  "$CTSEG" predict "$RUN" "$OUT/sets/$name"/volume-*.nii.gz --out "$OUT/pred/$name" --force \
+  "$CTSEG" predict "$RUN" ${MEMBERS[@]+"${MEMBERS[@]}"} "$OUT/sets/$name"/volume-*.nii.gz --out "$OUT/pred/$name" --force \
     > "$OUT/pred-$name.log"
   "$CTSEG" evaluate --pred "$OUT/pred/$name" --ref "$OUT/sets/$name" \
     --json "$OUT/scores/$name.json" --force > /dev/null
 done
 echo "predicted and scored in $(( $(date +%s) - start )) s"
-"$PY" scripts/quality_table.py "$OUT" --run "$RUN" "${SETS[@]}" phases
+"$PY" scripts/quality_table.py "$OUT" --run "$RUN${ENSEMBLE:+ + $ENSEMBLE}" "${SETS[@]}" phases

@@ -10,7 +10,8 @@ predictions were judged by (as recorded), under the chosen ones, and under thres
 chosen without the set (leave one set out: how the choice holds on a kind of scan it
 has not seen): the AUROC of the liver's score (bad: Dice < 0.85) and of the tumours'
 (bad: Dice < 0.5 or a missed tumour), the share of good cases flagged, and how many livers
-of Dice < 0.5 went unflagged. Writes OUT/quality.json (the chosen thresholds, as a run
+of Dice < 0.5 went unflagged; and, pooled, each concern's raw value alone as a score (its
+AUROCs). Writes OUT/quality.json (the chosen thresholds, as a run
 holds them: copy it to RUN/quality.json to use them), OUT/calibration.json (everything)
 and OUT/table.md.
 """
@@ -82,6 +83,21 @@ def _diagnosis(judged: list[dict]) -> str:
     )
 
 
+def _each_concern(cases: list[dict]) -> str:
+    """Each concern's raw value alone as a score: its AUROC for bad livers and bad tumours
+    over the cases that measured it (the uncertainty and disagreement tell where the
+    combined score's power comes from)."""
+    rows = ["| concern | cases | liver AUROC | tumour AUROC |", "|---|---|---|---|"]
+    names = sorted({n for c in cases for n in (c["quality"].get("concerns") or {})})
+    for name in names:
+        measured = [c for c in cases if name in (c["quality"].get("concerns") or {})]
+        values = [power.concern_value(c, name) for c in measured]
+        liver = power.auroc(values, [bool(power.liver_bad(c)) for c in measured])
+        tumour = power.auroc(values, [bool(power.tumour_bad(c)) for c in measured])
+        rows.append(f"| `{name}` | {len(measured)} | {_fmt(liver)} | {_fmt(tumour)} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -126,6 +142,7 @@ def main() -> None:
         "### Each set judged by thresholds chosen without it (leave one set out)\n\n"
         + "\n".join(rows)
     )
+    sections.append("### Each concern alone, pooled\n\n" + _each_concern(pooled))
     sections.append(
         "### The tumours, pooled under the chosen thresholds\n\n"
         + _diagnosis(power.rejudge_cases(pooled, thresholds))

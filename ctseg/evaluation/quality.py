@@ -59,6 +59,8 @@ FLOORS = {
     "intensity": 0.25,
     "liver_volume": 1.05,
     "fragments": 0.01,
+    "liver_disagreement": 0.01,
+    "tumour_disagreement": 0.05,
 }
 _FAILED_WEIGHT = 3  # a failed liver counts as this many bad cases while choosing
 
@@ -171,7 +173,7 @@ def rejudge_cases(cases: Sequence[dict[str, Any]], thresholds: Thresholds) -> li
     return found
 
 
-def _value(case: dict[str, Any], name: str) -> float:
+def concern_value(case: dict[str, Any], name: str) -> float:
     """A concern's raw value in a case's record (−inf: not measured; +inf: not finite)."""
     entry = (case["quality"].get("concerns") or {}).get(name)
     if not isinstance(entry, dict):
@@ -268,7 +270,7 @@ class _Concerns:
         failed = np.array([c["liver"]["dice"] < LIVER_FAILED_BELOW for c in judged])
         return cls(
             names,
-            np.array([[_value(c, name) for name in names] for c in judged]),
+            np.array([[concern_value(c, name) for name in names] for c in judged]),
             np.array([_always_flagged(c) for c in judged]),
             bad,
             failed,
@@ -364,22 +366,29 @@ class _Concerns:
                 chosen[name] = max((chosen[name] + float(below.max())) / 2, FLOORS[name])
 
 
-def check_calibration_target(run_dir: Path, force: bool = False) -> None:
-    """CtsegError (one line) where the run holds its thresholds already and not `force`."""
-    path = thresholds_path(run_dir)
+def check_calibration_target(run_dir: Path, force: bool = False, ensemble: bool = False) -> None:
+    """CtsegError (one line) where the run holds its thresholds (for itself, or for the
+    ensembles it leads) already and not `force`."""
+    path = thresholds_path(run_dir, ensemble)
     if path.exists() and not force:
+        whose = "the ensembles it leads" if ensemble else "the run"
         raise CtsegError(
-            f"{path} holds the run's quality thresholds already: give --force to replace them"
+            f"{path} holds the quality thresholds of {whose} already: give --force to replace them"
         )
 
 
 def calibrate_run(
-    run_dir: Path, cases: Sequence[dict[str, Any]], calibrated_on: str, force: bool = False
+    run_dir: Path,
+    cases: Sequence[dict[str, Any]],
+    calibrated_on: str,
+    force: bool = False,
+    ensemble: bool = False,
 ) -> Calibration:
-    """`choose_thresholds` of a run's evaluated `cases`, written (atomically) into the run,
-    where `Reference.of_run` finds them. CtsegError, nothing written, where the run holds
-    thresholds already (without `force`) or the cases cannot calibrate."""
-    check_calibration_target(run_dir, force)
+    """`choose_thresholds` of a run's (or an `ensemble`'s, led by the run) evaluated `cases`,
+    written (atomically) into the run, where `Reference.of_run` finds them. CtsegError,
+    nothing written, where the run holds them already (without `force`) or the cases
+    cannot calibrate."""
+    check_calibration_target(run_dir, force, ensemble)
     calibration = choose_thresholds(cases, calibrated_on)
-    calibration.thresholds.write(thresholds_path(run_dir))
+    calibration.thresholds.write(thresholds_path(run_dir, ensemble))
     return calibration

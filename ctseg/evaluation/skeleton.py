@@ -179,7 +179,9 @@ def score_run(
 ) -> tuple[list[Json], list[Json]]:
     """Predict and score `cases` with one model (`score_cases` over `evaluate_case`); each
     case's scan and reference are read in a thread while the case before it predicts."""
-    training = quality.Reference.of_run(predictor.members[0].run_dir)
+    training = quality.Reference.of_run(
+        predictor.members[0].run_dir, ensemble=len(predictor.members) > 1
+    )
     after = {case.id: following for case, following in zip(cases, cases[1:], strict=False)}
     with ThreadPoolExecutor(1, thread_name_prefix="ctseg-read") as reader:
         reading: dict[str, Future[tuple[Scan, Scan]]] = {}

@@ -164,7 +164,8 @@ class Segmenter:
             _log.warning("%s", problem)
         dev.start_quietly(options.device)  # before JAX starts: its plugins' lines held
         self.predictor = Predictor.from_run(run_dirs, options, configs)
-        self.reference = quality.Reference.of_run(run_dirs[0])  # what the quality compares with
+        # What the quality compares with, and its thresholds (a lone run's or an ensemble's).
+        self.reference = quality.Reference.of_run(run_dirs[0], ensemble=len(run_dirs) > 1)
         if locate is not None:
             margin_mm = DEFAULT_MARGIN_MM if margin_mm is None else margin_mm
             self.predictor.predict_region(Path(locate), None, margin_mm, options)

@@ -111,7 +111,9 @@ def predict_files(
     model = requests.model_of(predictor)
     own = OwnOutputs(out_dir)
     read = functools.partial(_read, predictor, own)
-    reference = quality.Reference.of_run(predictor.members[0].run_dir)
+    reference = quality.Reference.of_run(
+        predictor.members[0].run_dir, ensemble=len(predictor.members) > 1
+    )
     with (
         ThreadPoolExecutor(1, thread_name_prefix="ctseg-read") as reader,
         ThreadPoolExecutor(1, thread_name_prefix="ctseg-write") as writer,
@@ -274,9 +276,8 @@ def _write_outputs(
     del probabilities
     with timed(seconds, "postprocess"):
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
-        # From the grid's probabilities where they are (six scalars come back) and the labels.
         judged = quality.of_prediction(prediction, scan, reference)
-    prediction.grid_probabilities = prediction.uncertainty = None  # freed before writing
+    prediction.grid_probabilities = None  # freed before writing
     outcome.warnings += prediction.warnings + volume_warnings(stats)
     outcome.checks += prediction.checks
     paths = output_paths(out_dir, outcome.name, with_probabilities, output_type)

@@ -30,7 +30,8 @@ from ctseg.inference.engine import Engine, backend_named
 from ctseg.inference.inputs import mask_candidates
 from ctseg.inference.member import Member, OnGrid
 from ctseg.inference.region import Region, region_of
-from ctseg.inference.tiling import Shape, Span
+from ctseg.inference.tiling import Shape
+from ctseg.inference.uncertainty import Uncertainty
 from ctseg.io.scans import Scan, geometry_difference, read_scan, scan_name
 from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_clock
@@ -66,10 +67,9 @@ class Prediction:
     # None: the whole scan was predicted as asked.
     located: dict[str, Any] | None = None
     grid: Shape | None = None  # the run's grid of the scan, the first voxels of the box
-    # What the model's uncertainty is measured on (`ctseg.inference.quality`): a lone run's
-    # box probabilities, on the devices, and the voxels [lo, hi) per axis where they hold
-    # (its grid, or a region's exact span); None for an ensemble (its grids differ).
-    uncertainty: tuple[Any, Span] | None = None
+    # The model's uncertainty, measured on the scan's voxels (a region's: those it predicts
+    # exactly) by the way back (`ctseg.inference.scan_space`); None where not measured.
+    uncertainty: Uncertainty | None = None
 
     @property
     def grid_labels(self) -> np.ndarray | None:
@@ -372,45 +372,38 @@ class Predictor:
         voxels (averaged there for an ensemble)."""
         options = self.config.predict
         with timed(seconds, "resample"):
-            # Where the backend runs: from the devices only the labels (and asked-for
-            # probabilities) come back.
+            # Where the backend runs: from the devices only the labels, the uncertainty's
+            # sums (and asked-for probabilities) come back.
             shape, space = scan.array.shape, self.inference_backend.space
             if on_grids[0].window is not None:
-                labels, on_scan = space.window_labels(
-                    probabilities, on_grids, shape, with_probabilities
-                )
+                on_scan = space.window_labels(probabilities, on_grids, shape, with_probabilities)
             elif len(probabilities) == 1:
-                labels, on_scan = space.scan_labels(
+                on_scan = space.scan_labels(
                     probabilities[0], shape, with_probabilities, on_grids[0].grid
                 )
             else:
-                labels, on_scan = space.mean_scan_labels(
+                on_scan = space.mean_scan_labels(
                     probabilities, shape, with_probabilities, [g.grid for g in on_grids]
                 )
         with timed(seconds, "postprocess"):
             labels = postprocess.clean_labels(
-                labels, options.keep_largest_liver, options.tumour_inside_liver
+                on_scan.labels, options.keep_largest_liver, options.tumour_inside_liver
             )
             checks = scan_checks.checks(self.fingerprint, scan, labels)
         # On the grid: a lone run's whole one (training validates there); an ensemble has none.
         whole = len(probabilities) == 1 and on_grids[0].window is None
-        uncertainty = None
-        if len(probabilities) == 1:
-            window = on_grids[0].window
-            span = window.need if window is not None else tuple((0, n) for n in on_grids[0].grid)
-            uncertainty = (probabilities[0], span)
         return Prediction(
             labels=labels,
             grid_probabilities=probabilities[0] if whole else None,
             grid=on_grids[0].grid if whole else None,
-            probabilities=on_scan,
+            probabilities=on_scan.probabilities,
             warnings=scan_checks.hu_warnings(scan.array)
             + scan_checks.geometry_warnings(scan)
             + _fallback_warning(on_grids[0].located),
             seconds=seconds,
             checks=checks,
             located=on_grids[0].located,
-            uncertainty=uncertainty,
+            uncertainty=on_scan.uncertainty,
         )
 
     def predict(

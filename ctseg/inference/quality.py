@@ -3,14 +3,13 @@
 Every prediction gets a `Quality` (`assess`): a few *concerns*, each a number in
 [0, 1] with a name and a sentence, from three sources —
 
-- the model's own uncertainty (`liver_uncertainty`, `tumour_uncertainty`): one minus
-  the Dice the class probabilities themselves expect of the predicted structure
-  (`expected_dice`): 2·Σ_pred p / (|pred| + Σ p), the probabilities that a voxel is the
-  structure summed where it was predicted and everywhere. Mirrored TTA's disagreement
-  shows as probabilities near ½ and lowers it. Computed where the probabilities are (on
-  the devices for a JAX engine: only six scalars come back), on a lone run's grid or a
-  region's exact voxels (`Prediction.uncertainty`); an ensemble's only from probabilities
-  kept on the scan's voxels;
+- the model's own uncertainty (`ctseg.inference.uncertainty`, measured on the scan's
+  voxels by the way back, where the probabilities are: only a few sums leave the devices):
+  `liver_uncertainty`, `tumour_uncertainty`, one minus the Dice the class probabilities
+  expect of the predicted structure (mirrored TTA's and an ensemble's disagreement show in
+  the mean as probabilities near ½ and lower it); and for an ensemble,
+  `liver_disagreement`, `tumour_disagreement`, one minus the Dice of its members' argmaxes
+  with each other's;
 - how unlike the training data the scan is: the run's fingerprint checks
   (`ctseg.inference.scan_checks.checks`, any of which makes the verdict
   `unlike the training data`), and the median HU inside the predicted liver against the
@@ -39,8 +38,8 @@ Every recorded quality names what its thresholds were calibrated on, and keeps e
 concern's raw value, so that it can be judged again by others (`rejudged`).
 
 Cost: a few NumPy passes over the labels (a count, and a strided sample of at most
-`SAMPLED`³ voxels for the median HU and the connected pieces) and one reduction over the
-grid's probabilities where they are.
+`SAMPLED`³ voxels for the median HU and the connected pieces), and the uncertainty's
+reductions inside the way back to the scan (on the devices under JAX).
 """
 
 from __future__ import annotations
@@ -55,7 +54,13 @@ from typing import Any
 import numpy as np
 from scipy import ndimage
 
-from ctseg.inference.thresholds import DEFAULT_THRESHOLDS, Thresholds, read_thresholds
+from ctseg.inference.thresholds import (
+    DEFAULT_ENSEMBLE_THRESHOLDS,
+    DEFAULT_THRESHOLDS,
+    Thresholds,
+    read_thresholds,
+)
+from ctseg.inference.uncertainty import Uncertainty
 from ctseg.labels import liver_mask
 from ctseg.run import rundir
 from ctseg.run.fingerprint import sample_step
@@ -64,14 +69,6 @@ OK, REVIEW, UNLIKE = "ok", "review", "unlike the training data"
 VERDICTS = (OK, REVIEW, UNLIKE)
 
 REVIEW_AT = 0.5  # a scan whose score reaches this is sent to review (a concern's midpoint)
-# ---- how the uncertainty is measured (fixed: the calibrated thresholds are on its scale)
-# Probabilities below this are left out of Σ p: a model's faint probability spread over a
-# whole scan would otherwise swamp a small structure. At most ⅓, so that every voxel an
-# argmax predicts counts (its class has ≥ ⅓) and the expected Dice stays ≤ 1.
-PROBABILITY_FLOOR = 0.25
-# Added to both sides of the expected Dice (voxels of the grid), as soft Dice's smoothing:
-# a faint trace where nothing was predicted is not a missed structure.
-SMOOTH_VOXELS = 8.0
 # The intensity and piece measures read a strided sample of at most this many voxels per axis.
 SAMPLED = 128
 _MIN_SPREAD_HU = 5.0  # a training spread below this (a flat phantom) counts as this
@@ -160,14 +157,15 @@ class Reference:
             return cls()
 
     @classmethod
-    def of_run(cls, run_dir: Path | None) -> Reference:
+    def of_run(cls, run_dir: Path | None, ensemble: bool = False) -> Reference:
         """The (first) run's reference: its fingerprint (none compared for a run without
-        one, or no run) and its thresholds (RUN_DIR/quality.json, `ctseg evaluate
-        --calibrate`'s; the defaults where it has none). CtsegError (one line) for a
-        thresholds file that cannot be read or is malformed."""
+        one, or no run) and its thresholds, for itself or for an `ensemble` it leads
+        (`ctseg.inference.thresholds.read_thresholds`: `ctseg evaluate --calibrate`'s; the
+        defaults where it has none). CtsegError (one line) for a thresholds file that
+        cannot be read or is malformed."""
         if run_dir is None:
-            return cls()
-        thresholds = read_thresholds(Path(run_dir))
+            return cls(thresholds=DEFAULT_ENSEMBLE_THRESHOLDS if ensemble else DEFAULT_THRESHOLDS)
+        thresholds = read_thresholds(Path(run_dir), ensemble)
         try:
             reference = cls.from_json(rundir.read_fingerprint(Path(run_dir)))
         except Exception:  # an unreadable fingerprint is the checks' to report, not ours
@@ -185,92 +183,31 @@ def _ramp(value: float, review_at: float) -> float:
     return float(min(1.0, max(0.0, REVIEW_AT * value / review_at)))
 
 
-def _sums(probabilities: Any, xp: Any, inside: Any = None) -> Any:
-    """[Σ_pred p, |pred|, Σ_{p ≥ floor} p] of the liver (labels ≥ 1) and tumours (label 2),
-    the prediction being the argmax: six numbers, on the array's own devices. `inside`: the
-    voxels that count (None: all)."""
-    p = probabilities if probabilities.dtype == xp.float32 else probabilities.astype(xp.float32)
-    background, liver, tumour = p[..., 0], p[..., 1], p[..., 2]
-    # The argmax's classes by comparisons (ties to the lower class, as the argmax breaks
-    # them): an argmax over a last axis of 3 is many times slower in NumPy.
-    organ_predicted = (liver > background) | (tumour > background)
-    tumour_predicted = (tumour > background) & (tumour > liver)
-    found = []
-    for prob, predicted in ((liver + tumour, organ_predicted), (tumour, tumour_predicted)):
-        likely = prob >= PROBABILITY_FLOOR
-        if inside is not None:
-            predicted, likely = predicted & inside, likely & inside
-        found += [
-            xp.sum(xp.where(predicted, prob, 0.0)),
-            xp.sum(predicted.astype(xp.float32)),
-            xp.sum(xp.where(likely, prob, 0.0)),
-        ]
-    return xp.stack(found)
-
-
-def _device_sums(probabilities: Any, lo: Any, hi: Any) -> Any:
-    """`_sums` of the box's voxels [lo, hi) per axis (traced [3] arrays: one program per box
-    shape, as the engine has, whatever the span inside it)."""
-    import jax.numpy as jnp
-
-    x, y, z = (jnp.arange(n) for n in probabilities.shape[:3])
-    inside = (
-        ((x >= lo[0]) & (x < hi[0]))[:, None, None]
-        & ((y >= lo[1]) & (y < hi[1]))[None, :, None]
-        & ((z >= lo[2]) & (z < hi[2]))[None, None, :]
-    )
-    return _sums(probabilities, jnp, inside)
-
-
-_jitted_sums = None
-
-
-def probability_sums(probabilities: Any, span: Sequence[Sequence[int]] | None = None) -> np.ndarray:
-    """`_sums` of the class probabilities [x, y, z, 3] on their voxels [lo, hi) per axis of
-    `span` (None: all of them): with jax.numpy where they are a JAX array (only the six
-    scalars leave the devices), else NumPy."""
-    if span is None:
-        span = [(0, n) for n in probabilities.shape[:3]]
-    lo, hi = (np.asarray([int(ends[i]) for ends in span], dtype=np.int32) for i in (0, 1))
-    if isinstance(probabilities, np.ndarray):
-        cropped = probabilities[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))]
-        return np.asarray(_sums(cropped, np), dtype=np.float64)
-    global _jitted_sums
-    import jax
-
-    if _jitted_sums is None:
-        _jitted_sums = jax.jit(_device_sums)
-    found = _jitted_sums(probabilities, lo, hi)
-    return np.asarray(jax.device_get(found), dtype=np.float64)
-
-
-def expected_dice(in_prediction: float, predicted: float, mass: float) -> float:
-    """The Dice the probabilities expect of the prediction: (2·Σ_pred p + s) / (|pred| +
-    Σ p + s), with s = `SMOOTH_VOXELS`; 1 for nothing predicted and nothing likely."""
-    return float((2.0 * in_prediction + SMOOTH_VOXELS) / (predicted + mass + SMOOTH_VOXELS))
-
-
 def uncertainty_concerns(
-    sums: np.ndarray, thresholds: Thresholds = DEFAULT_THRESHOLDS
+    uncertainty: Uncertainty, thresholds: Thresholds = DEFAULT_THRESHOLDS
 ) -> list[Concern]:
-    """The liver's and the tumours' uncertainty from `probability_sums`."""
+    """The liver's and the tumours' uncertainty (1 − the Dice the probabilities expect),
+    and where several members were averaged, their disagreement (1 − their agreement)."""
     found = []
-    for (structure, review), (inside, count, mass) in zip(
-        (
-            (LIVER, thresholds.liver_uncertainty),
-            (TUMOUR, thresholds.tumour_uncertainty),
-        ),
-        np.asarray(sums, dtype=np.float64).reshape(2, 3),
-        strict=True,
-    ):
-        dice = expected_dice(inside, count, mass)
+    for structure in (LIVER, TUMOUR):
+        dice = uncertainty.expected(structure)
         where = "the liver" if structure == LIVER else "the tumours"
-        missed = count == 0 and dice < 1.0
+        missed = uncertainty.predicted_voxels(structure) == 0 and dice < 1.0
         reason = f"the model is unsure of {where}: it expects a Dice of {dice:.2f}" + (
             " (none predicted, but some likely)" if missed else ""
         )
         name = f"{structure}_uncertainty"
+        review = thresholds.of(name)
         found.append(Concern(name, structure, 1.0 - dice, _ramp(1.0 - dice, review), reason))
+        agreement = uncertainty.agreement(structure)
+        if agreement is not None:
+            name = f"{structure}_disagreement"
+            reason = (
+                f"the {uncertainty.members} models disagree on {where}: a Dice of "
+                f"{agreement:.2f} between them"
+            )
+            value = 1.0 - agreement
+            found.append(Concern(name, structure, value, _ramp(value, thresholds.of(name)), reason))
     return found
 
 
@@ -402,39 +339,31 @@ def assess(
     labels: np.ndarray,
     affine: np.ndarray,
     hu: np.ndarray | None = None,
-    probabilities: Any = None,
-    span: Sequence[Sequence[int]] | None = None,
+    uncertainty: Uncertainty | None = None,
     checks: Sequence[str] = (),
     reference: Reference | None = None,
 ) -> Quality:
     """The quality of a prediction: its post-processed canonical `labels` (voxel → mm
-    `affine`), the scan's canonical HU, the class probabilities [x, y, z, 3] (on the run's
-    grid or a region's box of it, their voxels [lo, hi) per axis of `span` where they hold,
-    or on the scan's voxels; None: the uncertainty is not measured, as for an ensemble),
-    the fingerprint's `checks`."""
+    `affine`), the scan's canonical HU, the model's `uncertainty` (None: not measured), the
+    fingerprint's `checks`."""
     reference = reference or Reference()
     thresholds = reference.thresholds
     voxel_ml = abs(float(np.linalg.det(np.asarray(affine)[:3, :3]))) / 1000.0
     # Plausibility first: of equal concerns the first is the reason, and "no liver was
     # found" says more than the uncertainty of a liver that is not there.
     concerns = liver_concerns(labels, hu, voxel_ml, reference)
-    if probabilities is not None:
-        concerns += uncertainty_concerns(probability_sums(probabilities, span), thresholds)
+    if uncertainty is not None:
+        concerns += uncertainty_concerns(uncertainty, thresholds)
     return verdict_of(concerns, checks, thresholds)
 
 
 def of_prediction(prediction: Any, scan: Any, reference: Reference | None = None) -> Quality:
-    """`assess` of a `ctseg.inference.predictor.Prediction` of `scan` (a `Scan`): the model's
-    uncertainty from its probabilities where they hold (`Prediction.uncertainty`: a lone
-    run's grid, or a region's exact voxels), else from those on the scan's voxels when
-    asked for."""
-    probabilities, span = prediction.uncertainty or (prediction.probabilities, None)
+    """`assess` of a `ctseg.inference.predictor.Prediction` of `scan` (a `Scan`)."""
     return assess(
         prediction.labels,
         scan.affine,
         scan.array,
-        probabilities,
-        span,
+        prediction.uncertainty,
         prediction.checks,
         reference,
     )

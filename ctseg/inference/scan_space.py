@@ -16,7 +16,8 @@ extents reuse the programs the first one compiled. The crop is the host's view.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -27,6 +28,8 @@ from scipy import ndimage
 
 from ctseg.data import grids
 from ctseg.data.grids import Shape, linear_weights
+from ctseg.inference import uncertainty as unc
+from ctseg.inference.uncertainty import Uncertainty
 
 _INT16 = np.iinfo(np.int16)
 
@@ -71,14 +74,25 @@ def _resampled(x: jax.Array, tables: Tables, order: tuple[int, ...]) -> jax.Arra
     return x
 
 
-@partial(jax.jit, static_argnums=(2, 3))
+@partial(jax.jit, static_argnums=(3, 4))
 def _on_scan(
-    probabilities: jax.Array, tables: Tables, order: tuple[int, ...], with_probabilities: bool
-) -> tuple[jax.Array, jax.Array | None]:
-    """Box probabilities [x, y, z, C] resampled onto the padded scan, and their argmax."""
+    probabilities: jax.Array,
+    tables: Tables,
+    shape: jax.Array,
+    order: tuple[int, ...],
+    with_probabilities: bool,
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """Box probabilities [x, y, z, C] resampled onto the padded scan, their argmax, and the
+    uncertainty's sums on the scan's own voxels (`shape`, traced: one program per rung)."""
     x = _resampled(probabilities, tables, order)
     labels = jnp.argmax(x, axis=-1).astype(jnp.uint8)
-    return labels, (x if with_probabilities else None)
+    sums = unc.probability_sums(x, jnp, _scan_voxels(x.shape, shape))
+    return labels, (x if with_probabilities else None), sums
+
+
+def _scan_voxels(padded_shape: Sequence[int], shape: jax.Array) -> jax.Array:
+    """The scan's own voxels of its padded array."""
+    return unc.box_inside(padded_shape, jnp.zeros(3, jnp.int32), shape, jnp)
 
 
 def _cropped(array: np.ndarray | None, shape: Sequence[int]) -> np.ndarray | None:
@@ -86,12 +100,23 @@ def _cropped(array: np.ndarray | None, shape: Sequence[int]) -> np.ndarray | Non
     return None if array is None else array[: shape[0], : shape[1], : shape[2]]
 
 
+@dataclass(frozen=True)
+class OnScan:
+    """A prediction brought back to the scan's canonical voxels."""
+
+    labels: np.ndarray  # uint8, the scan's shape
+    probabilities: np.ndarray | None  # [..., C] float32, where asked for
+    # The model's uncertainty, measured on the scan's voxels (on a region's, for a window).
+    uncertainty: Uncertainty
+
+
 class Space:
     """The way back from a box of the grid to the scan's voxels, on one backend's arrays:
     `ON_DEVICES` (JAX arrays, programs that depend on the box and the padded scan's shape
     only) or `ON_HOST` (NumPy arrays, scipy's resampling). A backend holds its own
     (`ctseg.inference.backends.Backend.space`); the module's functions of the same names
-    choose by the arrays' type."""
+    choose by the arrays' type. Each way back measures the model's uncertainty where the
+    probabilities are (`ctseg.inference.uncertainty`)."""
 
     def scan_labels(
         self,
@@ -99,14 +124,15 @@ class Space:
         shape: Sequence[int],
         with_probabilities: bool = False,
         grid: Sequence[int] | None = None,
-    ) -> tuple[np.ndarray, np.ndarray | None]:
+    ) -> OnScan:
         """Labels (uint8) on the scan's canonical voxels from probabilities [x, y, z, 3] of
         a box whose first voxels are the `grid` (default: the box is the grid): linear on
         the probabilities, then the argmax (smoother borders than resampling labels). With
         `with_probabilities`, the resampled probabilities too."""
         shape = tuple(int(n) for n in shape)
         grid = tuple(probabilities.shape[:3]) if grid is None else tuple(int(n) for n in grid)
-        return self._scan_labels(probabilities, shape, with_probabilities, grid)
+        labels, on_scan, sums = self._scan_labels(probabilities, shape, with_probabilities, grid)
+        return OnScan(labels, on_scan, Uncertainty.of(sums, unc.smoothing(shape, grid)))
 
     def mean_scan_labels(
         self,
@@ -114,14 +140,19 @@ class Space:
         shape: Sequence[int],
         with_probabilities: bool = False,
         grids_of: Sequence[Sequence[int]] | None = None,
-    ) -> tuple[np.ndarray, np.ndarray | None]:
+    ) -> OnScan:
         """`scan_labels` of the mean of several boxes' probabilities (an ensemble's members,
-        each on its own grid, `grids_of`: default the boxes), averaged on the scan's voxels."""
+        each on its own grid, `grids_of`: default the boxes), averaged on the scan's voxels;
+        the members' agreement measured there too."""
         shape = tuple(int(n) for n in shape)
         if grids_of is None:
             grids_of = [p.shape[:3] for p in probabilities]
         grids_of = [tuple(int(n) for n in g) for g in grids_of]
-        return self._mean_scan_labels(probabilities, shape, with_probabilities, grids_of)
+        labels, mean, sums, agreement = self._mean_scan_labels(
+            probabilities, shape, with_probabilities, grids_of
+        )
+        smooth = unc.smoothing(shape, grids_of[0])
+        return OnScan(labels, mean, Uncertainty.of(sums, smooth, agreement, len(probabilities)))
 
     def grid_labels(self, probabilities: Any, grid: Sequence[int] | None = None) -> np.ndarray:
         """The argmax on the grid (uint8), where training's validation Dice is measured: of
@@ -153,10 +184,10 @@ class Space:
         on_grids: Sequence[Any],
         shape: Sequence[int],
         with_probabilities: bool = False,
-    ) -> tuple[np.ndarray, np.ndarray | None]:
+    ) -> OnScan:
         """Labels (and probabilities) on the scan's voxels from each member's window box:
         the mean of the members on the scan voxels every window gives exactly; background
-        (class 0 certain) elsewhere."""
+        (class 0 certain) elsewhere. The uncertainty is measured on those voxels."""
         shape = tuple(int(n) for n in shape)
         lo = tuple(max(g.window.lo[a] for g in on_grids) for a in range(3))
         hi = tuple(max(lo[a], min(g.window.hi[a] for g in on_grids)) for a in range(3))
@@ -164,22 +195,25 @@ class Space:
             self.window_probabilities(p, g.grid, g.window.offset, shape, lo, hi)
             for p, g in zip(probabilities, on_grids, strict=True)
         ]
-        inside, mean = self._mean_and_argmax(parts)
+        inside, mean, sums, agreement = self._measured_mean(parts)
+        smooth = unc.smoothing(shape, on_grids[0].grid)
+        uncertainty = Uncertainty.of(sums, smooth, agreement, len(parts))
         labels = np.zeros(shape, np.uint8)
         where = tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))
         labels[where] = inside
         if not with_probabilities:
-            return labels, None
+            return OnScan(labels, None, uncertainty)
         full = np.zeros((*shape, mean.shape[-1]), np.float32)
         full[..., 0] = 1.0
         full[where] = mean
-        return labels, full
+        return OnScan(labels, full, uncertainty)
 
-    # What each backend's arrays do their own way.
+    # What each backend's arrays do their own way; each returns the uncertainty's sums
+    # (`ctseg.inference.uncertainty`), and for several members their agreement's (else None).
 
     def _scan_labels(
         self, probabilities: Any, shape: Shape, with_probabilities: bool, grid: Shape
-    ) -> tuple[np.ndarray, np.ndarray | None]:
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         raise NotImplementedError
 
     def _mean_scan_labels(
@@ -188,7 +222,7 @@ class Space:
         shape: Shape,
         with_probabilities: bool,
         grids_of: Sequence[Shape],
-    ) -> tuple[np.ndarray, np.ndarray | None]:
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
         raise NotImplementedError
 
     def _argmax(self, probabilities: Any) -> np.ndarray:
@@ -205,8 +239,10 @@ class Space:
     ) -> Any:
         raise NotImplementedError
 
-    def _mean_and_argmax(self, parts: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
-        """The mean of the members' parts and its argmax (uint8), on the host."""
+    def _measured_mean(
+        self, parts: Sequence[Any]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """The mean of the members' parts, its argmax (uint8), on the host, and the sums."""
         raise NotImplementedError
 
 
@@ -216,15 +252,21 @@ class _OnHost(Space):
     def _scan_labels(self, probabilities, shape, with_probabilities, grid):  # type: ignore[override]
         on_grid = probabilities[: grid[0], : grid[1], : grid[2]]
         on_scan = grids.from_grid(on_grid, shape, order=1)
-        return on_scan.argmax(-1).astype(np.uint8), on_scan if with_probabilities else None
+        sums = unc.probability_sums(on_scan, np)
+        return on_scan.argmax(-1).astype(np.uint8), on_scan if with_probabilities else None, sums
 
     def _mean_scan_labels(self, probabilities, shape, with_probabilities, grids_of):  # type: ignore[override]
-        total = None
-        for member, grid in zip(probabilities, grids_of, strict=True):
-            on_scan = grids.from_grid(member[: grid[0], : grid[1], : grid[2]], shape, order=1)
-            total = on_scan if total is None else np.add(total, on_scan, out=total)
-        total /= len(probabilities)
-        return total.argmax(-1).astype(np.uint8), total if with_probabilities else None
+        on_scan = (
+            grids.from_grid(member[: grid[0], : grid[1], : grid[2]], shape, order=1)
+            for member, grid in zip(probabilities, grids_of, strict=True)
+        )
+        mean, sums, agreement = _host_mean(on_scan)
+        return (
+            mean.argmax(-1).astype(np.uint8),
+            mean if with_probabilities else None,
+            sums,
+            agreement,
+        )
 
     def _argmax(self, probabilities: np.ndarray) -> np.ndarray:
         return probabilities.argmax(-1).astype(np.uint8)
@@ -232,33 +274,51 @@ class _OnHost(Space):
     def _window(self, probabilities, grid, offset, scan_shape, lo, hi):  # type: ignore[override]
         return _host_window(probabilities, grid, offset, scan_shape, lo, hi)
 
-    def _mean_and_argmax(self, parts):  # type: ignore[override]
-        mean = (
-            sum(parts[1:], parts[0].copy()) / np.float32(len(parts)) if len(parts) > 1 else parts[0]
-        )
-        return mean.argmax(-1).astype(np.uint8), mean
+    def _measured_mean(self, parts):  # type: ignore[override]
+        mean, sums, agreement = _host_mean(parts)
+        return mean.argmax(-1).astype(np.uint8), mean, sums, agreement
+
+
+def _host_mean(parts: Iterable[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The members' mean of their probabilities on the scan's voxels (the first member's
+    array reused for it), its uncertainty's sums, and the members' agreement's (None for
+    one member)."""
+    total, counts, members = None, None, 0
+    for part in parts:
+        votes = unc.votes(part, np)
+        counts = votes if counts is None else np.add(counts, votes, out=counts)
+        total = part if total is None else np.add(total, part, out=total)
+        members += 1
+    total /= np.float32(members)
+    agreement = unc.vote_sums(counts, np) if members > 1 else None
+    return total, unc.probability_sums(total, np), agreement
 
 
 class _OnDevices(Space):
     """JAX arrays, resampled on their devices by tables of source voxels and weights: what
-    comes back to the host is the uint8 label map, and probabilities where asked for."""
+    comes back to the host is the uint8 label map, the uncertainty's sums, and
+    probabilities where asked for."""
 
     def _scan_labels(self, probabilities, shape, with_probabilities, grid):  # type: ignore[override]
         tables, order = _back_tables(grid, shape), axis_order(shape, grid)
-        labels, on_scan = jax.device_get(_on_scan(probabilities, tables, order, with_probabilities))
-        return _cropped(labels, shape), _cropped(on_scan, shape)
+        found = _on_scan(probabilities, tables, _shape_array(shape), order, with_probabilities)
+        labels, on_scan, sums = jax.device_get(found)
+        return _cropped(labels, shape), _cropped(on_scan, shape), sums
 
     def _mean_scan_labels(self, probabilities, shape, with_probabilities, grids_of):  # type: ignore[override]
         # Every member's probabilities onto one device (device to device), summed there.
         device = min(probabilities[0].devices(), key=lambda d: d.id)
-        total = None
+        scan = jax.device_put(_shape_array(shape), device)
+        members = None
         for member, grid in zip(probabilities, grids_of, strict=True):
             tables, order = _back_tables(grid, shape), axis_order(shape, grid)
             on_scan = _resampled(jax.device_put(member, device), tables, order)
-            total = on_scan if total is None else _sum(total, on_scan)
-        labels, mean = _mean_labels(total, len(probabilities))
+            members = _device_members(members, on_scan)
+        found = _measured_mean_of(*members, scan, len(probabilities))
+        labels, mean, sums, agreement = found
+        labels, sums, agreement = jax.device_get((labels, sums, agreement))
         mean = jax.device_get(mean) if with_probabilities else None
-        return _cropped(jax.device_get(labels), shape), _cropped(mean, shape)
+        return _cropped(labels, shape), _cropped(mean, shape), sums, agreement
 
     def _argmax(self, probabilities: jax.Array) -> np.ndarray:
         return jax.device_get(_grid_argmax(probabilities))
@@ -276,9 +336,15 @@ class _OnDevices(Space):
             )
         return x
 
-    def _mean_and_argmax(self, parts):  # type: ignore[override]
-        mean = parts[0] if len(parts) == 1 else _mean_labels(_sum_all(parts), len(parts))[1]
-        return jax.device_get(_argmax_labels(mean)), jax.device_get(mean)
+    def _measured_mean(self, parts):  # type: ignore[override]
+        device = min(parts[0].devices(), key=lambda d: d.id)
+        whole = jax.device_put(_shape_array(parts[0].shape[:3]), device)
+        members = None
+        for part in parts:
+            members = _device_members(members, jax.device_put(part, device))
+        found = _measured_mean_of(*members, whole, len(parts))
+        labels, mean, sums, agreement = jax.device_get(found)
+        return labels, mean, sums, agreement if len(parts) > 1 else None
 
 
 ON_HOST: Space = _OnHost()
@@ -300,7 +366,7 @@ def scan_labels(
     shape: Sequence[int],
     with_probabilities: bool = False,
     grid: Sequence[int] | None = None,
-) -> tuple[np.ndarray, np.ndarray | None]:
+) -> OnScan:
     """`Space.scan_labels` where the arrays lie."""
     return space_of(probabilities).scan_labels(probabilities, shape, with_probabilities, grid)
 
@@ -310,7 +376,7 @@ def mean_scan_labels(
     shape: Sequence[int],
     with_probabilities: bool = False,
     grids_of: Sequence[Sequence[int]] | None = None,
-) -> tuple[np.ndarray, np.ndarray | None]:
+) -> OnScan:
     """`Space.mean_scan_labels` where the arrays lie."""
     space = space_of(list(probabilities))
     return space.mean_scan_labels(probabilities, shape, with_probabilities, grids_of)
@@ -341,21 +407,47 @@ def window_labels(
     on_grids: Sequence[Any],
     shape: Sequence[int],
     with_probabilities: bool = False,
-) -> tuple[np.ndarray, np.ndarray | None]:
+) -> OnScan:
     """`Space.window_labels` where the arrays lie."""
     space = space_of(list(probabilities))
     return space.window_labels(probabilities, on_grids, shape, with_probabilities)
 
 
+def _shape_array(shape: Sequence[int]) -> np.ndarray:
+    """A scan's shape as a traced argument: programs depend on its rung, not on it."""
+    return np.asarray(shape, np.int32)
+
+
+Members = tuple[jax.Array, jax.Array]  # the members' Σ probabilities and Σ votes
+
+
+def _device_members(members: Members | None, part: jax.Array) -> Members:
+    """`members` (None: none yet) with one more member's probabilities on the scan."""
+    return _first_member(part) if members is None else _add_member(*members, part)
+
+
 @jax.jit
-def _sum(total: jax.Array, more: jax.Array) -> jax.Array:
-    return total + more
+def _first_member(part: jax.Array) -> Members:
+    return part, unc.votes(part, jnp)
 
 
-@partial(jax.jit, static_argnums=1)
-def _mean_labels(total: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
-    mean = total / count
-    return jnp.argmax(mean, axis=-1).astype(jnp.uint8), mean
+@partial(jax.jit, donate_argnums=(0, 1))
+def _add_member(total: jax.Array, counts: jax.Array, part: jax.Array) -> Members:
+    return total + part, counts + unc.votes(part, jnp)
+
+
+@partial(jax.jit, static_argnums=3)
+def _measured_mean_of(
+    total: jax.Array, counts: jax.Array, shape: jax.Array, members: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The members' mean of their summed probabilities, its argmax, its uncertainty's sums
+    and the members' agreement's, on the voxels below `shape` (the scan's own, of a padded
+    array)."""
+    mean = total / members
+    inside = _scan_voxels(mean.shape, shape)
+    labels = jnp.argmax(mean, axis=-1).astype(jnp.uint8)
+    sums = unc.probability_sums(mean, jnp, inside)
+    return labels, mean, sums, unc.vote_sums(counts, jnp, inside)
 
 
 @jax.jit
@@ -453,17 +545,3 @@ def _host_window(
             box[..., channel], scale, offset=start, output_shape=size, order=1, mode="nearest"
         )
     return out
-
-
-def _sum_all(parts: Sequence[jax.Array]) -> jax.Array:
-    device = min(parts[0].devices(), key=lambda d: d.id)
-    total = None
-    for part in parts:
-        part = jax.device_put(part, device)
-        total = part if total is None else _sum(total, part)
-    return total
-
-
-@jax.jit
-def _argmax_labels(probabilities: jax.Array) -> jax.Array:
-    return jnp.argmax(probabilities, axis=-1).astype(jnp.uint8)

@@ -152,6 +152,17 @@ def test_the_thresholds_file_round_trip_and_malformed_ones(tmp_path):
         thresholds.Thresholds.read(path)
 
 
+def test_a_first_version_thresholds_file_reads_with_the_ensembles_defaults(tmp_path):
+    # Version 1 had no thresholds for an ensemble's disagreement.
+    mine = thresholds.Thresholds(0.05, 0.3, 0.6, 2.0, 0.2, calibrated_on="mine", n_cases=12)
+    raw = mine.to_json()
+    for name in ("liver_disagreement", "tumour_disagreement"):
+        del raw["thresholds"][name]
+    path = tmp_path / "quality.json"
+    path.write_text(json.dumps({**raw, "version": 1}))
+    assert thresholds.Thresholds.read(path) == mine
+
+
 def test_a_runs_own_thresholds_change_its_verdicts(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -237,6 +248,35 @@ def test_evaluate_calibrate_writes_refuses_without_force_and_replaces_with_it(
     assert isinstance(few.exception, CtsegError)
     assert "at least 10 labelled cases" in str(few.exception)
     assert path.read_text() == before
+
+
+def test_an_ensembles_thresholds_are_its_own_and_calibrate_into_its_first_run(
+    tmp_path, monkeypatch
+):
+    import ctseg.cli.evaluate as command
+
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run_dir in runs:
+        run_dir.mkdir()
+        rundir.write_or_check_config(run_dir, tiny_config())
+    # Without files of their own: a lone run's defaults, and an ensemble's.
+    assert quality.Reference.of_run(runs[0]).thresholds == thresholds.DEFAULT_THRESHOLDS
+    ensemble = quality.Reference.of_run(runs[0], ensemble=True).thresholds
+    assert ensemble == thresholds.DEFAULT_ENSEMBLE_THRESHOLDS != thresholds.DEFAULT_THRESHOLDS
+    monkeypatch.setattr(command, "evaluate_run", lambda *a, **k: _evaluated(_cohort()))
+    args = ["evaluate", *map(str, runs), "--data", str(tmp_path / "s"), "--out", str(tmp_path)]
+    result = runner.invoke(app, [*args, "--calibrate"])
+    assert result.exit_code == 0, result.output
+    path = thresholds.thresholds_path(runs[0], ensemble=True)
+    output = "".join(result.output.split())  # the terminal wraps long paths
+    assert path.name == "quality-ensemble.json" and "quality-ensemble.json:" in output
+    assert not thresholds.thresholds_path(runs[0]).exists()  # the run alone: as it was
+    written = thresholds.Thresholds.read(path)
+    assert "an ensemble of 2 runs led by a" in written.calibrated_on
+    assert quality.Reference.of_run(runs[0], ensemble=True).thresholds == written
+    assert quality.Reference.of_run(runs[0]).thresholds == thresholds.DEFAULT_THRESHOLDS
+    refused = runner.invoke(app, [*args, "--calibrate"])
+    assert "of the ensembles it leads already" in str(refused.exception)
 
 
 def test_calibrate_applies_to_one_run_only(tmp_path):

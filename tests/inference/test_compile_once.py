@@ -79,13 +79,16 @@ def test_the_way_back_from_a_padded_box_equals_the_grid_s():
     grid = (21, 30, 11)
     cropped = box[: grid[0], : grid[1], : grid[2]]
     for shape in [(50, 17, 40), (21, 30, 11), (9, 64, 5)]:
-        labels, on_scan = scan_space.scan_labels(jax.device_put(box), shape, True, grid)
+        back = scan_space.scan_labels(jax.device_put(box), shape, True, grid)
+        labels, on_scan = back.labels, back.probabilities
         expected = grids.from_grid(cropped, shape, order=1)
         assert labels.shape == shape and on_scan.shape == (*shape, 3)
         np.testing.assert_allclose(on_scan, expected, rtol=0, atol=1e-6)
         assert (labels == expected.argmax(-1)).mean() > 0.999  # ties may break either way
-        host_labels, _ = scan_space.scan_labels(box, shape, grid=grid)
-        assert (labels == host_labels).mean() > 0.999
+        host = scan_space.scan_labels(box, shape, grid=grid)
+        assert (labels == host.labels).mean() > 0.999
+        # The uncertainty on the scan's voxels alone, not the devices' padding.
+        np.testing.assert_allclose(back.uncertainty.sums, host.uncertainty.sums, rtol=1e-4)
     np.testing.assert_array_equal(
         scan_space.grid_labels(jax.device_put(box), grid), cropped.argmax(-1)
     )
@@ -109,7 +112,7 @@ def test_a_trained_model_s_labels_are_those_of_the_host_s_preprocessing(trained)
         labels = []
         for on_grid in (host, device):
             (probabilities,) = predictor.infer([on_grid], {})
-            labels.append(scan_space.scan_labels(probabilities, scan.array.shape)[0])
+            labels.append(scan_space.scan_labels(probabilities, scan.array.shape).labels)
         assert np.ptp(labels[0]) > 0  # a labelling to compare
         np.testing.assert_array_equal(labels[1], labels[0])
 

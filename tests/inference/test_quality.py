@@ -18,10 +18,11 @@ from typer.testing import CliRunner
 import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg.cli.app import app
 from ctseg.config import InferenceOptions
-from ctseg.inference import quality, thresholds
+from ctseg.inference import quality, scan_space, thresholds, uncertainty
 from ctseg.inference.scan_checks import liver_checks
 from ctseg.io import dicom_seg
 from ctseg.io.scans import read_scan
+from ctseg.labels import mask_dice
 from ctseg.run.fingerprint import Fingerprint
 from ctseg.run.trained import load_model
 
@@ -52,13 +53,20 @@ def _probabilities(labels: np.ndarray, sure: float) -> np.ndarray:
     return p
 
 
+def _measured(probabilities: np.ndarray) -> uncertainty.Uncertainty:
+    """The uncertainty of probabilities on the scan's voxels, as the way back measures it."""
+    return scan_space.ON_HOST.scan_labels(probabilities, probabilities.shape[:3]).uncertainty
+
+
 def _concern(judged: quality.Quality, name: str) -> quality.Concern:
     return next(c for c in judged.concerns if c.name == name)
 
 
 def test_a_confident_prediction_is_ok_and_an_uncertain_one_is_reviewed():
     labels = _labels()
-    sure = quality.assess(labels, AFFINE, _hu(), _probabilities(labels, 0.98), None, (), REFERENCE)
+    sure = quality.assess(
+        labels, AFFINE, _hu(), _measured(_probabilities(labels, 0.98)), (), REFERENCE
+    )
     assert sure.verdict == quality.OK and sure.reason is None and sure.score < quality.REVIEW_AT
     assert _concern(sure, "liver_uncertainty").value < 0.02
     assert json.loads(json.dumps(sure.to_json(), allow_nan=False))["verdict"] == "ok"
@@ -70,11 +78,11 @@ def test_a_confident_prediction_is_ok_and_an_uncertain_one_is_reviewed():
     rim[3:29, 2:14, 1:7] = True
     unsure[rim] = (0.55, 0.45, 0.0)
     unsure[labels >= 1] = (0.45, 0.55, 0.0)
-    judged = quality.assess(labels, AFFINE, _hu(), unsure, None, (), REFERENCE)
+    judged = quality.assess(labels, AFFINE, _hu(), _measured(unsure), (), REFERENCE)
     liver = _concern(judged, "liver_uncertainty")
     inside, count = 0.55 * 960, 960  # Σ_pred p, |pred|; the rim's 0.45 counts in Σ p
     mass = inside + 0.45 * (rim.sum() - 960)
-    expected = (2 * inside + quality.SMOOTH_VOXELS) / (count + mass + quality.SMOOTH_VOXELS)
+    expected = (2 * inside + uncertainty.SMOOTH_VOXELS) / (count + mass + uncertainty.SMOOTH_VOXELS)
     assert liver.value == pytest.approx(1 - expected, rel=1e-5)
     assert judged.verdict == quality.REVIEW and "unsure of the liver" in judged.reason
     assert judged.liver >= quality.REVIEW_AT and judged.tumour >= judged.liver
@@ -83,7 +91,7 @@ def test_a_confident_prediction_is_ok_and_an_uncertain_one_is_reviewed():
 def test_a_voxel_that_is_not_a_number_does_not_poison_the_score():
     p = _probabilities(_labels(), 0.98)
     p[0, 0, 0] = np.nan  # argmax: background, below every floor
-    judged = quality.assess(_labels(), AFFINE, _hu(), p, None, (), REFERENCE)
+    judged = quality.assess(_labels(), AFFINE, _hu(), _measured(p), (), REFERENCE)
     assert judged.verdict == quality.OK
     json.dumps(judged.to_json(), allow_nan=False)
     nan = quality.Concern("x", quality.LIVER, math.nan, quality._ramp(math.nan, 0.1), "…")
@@ -94,7 +102,7 @@ def test_a_likely_tumour_that_was_not_predicted_is_reviewed():
     labels = _labels(tumour=False)
     p = _probabilities(labels, 0.98)
     p[10:16, 6:10, 3:5] = (0.0, 0.6, 0.4)  # tumour likely, the argmax says liver
-    judged = quality.assess(labels, AFFINE, _hu(), p, None, (), REFERENCE)
+    judged = quality.assess(labels, AFFINE, _hu(), _measured(p), (), REFERENCE)
     assert judged.verdict == quality.REVIEW
     assert "tumours" in judged.reason and "none predicted" in judged.reason
     assert judged.liver < quality.REVIEW_AT <= judged.tumour
@@ -103,17 +111,44 @@ def test_a_likely_tumour_that_was_not_predicted_is_reviewed():
 def test_the_uncertainty_is_the_same_on_the_host_and_on_16_devices():
     labels = _labels()
     p = _probabilities(labels, 0.7)
-    # A box beyond the span on both sides of one axis, as a region's window is.
-    padded = np.zeros((SHAPE[0], SHAPE[1] + 7, SHAPE[2], 3), np.float32)
-    padded[:, 3 : 3 + SHAPE[1], :] = p
-    padded[:, :3, :, 1] = padded[:, 3 + SHAPE[1] :, :, 1] = 1.0  # "liver" if not cropped
-    span = ((0, SHAPE[0]), (3, 3 + SHAPE[1]), (0, SHAPE[2]))
-    host = quality.probability_sums(padded, span)
+    # The scan's 8 slices are padded to the ladder's 16 on the devices, which must not count.
+    host = scan_space.ON_HOST.scan_labels(p, SHAPE).uncertainty
     mesh = Mesh(np.array(jax.devices()[:16]), ("x",))
-    sharded = jax.device_put(jnp.asarray(padded), NamedSharding(mesh, PartitionSpec("x")))
-    on_devices = quality.probability_sums(sharded, span)
-    np.testing.assert_allclose(on_devices, host, rtol=1e-5)
-    np.testing.assert_allclose(host, quality.probability_sums(p), rtol=1e-6)
+    sharded = jax.device_put(jnp.asarray(p), NamedSharding(mesh, PartitionSpec("x")))
+    on_devices = scan_space.ON_DEVICES.scan_labels(sharded, SHAPE).uncertainty
+    np.testing.assert_allclose(on_devices.sums, host.sums, rtol=1e-5)
+    # By hand: the organ is 0.85 likely on its voxels and 0.3 (≥ the floor) on the others.
+    liver, tumour = np.count_nonzero(labels >= 1), np.count_nonzero(labels == 2)
+    rest = labels.size - liver
+    by_hand = [0.85 * liver, liver, 0.85 * liver + 0.3 * rest, 0.7 * tumour, tumour, 0.7 * tumour]
+    np.testing.assert_allclose(host.sums, by_hand, rtol=1e-5)
+
+
+def test_an_ensembles_agreement_is_the_dice_between_its_members():
+    labels = _labels()
+    other = labels.copy()
+    other[10:13, 6:10, 3:5] = 1  # half the tumour missed; the liver the same
+    members = [_probabilities(labels, 0.9), _probabilities(other, 0.9)]
+    tumour_dice = mask_dice(labels == 2, other == 2)
+    smooth = uncertainty.SMOOTH_VOXELS
+    pairs, total = (
+        2 * np.count_nonzero((labels == 2) & (other == 2)),
+        np.count_nonzero(labels == 2) + np.count_nonzero(other == 2),
+    )
+    for space, arrays in (
+        (scan_space.ON_HOST, members),
+        (scan_space.ON_DEVICES, [jnp.asarray(m) for m in members]),
+    ):
+        measured = space.mean_scan_labels(arrays, SHAPE).uncertainty
+        assert measured.members == 2 and measured.agreement("liver") == pytest.approx(1.0)
+        assert measured.agreement("tumour") == pytest.approx((pairs + smooth) / (total + smooth))
+    assert (pairs + smooth) / (total + smooth) == pytest.approx(tumour_dice, abs=0.05)
+    judged = quality.assess(labels, AFFINE, _hu(), measured, (), REFERENCE)
+    disagreement = _concern(judged, "tumour_disagreement")
+    assert disagreement.value == pytest.approx(1 - measured.agreement("tumour"))
+    assert "2 models disagree on the tumours" in disagreement.reason
+    alone = scan_space.ON_HOST.scan_labels(members[0], SHAPE).uncertainty
+    assert alone.agreement("tumour") is None
 
 
 def test_a_scan_inside_and_far_outside_the_training_intensities():
@@ -127,40 +162,40 @@ def test_a_scan_inside_and_far_outside_the_training_intensities():
     )
     inside = _hu(70.0)
     checks = liver_checks(fingerprint, labels, inside, AFFINE)
-    judged = quality.assess(labels, AFFINE, inside, None, None, checks, REFERENCE)
+    judged = quality.assess(labels, AFFINE, inside, None, checks, REFERENCE)
     assert checks == [] and judged.verdict == quality.OK
     assert _concern(judged, "intensity").value == pytest.approx(10 / 30)
 
     shifted = _hu(100.0)  # within the training voxels' range, 1.3 SD from their median
-    judged = quality.assess(labels, AFFINE, shifted, None, None, (), REFERENCE)
+    judged = quality.assess(labels, AFFINE, shifted, None, (), REFERENCE)
     assert judged.verdict == quality.REVIEW and "median intensity, 100 HU" in judged.reason
 
     far = _hu(400.0)  # no liver has it: the fingerprint's check says so
     checks = liver_checks(fingerprint, labels, far, AFFINE)
-    judged = quality.assess(labels, AFFINE, far, None, None, checks, REFERENCE)
+    judged = quality.assess(labels, AFFINE, far, None, checks, REFERENCE)
     assert judged.verdict == quality.UNLIKE and judged.reason == checks[0]
     assert judged.score == judged.liver == judged.tumour == 1.0
     assert judged.to_json()["verdict"] == "unlike the training data"
 
 
 def test_plausibility_no_liver_a_small_liver_and_one_in_pieces():
-    none = quality.assess(np.zeros(SHAPE, np.uint8), AFFINE, _hu(), None, None, (), REFERENCE)
+    none = quality.assess(np.zeros(SHAPE, np.uint8), AFFINE, _hu(), None, (), REFERENCE)
     assert (none.verdict, none.reason, none.score) == (quality.REVIEW, "no liver was found", 1.0)
 
     small = np.zeros(SHAPE, np.uint8)
     small[4:10, 3:8, 2:5] = 1  # 90 voxels: 1.8 mL, 2.8× below the smallest training liver
-    judged = quality.assess(small, AFFINE, _hu(), None, None, (), REFERENCE)
+    judged = quality.assess(small, AFFINE, _hu(), None, (), REFERENCE)
     assert judged.verdict == quality.REVIEW and "1.8 mL" in judged.reason
     assert _concern(judged, "liver_volume").value == pytest.approx(5.0 / 1.8)
 
     pieces = np.zeros(SHAPE, np.uint8)
     pieces[2:12, 3:13, 2:6] = 1
     pieces[20:30, 3:13, 2:6] = 1  # two livers of one size: half outside the largest
-    judged = quality.assess(pieces, AFFINE, _hu(), None, None, (), REFERENCE)
+    judged = quality.assess(pieces, AFFINE, _hu(), None, (), REFERENCE)
     assert _concern(judged, "fragments").value == pytest.approx(0.5)
     assert judged.verdict == quality.REVIEW and "2 pieces" in judged.reason
 
-    plain = quality.assess(_labels(), AFFINE, _hu(), None, None, (), REFERENCE)
+    plain = quality.assess(_labels(), AFFINE, _hu(), None, (), REFERENCE)
     assert plain.verdict == quality.OK and _concern(plain, "fragments").value == 0.0
     assert _concern(plain, "liver_volume").value == 1.0  # inside the training range
 
@@ -212,6 +247,22 @@ def test_the_verdict_is_the_same_whole_tiled_and_partitioned(trained):
         for mine, theirs in zip(judged[0].concerns, other.concerns, strict=True):
             assert mine.name == theirs.name
             assert mine.value == pytest.approx(theirs.value, abs=1e-4)
+
+
+def test_an_ensembles_prediction_measures_its_uncertainty_and_agreement(trained):
+    from ctseg.inference.predictor import Predictor
+
+    run_dir, _, raw = trained
+    scan = read_scan(raw / "volume-0.nii.gz")
+    reference = quality.Reference.of_run(run_dir)
+    model = load_model(run_dir, "latest")
+    alone = Predictor(model).predict(scan)
+    twice = Predictor([model, model]).predict(scan)  # two identical members agree exactly
+    assert twice.uncertainty.members == 2 and alone.uncertainty.agreement("liver") is None
+    np.testing.assert_allclose(twice.uncertainty.sums, alone.uncertainty.sums, rtol=1e-4)
+    judged = {c.name: c.value for c in quality.of_prediction(twice, scan, reference).concerns}
+    assert judged["liver_disagreement"] == judged["tumour_disagreement"] == pytest.approx(0.0)
+    assert "liver_uncertainty" in judged and "tumour_uncertainty" in judged
 
 
 def test_a_regions_prediction_measures_the_uncertainty_on_its_exact_voxels(trained, tmp_path):
