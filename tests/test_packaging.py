@@ -28,9 +28,21 @@ def test_every_package_folder_is_listed_once():
 
 def test_the_wheel_holds_ctseg_alone(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(tmp_path), str(REPO)],
-        check=True, capture_output=True, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
     )
     (wheel,) = tmp_path.glob("ctseg-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

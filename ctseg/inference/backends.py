@@ -128,7 +128,7 @@ class Backend(ABC):
     @property
     @abstractmethod
     def grid_device(self) -> Any:
-        """The JAX device a scan is brought to the grid on (`scan_space.unit_box`)."""
+        """The JAX device a scan is brought to the grid on (`to_grid.unit_box`)."""
 
     @abstractmethod
     def adopt(self, unit: Any) -> Any:

@@ -20,7 +20,7 @@ from ctseg.config import TileRequest
 from ctseg.data import grids
 from ctseg.data.grids import GridSpec
 from ctseg.errors import CtsegError
-from ctseg.inference import scan_space, tiling
+from ctseg.inference import tiling, to_grid
 from ctseg.inference.backends import Backend
 from ctseg.inference.engine import Engine, class_probabilities, fixed_window_core
 from ctseg.inference.jax_backend import is_out_of_memory
@@ -121,7 +121,7 @@ class Member:
 
     def to_grid(self, scan: Scan, region: Region | None = None) -> OnGrid:
         """The scan on the run's grid, HU-windowed: the training preprocessing, on the
-        backend's grid device (`scan_space.unit_box`), then as the backend reads it. On the
+        backend's grid device (`to_grid.unit_box`), then as the backend reads it. On the
         spacing grid the box holds the scan's whole grid, padded with air: to a rung of the
         ladder where the backend compiles programs (`Backend.ladder`, JAX:
         `grids.inference_box`'s programs serve scans of other extents), else to the next
@@ -139,7 +139,7 @@ class Member:
             radius = unet.receptive_field_radius(self.config.model)
             window = window_of(region, scan.array.shape, grid, box, radius, multiple)
             box, offset = window.box, window.offset
-        unit = scan_space.unit_box(
+        unit = to_grid.unit_box(
             scan.array, grid, offset, box, self.config.data.hu_window, self.backend.grid_device
         )
         # Waited for here, off the network's thread: a failure is this scan's reading

@@ -1,17 +1,16 @@
-"""Between a scan's own voxels and the run's grid, where the backend runs.
+"""From the run's grid back to a scan's own voxels, where the backend runs.
 
-The way there (`unit_box`): the scan's int16 HU sent to the devices once, resampled
-linearly onto a box of the grid, rounded to int16 HU and HU-windowed, as training's
-preprocessing does on the host (`ctseg.data.grids`). The way back: class probabilities of
-the box cropped to the scan's grid, resampled linearly, argmax, an ensemble's mean: a
+(The way there, and the resampling on the devices both ways use: `ctseg.inference.to_grid`.)
+The way back: class probabilities of the box cropped to the scan's grid, resampled
+linearly, argmax, an ensemble's mean, the model's uncertainty measured there: a
 `Space` per kind of array, each backend holding its own (`ON_DEVICES` under JAX: what
 comes back to the host is the uint8 label map, and probabilities only where a caller asks
 for them; `ON_HOST`, scipy's resampling, under ONNX Runtime).
 
-On the devices a scan is padded to a rung of a ladder of sizes (`padded`) and the
-resampling reads tables of source voxels and weights (`grids.axis_table`) as arguments, so
-every program depends on the rungs and the box, not on the scan's extent: scans of other
-extents reuse the programs the first one compiled. The crop is the host's view.
+On the devices a scan is padded to a rung of a ladder of sizes (`to_grid.padded`) and the
+resampling reads tables of source voxels and weights as arguments, so every program
+depends on the rungs and the box, not on the scan's extent: scans of other extents reuse
+the programs the first one compiled. The crop is the host's view.
 """
 
 from __future__ import annotations
@@ -29,20 +28,8 @@ from scipy import ndimage
 from ctseg.data import grids
 from ctseg.data.grids import Shape, linear_weights
 from ctseg.inference import uncertainty as unc
+from ctseg.inference.to_grid import Tables, lerp, padded, resampled, tables_of
 from ctseg.inference.uncertainty import Uncertainty
-
-_INT16 = np.iinfo(np.int16)
-
-
-# Scans are padded to a rung of this multiple's ladder (`grids.ladder_rung`) on the devices,
-# so that the programs between a scan and a grid depend on the rungs, not on the extents.
-SCAN_MULTIPLE = 16
-Tables = tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]  # per axis: first, second, weight
-
-
-def padded(shape: Sequence[int]) -> Shape:
-    """A scan's shape padded to the ladder, as the devices hold it."""
-    return tuple(grids.ladder_rung(n, SCAN_MULTIPLE) for n in shape)
 
 
 def axis_order(scan_shape: Sequence[int], grid: Sequence[int]) -> tuple[int, ...]:
@@ -54,24 +41,12 @@ def axis_order(scan_shape: Sequence[int], grid: Sequence[int]) -> tuple[int, ...
     return tuple(sorted(range(3), key=lambda a: scan[a] / box[a]))
 
 
-def _tables(tables: Sequence[grids.AxisTable]) -> Tables:
-    return tuple((t.first, t.second, t.weight) for t in tables)
-
-
 def _back_tables(grid: Sequence[int], shape: Sequence[int]) -> Tables:
     """From a box whose first voxels are the grid onto the padded scan: the crop is the
     tables' (they read grid voxels only), and the padding reads voxel 0."""
-    return _tables(
+    return tables_of(
         grids.axis_table(g, n, 0, p) for g, n, p in zip(grid, shape, padded(shape), strict=True)
     )
-
-
-@partial(jax.jit, static_argnums=2)
-def _resampled(x: jax.Array, tables: Tables, order: tuple[int, ...]) -> jax.Array:
-    """`x` [x, y, z, ...] resampled linearly along each axis, in `order`, by its table."""
-    for axis in order:
-        x = _lerp(x, *tables[axis], axis)
-    return x
 
 
 @partial(jax.jit, static_argnums=(3, 4))
@@ -84,7 +59,7 @@ def _on_scan(
 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """Box probabilities [x, y, z, C] resampled onto the padded scan, their argmax, and the
     uncertainty's sums on the scan's own voxels (`shape`, traced: one program per rung)."""
-    x = _resampled(probabilities, tables, order)
+    x = resampled(probabilities, tables, order)
     labels = jnp.argmax(x, axis=-1).astype(jnp.uint8)
     sums = unc.probability_sums(x, jnp, _scan_voxels(x.shape, shape))
     return labels, (x if with_probabilities else None), sums
@@ -312,7 +287,7 @@ class _OnDevices(Space):
         members = None
         for member, grid in zip(probabilities, grids_of, strict=True):
             tables, order = _back_tables(grid, shape), axis_order(shape, grid)
-            on_scan = _resampled(jax.device_put(member, device), tables, order)
+            on_scan = resampled(jax.device_put(member, device), tables, order)
             members = _device_members(members, on_scan)
         found = _measured_mean_of(*members, scan, len(probabilities))
         labels, mean, sums, agreement = found
@@ -455,72 +430,12 @@ def _grid_argmax(probabilities: jax.Array) -> jax.Array:
     return jnp.argmax(probabilities, axis=-1).astype(jnp.uint8)
 
 
-# --------------------------------------------------------------------------- scan to grid
-
-
-def unit_box(
-    hu: np.ndarray,
-    grid: Sequence[int],
-    offset: Sequence[int],
-    box: Sequence[int],
-    window: Sequence[float],
-    device: Any,
-) -> jax.Array:
-    """`grids.hu_to_unit(grids.to_box(hu, grid, offset, box, order=1), window)` on `device`:
-    the scan's HU sent once (int16 where they fit, padded to the ladder), resampled
-    linearly there in float32, rounded to int16 HU as training's store holds them, and
-    HU-windowed.
-
-    scipy's resampling runs in float64: a voxel whose value lies within ~1e-4 HU of a
-    rounding boundary may round the other way (1 HU apart). The program depends on the
-    padded scan's shape, the box's and the window only."""
-    scan = np.zeros(padded(hu.shape), _sent_dtype(hu))
-    scan[: hu.shape[0], : hu.shape[1], : hu.shape[2]] = hu
-    axes = [
-        grids.axis_table(n, g, o, b) for n, g, o, b in zip(hu.shape, grid, offset, box, strict=True)
-    ]
-    inside = tuple(t.inside for t in axes)
-    order = tuple(sorted(range(3), key=lambda a: box[a] / scan.shape[a]))
-    window = (float(window[0]), float(window[1]))
-    return _unit_box(jax.device_put(scan, device), _tables(axes), inside, order, window)
-
-
-def _sent_dtype(hu: np.ndarray) -> np.dtype:
-    """int16 for integer HU that fit it (CT as stored: half the bytes), else float32."""
-    if hu.dtype.kind in "biu" and (
-        hu.dtype.itemsize <= 1 or (hu.size and _INT16.min <= hu.min() and hu.max() <= _INT16.max)
-    ):
-        return np.dtype(np.int16)
-    return np.dtype(np.float32)
-
-
-@partial(jax.jit, static_argnums=(3, 4))
-def _unit_box(
-    scan: jax.Array,
-    tables: Tables,
-    inside: tuple[np.ndarray, ...],
-    order: tuple[int, ...],
-    window: tuple[float, float],
-) -> jax.Array:
-    hu = _resampled(scan.astype(jnp.float32), tables, order)
-    hu = jnp.clip(jnp.rint(hu), _INT16.min, _INT16.max)
-    mask = inside[0][:, None, None] & inside[1][None, :, None] & inside[2][None, None, :]
-    return grids.hu_to_unit(jnp.where(mask, hu, grids.AIR_HU), window, jnp)
-
-
 @partial(jax.jit, static_argnums=(1, 2, 3))
 def _take_slice(x: jax.Array, start: int, size: int, axis: int) -> jax.Array:
     return jax.lax.slice_in_dim(x, start, start + size, axis=axis)
 
 
-def _lerp(x: jax.Array, first: Any, second: Any, weight: Any, axis: int) -> jax.Array:
-    """`x` along `axis` at the voxels between `first` and `second`, `weight` of the way: the
-    one blend of the whole path (`_resampled`) and of a window's (`window_probabilities`)."""
-    weight = jnp.reshape(weight, [-1 if a == axis else 1 for a in range(x.ndim)])
-    return jnp.take(x, first, axis=axis) * (1 - weight) + jnp.take(x, second, axis=axis) * weight
-
-
-_interpolate = jax.jit(_lerp, static_argnums=4)
+_interpolate = jax.jit(lerp, static_argnums=4)
 
 
 def _host_window(

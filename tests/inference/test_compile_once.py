@@ -13,7 +13,7 @@ from helpers import rotation_z, tiny_config
 
 from ctseg.config import InferenceOptions
 from ctseg.data import grids
-from ctseg.inference import scan_space
+from ctseg.inference import scan_space, to_grid
 from ctseg.inference.member import OnGrid
 from ctseg.inference.predictor import Predictor
 from ctseg.io.scans import read_scan
@@ -49,7 +49,7 @@ def _scan(path, shape, spacing, degrees, seed):
 
 @pytest.mark.parametrize("degrees", [0, 20])
 def test_the_devices_bring_a_scan_to_the_grid_as_training_does(tmp_path, degrees):
-    """`scan_space.unit_box` (float32 on the devices) against `grids.to_box` (float64
+    """`to_grid.unit_box` (float32 on the devices) against `grids.to_box` (float64
     scipy on the host): at most one HU apart, on a rare voxel rounding the other way;
     the whole grid padded with air, and a window of it reaching past the grid."""
     scan = read_scan(_scan(tmp_path / "scan.nii.gz", (45, 38, 21), (0.9, 0.7, 2.5), degrees, 0))
@@ -59,7 +59,7 @@ def test_the_devices_bring_a_scan_to_the_grid_as_training_does(tmp_path, degrees
     boxes = [((0, 0, 0), grids.inference_box(grid, 16)), ((-6, 4, 10), (32, 16, 48))]
     for offset, box in boxes:
         host = grids.hu_to_unit(grids.to_box(scan.array, grid, offset, box, order=1), window)
-        device = scan_space.unit_box(scan.array, grid, offset, box, window, jax.devices()[0])
+        device = to_grid.unit_box(scan.array, grid, offset, box, window, jax.devices()[0])
         device = np.asarray(device)
         assert device.shape == box and device.dtype == np.float32
         differ = np.abs(device - host) > 1e-6
