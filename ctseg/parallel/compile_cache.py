@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -115,16 +116,21 @@ class CompileClock:
         self.programs = 0
         self.cache_hits = 0
         self.by_name: Counter[str] = Counter()  # programs by function name, e.g. train_step
+        # Programs compile in threads (plans' candidates, window and driver programs), and
+        # `+=` is a read and a write: without the lock, two events could count as one.
+        self._lock = threading.Lock()
 
     def _duration(self, event: str, duration_secs: float, **kwargs: Any) -> None:
-        if event in _COMPILE_EVENTS:
-            self.seconds += duration_secs
-        if event == _BACKEND_COMPILE:
-            self.programs += 1
-            self.by_name[str(kwargs.get("fun_name", "?"))] += 1
+        with self._lock:
+            if event in _COMPILE_EVENTS:
+                self.seconds += duration_secs
+            if event == _BACKEND_COMPILE:
+                self.programs += 1
+                self.by_name[str(kwargs.get("fun_name", "?"))] += 1
 
     def _event(self, event: str, **_: Any) -> None:
-        self.cache_hits += event == _CACHE_HIT
+        with self._lock:
+            self.cache_hits += event == _CACHE_HIT
 
 
 _clock: CompileClock | None = None
