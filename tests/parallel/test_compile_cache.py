@@ -9,8 +9,10 @@ from pathlib import Path
 import jax
 from helpers import REPO
 
+from ctseg.parallel import compile_cache
 from ctseg.parallel.compile_cache import (
     COMPILE_CACHE_ENV,
+    CompileClock,
     compile_cache_dir,
     use_compile_cache,
 )
@@ -97,3 +99,15 @@ def test_a_read_only_cache_is_one_line_and_compiling_goes_on(tmp_path):
     assert programs_and_hits(done)[0] >= 2
     assert done.stderr == "", done.stderr  # not a warning per program, as JAX would say
     assert sorted(cache.iterdir()) == before
+
+
+def test_the_compile_clock_counts_compiles_in_threads_once(monkeypatch):
+    """Programs compiled side by side in threads: the clock's seconds are the wall time
+    some program was compiling, not the sum (a cold prediction's phases subtract them)."""
+    clock = CompileClock()
+    ends = iter([20.0, 30.0, 50.0])  # when JAX reports each compile, with its duration
+    monkeypatch.setattr(compile_cache.time, "perf_counter", lambda: next(ends))
+    for duration in (20.0, 30.0, 5.0):  # [0, 20] and [0, 30] together, then [45, 50]
+        clock._duration(compile_cache._BACKEND_COMPILE, duration)
+    assert clock.seconds == 35.0
+    assert clock.programs == 3
