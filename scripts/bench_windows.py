@@ -10,13 +10,16 @@ compiling for it and the programs it compiled, by name, and the best of two furt
 passes. The whole volume compiles one program per shape; level-wise tiles one per stage
 and shape; fixed windows their window programs once (`window_program`) and, per new
 shape, only the small programs that cut and stitch the windows (`_begin`,
-`_add_then_cut`). The model is untrained (its weights change no time). On a GPU the
-compiles include XLA's autotuning, which the window programs pay once.
+`_add_then_cut`); `windows1` runs them one window per dispatch (deep stages' small windows
+are otherwise batched). Each row also gives a pass's seconds per stage (waited on after
+each: their sum exceeds the run's). The model is untrained (its weights change no time).
+On a GPU the compiles include XLA's autotuning, which the window programs pay once.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -27,6 +30,7 @@ MODES = {
     "whole": lambda core: {"tile": 0},
     "tiles": lambda core: {"tile": core},
     "windows": lambda core: {"tile": core, "windows": core},
+    "windows1": lambda core: {"tile": core, "windows": core},  # one window per dispatch
 }
 
 
@@ -44,6 +48,13 @@ def parse() -> argparse.Namespace:
     if unknown := set(args.modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; choose from {sorted(MODES)}")
     return args
+
+
+def _stage_ends(engine, placed) -> list[float]:
+    """The clock at a pass's start and after each stage (waited on)."""
+    ends = [time.perf_counter()]
+    engine.logits(placed, lambda *_: ends.append(time.perf_counter()))
+    return ends
 
 
 def main() -> None:
@@ -65,9 +76,14 @@ def main() -> None:
     graphdef, params, stats = unet.create(config.model, seed=0)
     model = TrainedModel(config, graphdef, params, stats, step=0)
     clock = compile_clock()
-    backend = JaxBackend(jax.devices(args.device)[:1], fixed_windows=True)
+    devices = jax.devices(args.device)[:1]
+    backends = {
+        "windows1": JaxBackend(devices, fixed_windows=True, most_batched=1),
+        **{mode: JaxBackend(devices, fixed_windows=True) for mode in MODES if mode != "windows1"},
+    }
     rows = []
     for mode in args.modes:
+        backend = backends[mode]
         for box in args.boxes:
             image = np.random.default_rng(0).uniform(-1, 1, box).astype(np.float32)
             seconds, programs = clock.seconds, dict(clock.by_name)
@@ -86,6 +102,7 @@ def main() -> None:
                 start = time.perf_counter()
                 jax.block_until_ready(engine.logits(placed))
                 runs.append(time.perf_counter() - start)
+            stage_ends = _stage_ends(engine, placed)
             row = {
                 "mode": mode,
                 "box": list(box),
@@ -93,6 +110,7 @@ def main() -> None:
                 "first_seconds": round(first, 3),
                 "compile_seconds": round(clock.seconds - seconds, 3),
                 "run_seconds": round(min(runs), 3),
+                "stage_seconds": [round(b - a, 3) for a, b in itertools.pairwise(stage_ends)],
                 "programs": compiled,
             }
             rows.append(row)

@@ -43,7 +43,12 @@ from ctseg.config import Config
 from ctseg.errors import CtsegError
 from ctseg.inference import scan_space, tiling
 from ctseg.inference.backends import Backend
-from ctseg.inference.jax_windows import WINDOW_CORES, WindowPlan, WindowPrograms
+from ctseg.inference.jax_windows import (
+    MAX_WINDOW_BATCH,
+    WINDOW_CORES,
+    WindowPlan,
+    WindowPrograms,
+)
 from ctseg.inference.levels import (
     as_batch,
     below_level,
@@ -394,6 +399,7 @@ class JaxBackend(Backend):
         devices: Sequence[Any] | None = None,
         one_cpu_device: bool = False,
         fixed_windows: bool | None = None,
+        most_batched: int = MAX_WINDOW_BATCH,
     ):
         """`fixed_windows`: boxes whose shape varies (the spacing grid) run in fixed windows
         (`WindowPlan`); default, on accelerators, one or several, where a program per box
@@ -401,7 +407,8 @@ class JaxBackend(Backend):
         milliseconds of running. The window programs compile once per model, stage and
         device; on several devices the windows are dealt out over them and run side by
         side, at the cost of each stage's level(s) copied to every device and the devices'
-        partial levels summed onto the first."""
+        partial levels summed onto the first. `most_batched`: the most windows one dispatch
+        runs (`jax_windows.window_batch`)."""
         self.devices = list(devices or jax.local_devices()[:1])
         if one_cpu_device and not dev.is_accelerator(self.devices):
             # Simulated CPU devices share the host's cores: one window at a time, with all
@@ -410,6 +417,7 @@ class JaxBackend(Backend):
         if fixed_windows is None:
             fixed_windows = dev.is_accelerator(self.devices)
         self.fixed_windows = fixed_windows
+        self.most_batched = most_batched
         # Window programs by model, stage and device: every box shape reuses them.
         self.window_programs = WindowPrograms()
 
@@ -428,7 +436,9 @@ class JaxBackend(Backend):
     def window_plan(
         self, model: TrainedModel, shape: Shape, stages: list[Stage], memory: int
     ) -> WindowPlan:
-        return WindowPlan(self.window_programs, model, shape, stages, self.devices, memory)
+        return WindowPlan(
+            self.window_programs, model, shape, stages, self.devices, memory, self.most_batched
+        )
 
     def dtype(self, config: Config) -> np.dtype:
         return jnp.dtype(config.model.dtype)  # the compute dtype

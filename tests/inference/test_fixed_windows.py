@@ -12,10 +12,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import no_host_transfers, random_model, tiny_config
+from helpers import REPO, no_host_transfers, random_model, tiny_config
 
+from ctseg import config as cfg
 from ctseg.config import TileRequest
-from ctseg.inference import tiling
+from ctseg.inference import jax_windows, tiling
 from ctseg.inference.engine import Engine, class_probabilities, fixed_window_core
 from ctseg.inference.jax_backend import JaxBackend
 from ctseg.inference.member import Member
@@ -24,6 +25,8 @@ from ctseg.model import unet
 from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_clock
 from ctseg.run.trained import TrainedModel
+
+SHIPPED_SHARE = jax_windows.BATCHED_SHARE  # before `batched_windows` changes it
 
 # The driver's programs: they depend on a box's level shapes, not on the network.
 DRIVER = {"jit(_begin)", "jit(_add_then_cut)", "jit(_add)", "jit(as_batch)", "jit(only_item)"}
@@ -34,6 +37,14 @@ class _Calls(list):
 
     def __call__(self, done: int, count: int) -> None:
         self.append((done, count))
+
+
+@pytest.fixture(autouse=True)
+def batched_windows(monkeypatch):
+    """Every stage whose windows are smaller than the largest runs them several to a
+    dispatch: at these tests' small extents (a GPU batches only the deep stages'
+    windows, `BATCHED_SHARE`), so that the exact results hold for batches too."""
+    monkeypatch.setattr(jax_windows, "BATCHED_SHARE", 1.0)
 
 
 def _windows_backend(devices: int = 1) -> JaxBackend:
@@ -66,6 +77,7 @@ def test_fixed_windows_equal_the_whole_pass_on_boxes_of_several_shapes(depth, co
         engine = Engine(model, tile=core, shape=box, backend=backend, windows=core)
         assert engine.description.startswith(f"fixed windows ≤ {core}³")
         assert sum(len(s.windows()) for s in engine.stages) > 2 * depth - 1
+        assert max(engine._plan.batches) > 1  # deep stages' windows several to a dispatch
         placed = engine.place(image)
         calls = _Calls()
         with no_host_transfers():  # no window and no level through the host
@@ -73,6 +85,26 @@ def test_fixed_windows_equal_the_whole_pass_on_boxes_of_several_shapes(depth, co
         assert calls[-1][0] == calls[-1][1] == sum(len(s.windows()) for s in engine.stages)
         np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-5, err_msg=str(box))
         np.testing.assert_array_equal(np.asarray(logits).argmax(-1), reference.argmax(-1))
+
+
+def test_lits512_runs_its_deep_stages_windows_eight_to_a_dispatch(monkeypatch):
+    """Cores of 128 on a 640×640×320 box: levels 2 and 3 (windows of 34³ and 16³) batched,
+    the others one window to a dispatch."""
+    monkeypatch.setattr(jax_windows, "BATCHED_SHARE", SHIPPED_SHARE)
+    config = cfg.load(REPO / "configs" / "lits512_16way.toml", [])
+    stages = tiling.fixed_stages(config, 128, (640, 640, 320))
+    assert [jax_windows.window_batch(s, stages) for s in stages] == [1, 1, 8, 8, 8, 1, 1]
+    assert {jax_windows.window_batch(s, stages, most=1) for s in stages} == {1}
+
+
+def test_a_batch_of_windows_is_filled_with_windows_that_own_nothing():
+    rows = np.arange(5 * 4 * 3, dtype=np.int32).reshape(5, 4, 3)
+    batches = jax_windows._batched(rows, 4)
+    assert batches.shape == (2, 4, 4, 3)
+    np.testing.assert_array_equal(batches.reshape(-1, 4, 3)[:5], rows)
+    idle = batches[1, 1:]
+    np.testing.assert_array_equal(idle[:, :3], np.repeat(rows[:1, :3], 3, axis=0))
+    np.testing.assert_array_equal(idle[:, 3], idle[:, 2])  # stop = first: owns nothing
 
 
 def test_fixed_windows_with_tta_and_a_region_equal_the_whole_pass():
