@@ -19,7 +19,9 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +51,7 @@ from ctseg.progress import StepProgress, TrainingProgress
 from ctseg.run import fingerprint, rundir
 from ctseg.run.checkpoints import Checkpoints
 from ctseg.training import signals
-from ctseg.training.pipeline import Prefetcher
+from ctseg.training.pipeline import Prefetcher, augmenter_for
 from ctseg.training.validation import population_statistics, validation_dice
 
 
@@ -212,34 +214,54 @@ def _claim(config: cfg.Config, store: Store, run_dir: Path, main_process: bool) 
         rundir.write_or_check_fold(run_dir, store, config.train.fold, write=main_process)
 
 
-class _Programs:
-    """A run's compiled programs: the training step (compiled ahead, before the first batch,
-    so that its memory need is checked on accelerators, and then run as it is: compiling
-    it again would cost as much where the compilation cache is off), the held-statistics
-    step (compiled when its phase begins), and the inference-mode programs that validate
-    and pool the batch-norm statistics."""
+def _hold_from(config: cfg.Config) -> int:
+    """From this step on, batch norm runs on held statistics (`train.held_norm_share`)."""
+    return config.train.steps - config.train.held_norm_steps
 
-    def __init__(self, graphdef: Any, config: cfg.Config, mesh: Any, state: TrainState):
-        self.graphdef, self.config, self.mesh = graphdef, config, mesh
-        self.train_step = aot.compile_train_step(
-            graphdef, config, mesh, state, *aot.abstract_batch(config, mesh)
-        )
+
+class _Programs:
+    """A run's compiled programs: the training step and, when the run reaches its phase,
+    the held-statistics step, and the on-device augmentation (`augmenter`), all compiled
+    side by side before the first batch (the step's memory need checked on accelerators;
+    each then run as it is: compiling again would cost as much where the compilation cache
+    is off); and the inference-mode programs that validate and pool the batch-norm
+    statistics.
+
+    Side by side, because a GPU compile is mostly waiting (XLA's autotuning runs
+    candidates on the device, one program's compile at a time; the host's compiler
+    threads idle meanwhile): one after another, they added up before the first step."""
+
+    def __init__(
+        self,
+        graphdef: Any,
+        config: cfg.Config,
+        mesh: Any,
+        state: TrainState,
+        store: Store,
+        hold_from: int,
+    ):
+        batch = aot.abstract_batch(config, mesh)
+        with ThreadPoolExecutor() as pool:
+            step = partial(aot.compile_train_step, graphdef, config, mesh, state, *batch)
+            train = pool.submit(step)
+            held = pool.submit(step, held_norm=True) if hold_from < config.train.steps else None
+            augmenter = (
+                pool.submit(augmenter_for, store, config, mesh)
+                if config.augment.on_device
+                else None
+            )
+            self.train_step = train.result()
+            self.held_step = held.result() if held else None
+            self.augmenter = augmenter.result() if augmenter else None
         check_memory(self.train_step, config, list(mesh.devices.flat))
-        self.held_step: Any = None
         predict = make_predict(graphdef, config, mesh)
         self.segment = jax.jit(lambda *args: jnp.argmax(predict(*args), axis=-1).astype(jnp.uint8))
         self.batch_statistics = jax.jit(make_batch_statistics(graphdef, config, mesh))
         self.pool = jax.jit(pool_statistics, out_shardings=NamedSharding(mesh, REPLICATED))
 
-    def step_for(self, step: int, hold_from: int, state: TrainState, image: Any, label: Any) -> Any:
+    def step_for(self, step: int, hold_from: int) -> Any:
         """The program that trains step `step`: on held statistics from `hold_from` on."""
-        if step < hold_from:
-            return self.train_step
-        if self.held_step is None:
-            self.held_step = aot.compile_train_step(
-                self.graphdef, self.config, self.mesh, state, image, label, held_norm=True
-            )
-        return self.held_step
+        return self.train_step if step < hold_from else self.held_step
 
 
 @dataclass
@@ -283,13 +305,12 @@ class _Run:
             where = where or dev.describe(list(mesh.devices.flat), simulated=True)
             rundir.record_layout(run_dir, start, config, where)
             fingerprint.record(run_dir, store)  # what `predict` holds scans against; kept on resume
-        programs = _Programs(graphdef, config, mesh, state)
+        programs = _Programs(graphdef, config, mesh, state, store, _hold_from(config))
         return cls(config, store, run_dir, mesh, main_process, state, checkpoints, log, programs)
 
     @property
     def hold_from(self) -> int:
-        """From this step on, batch norm runs on held statistics (`train.held_norm_share`)."""
-        return self.config.train.steps - self.config.train.held_norm_steps
+        return _hold_from(self.config)
 
     def for_inference(self, state: TrainState) -> TrainState:
         """`state` with the statistics inference will use; held ones are never recomputed:
@@ -308,12 +329,19 @@ class _Run:
     def train(self, progress: TrainingProgress | None) -> TrainingSummary:
         """The step loop to train.steps; the run's summary."""
         tc = self.config.train
-        prefetch = Prefetcher(self.store, self.config, self.mesh, int(self.state.step), tc.steps)
+        prefetch = Prefetcher(
+            self.store,
+            self.config,
+            self.mesh,
+            int(self.state.step),
+            tc.steps,
+            augmenter=self.programs.augmenter,
+        )
         clock = _Clock()
         val_dice: dict[str, float] | None = None
         try:
             for step, (image, label) in prefetch:
-                run_step = self.programs.step_for(step, self.hold_from, self.state, image, label)
+                run_step = self.programs.step_for(step, self.hold_from)
                 began = time.perf_counter()
                 with signals.interrupt_after_step():
                     self.state, step_metrics = run_step(self.state, image, label)

@@ -135,12 +135,23 @@ class Prefetcher:
     `wait_seconds` accumulates the time the training loop spent blocked on it.
     """
 
-    def __init__(self, store: Store, config: Config, mesh: Mesh, start: int, stop: int, depth=2):
+    def __init__(
+        self,
+        store: Store,
+        config: Config,
+        mesh: Mesh,
+        start: int,
+        stop: int,
+        depth: int = 2,
+        augmenter: Augmenter | None = None,
+    ):
+        """`augmenter`: the run's, made ahead (`augmenter_for`); made here when not."""
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._count = max(stop - start, 0)
         self.wait_seconds = 0.0
-        augmenter = augmenter_for(store, config, mesh) if config.augment.on_device else None
+        if augmenter is None and config.augment.on_device:
+            augmenter = augmenter_for(store, config, mesh)
 
         def work() -> None:
             for step in range(start, stop):

@@ -36,3 +36,24 @@ def test_the_step_compiles_once_with_the_memory_check(store_dir, tmp_path, monke
     train_and_evaluate(tiny_config(*TRAIN), store_dir, tmp_path / "run")
     # Measured before the loop ran the checked program: 2 (the check's, then the loop's).
     assert clock.by_name["jit(train_step)"] - before == 1
+
+
+def test_every_step_and_augmentation_program_compiles_before_the_first_step(store_dir, tmp_path):
+    """The held-statistics step and the on-device augmentation compile beside the training
+    step, before the first batch: a run that reaches the held phase compiles no step and
+    no augmentation afterwards (validation's own programs aside)."""
+    clock = compile_clock()
+    names = ("jit(train_step)", "jit(program)")
+    before = {name: clock.by_name[name] for name in names}
+    at_first_step: dict[str, int] = {}
+
+    def progress(step) -> None:
+        if not at_first_step:
+            at_first_step.update({name: clock.by_name[name] for name in names})
+
+    held = [*TRAIN, "train.steps=4", "train.held_norm_share=0.5"]
+    config = tiny_config(*held, "augment.rotation_p=1", "augment.noise_p=1")
+    train_and_evaluate(config, store_dir, tmp_path / "run", progress)
+    assert at_first_step["jit(train_step)"] - before["jit(train_step)"] == 2  # plain, held
+    assert at_first_step["jit(program)"] > before["jit(program)"]  # the augmentation
+    assert {name: clock.by_name[name] for name in names} == at_first_step
