@@ -18,9 +18,13 @@ in its own process as a user runs it:
 
 A check that fails is a row saying so; the others go on. It prints a table of
 measurements against the targets last and writes WORKDIR/gpu_check.json (rewritten after
-every check, so an interrupted run keeps what it measured). `--quick` runs the same
-checks on small grids (minutes on a CPU: `--device cpu --quick` tests the script itself;
-its numbers mean nothing). Record each run in docs/experiments/gpu.md.
+every check, so an interrupted run keeps what it measured) and each command's output to
+WORKDIR/logs/ (with JAX_LOG_COMPILES=1 set, every program compiled and its seconds).
+`--quick` runs the same checks on small grids (minutes on a CPU: `--device cpu --quick`
+tests the script itself; its numbers mean nothing); `--only train,predict` runs those
+checks alone, in that order (PyTorch's anchors run last by default, so a short lease
+keeps ctseg's own figures).
+Record each run in docs/experiments/gpu.md.
 """
 
 from __future__ import annotations
@@ -59,18 +63,30 @@ class Settings:
         return [f"--set={s}" for s in small] if self.quick else []
 
 
-def run(command: list[str], timeout: float) -> tuple[float, str]:
-    """Run a command; its wall seconds and standard output. RuntimeError with its last
-    error line when it fails or overruns."""
+def run(s: Settings, name: str, command: list[str], timeout: float) -> tuple[float, str]:
+    """Run a command; its wall seconds and standard output, both streams kept in
+    WORKDIR/logs/NAME.log. RuntimeError with its last error line when it fails or
+    overruns."""
     began = time.perf_counter()
+    log = s.work / "logs" / f"{name}.log"
+    log.parent.mkdir(exist_ok=True)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+        # Run in WORKDIR: started in a checkout, `python -m ctseg` would find the checkout's
+        # ctseg/ first, which lacks the command line (it installs inside the namespace).
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=s.work)
+    except subprocess.TimeoutExpired as exc:
+        log.write_text(f"$ {' '.join(command)}\n{_text(exc.stdout)}{_text(exc.stderr)}")
         raise RuntimeError(f"no answer in {timeout:.0f} s: {' '.join(command[:3])} …") from None
+    log.write_text(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}")
     if done.returncode != 0:
         lines = [line for line in done.stderr.splitlines() if line.strip()] or ["(no message)"]
         raise RuntimeError(f"exit {done.returncode}: {lines[-1][:300]}")
     return time.perf_counter() - began, done.stdout
+
+
+def _text(output: bytes | str | None) -> str:
+    """What a timed-out command had written (bytes, even with text=True)."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 # ------------------------------------------------------------------ the checks
@@ -81,7 +97,7 @@ def bench_step(s: Settings, config: Path, name: str) -> dict:
     report.unlink(missing_ok=True)
     command = [*CTSEG, "bench", "--config", str(config), "--spatial", "1,1,1"]
     command += ["--partitioner", "halo", "--steps", "10", "--device", s.device]
-    run([*command, *s.sets(), "--json", str(report)], 300)
+    run(s, name, [*command, *s.sets(), "--json", str(report)], 300)
     result = json.loads(report.read_text())["results"][0]
     return {"step_seconds": result["step_seconds"], "gib": result["per_device_bytes"] / 2**30}
 
@@ -90,7 +106,8 @@ def anchor_step(s: Settings, size: int, compiled: bool) -> dict:
     if s.device != "gpu":
         return {"skipped": "the PyTorch anchor trains on a CUDA GPU only"}
     command = [sys.executable, str(SCRIPTS / "monai_anchor.py"), "train", "--size", str(size)]
-    _, out = run([*command, "--base", "32", *(["--compile"] if compiled else [])], 300)
+    name = f"anchor{size}{'_compiled' if compiled else ''}"
+    _, out = run(s, name, [*command, "--base", "32", *(["--compile"] if compiled else [])], 300)
     result = json.loads(out.strip().splitlines()[-1])
     return {"step_seconds": result["step_seconds"], "gib": result["peak_gib"]}
 
@@ -101,16 +118,26 @@ def train_start(s: Settings) -> dict:
     for folder in (raw, prep, run_dir):
         shutil.rmtree(folder, ignore_errors=True)
     size = "64" if s.quick else "256"
-    run([*CTSEG, "synth", str(raw), "--cases", "4", "--size", size, "--seed", "0"], 300)
+    run(
+        s,
+        "train-synth",
+        [*CTSEG, "synth", str(raw), "--cases", "4", "--size", size, "--seed", "0"],
+        300,
+    )
     sets = s.sets()
-    run([*CTSEG, "preprocess", str(raw), str(prep), "--config", str(LITS256), *sets], 300)
+    run(
+        s,
+        "train-preprocess",
+        [*CTSEG, "preprocess", str(raw), str(prep), "--config", str(LITS256), *sets],
+        300,
+    )
     steps = 10 if s.quick else 100
     command = [*CTSEG, "train", "--config", str(LITS256), "--data", str(prep)]
     command += ["--workdir", str(run_dir), "--device", s.device, *sets]
     command += [f"--set=train.steps={steps}", "--set=train.log_every=1"]
     command += [f"--set=train.eval_every={steps}", f"--set=train.checkpoint_every={steps}"]
     began = time.time()
-    wall, _ = run(command, 400)
+    wall, _ = run(s, "train", command, 400)
     entries = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first, last = entries[0], [e for e in entries if "val_dice_liver" not in e][-1]
     return {
@@ -127,7 +154,7 @@ def predict512(s: Settings) -> dict:
     command += ["--device", s.device, "--scans", "3" if s.quick else "10"]
     demo = ["--config", str(REPO / "configs" / "demo.toml")]
     command += ["--size", "96", *demo] if s.quick else ["--anchor"]
-    run(command, 600)
+    run(s, "predict", command, 600)
     return json.loads((work / "result.json").read_text())
 
 
@@ -150,7 +177,7 @@ def extents(s: Settings) -> dict:
         keep = slices - i * max(slices // (2 * EXTENTS), 1)
         part = image.slicer[:, :, :keep]
         nib.save(part, cut / f"volume-{i}.nii.gz")
-    wall, _ = run([*CTSEG, "predict", str(run_dir), str(cut), "--out", str(out)], 600)
+    wall, _ = run(s, "extents", [*CTSEG, "predict", str(run_dir), str(cut), "--out", str(out)], 600)
     stats = [json.loads(p.read_text()) for p in sorted(out.glob("*_stats.json"))]
     stats.sort(key=lambda st: st["seconds"].get("compile", 0.0), reverse=True)
     later = [st["seconds"].get("compile", 0.0) for st in stats[1:]]
@@ -284,22 +311,29 @@ def main() -> None:
     parser.add_argument("workdir", type=Path)
     parser.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     parser.add_argument("--quick", action="store_true", help="small grids: tests the script")
+    parser.add_argument("--only", help="comma-separated checks to run, in this order")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     s = Settings(args.device, args.quick, args.workdir.resolve())
+    # ctseg's own checks first, PyTorch's anchors last: a short lease keeps what is ours.
     checks: dict[str, Callable[[], dict]] = {
         "step128": lambda: bench_step(s, LITS128, "step128"),
-        "anchor128": lambda: anchor_step(s, 128, False),
-        "anchor128_compiled": lambda: anchor_step(s, 128, True),
         "step256": lambda: bench_step(s, LITS256, "step256"),
-        "anchor256": lambda: anchor_step(s, 256, False),
-        "anchor256_compiled": lambda: anchor_step(s, 256, True),
         "train": lambda: train_start(s),
         "predict": lambda: predict512(s),
         "extents": lambda: extents(s),
+        "anchor128": lambda: anchor_step(s, 128, False),
+        "anchor128_compiled": lambda: anchor_step(s, 128, True),
+        "anchor256": lambda: anchor_step(s, 256, False),
+        "anchor256_compiled": lambda: anchor_step(s, 256, True),
     }
+    chosen = args.only.split(",") if args.only else list(checks)
+    unknown = [name for name in chosen if name not in checks]
+    if unknown:
+        parser.error(f"no check named {', '.join(unknown)}; the checks: {', '.join(checks)}")
     began = time.perf_counter()
-    for name, check in checks.items():
+    for name in chosen:
+        check = checks[name]
         print(f"[{time.perf_counter() - began:5.0f} s] {name} …", flush=True)
         try:
             s.results[name] = check()
