@@ -122,19 +122,19 @@ class Member:
     def to_grid(self, scan: Scan, region: Region | None = None) -> OnGrid:
         """The scan on the run's grid, HU-windowed: the training preprocessing, on the
         backend's grid device (`to_grid.unit_box`), then as the backend reads it. On the
-        spacing grid the box holds the scan's whole grid, padded with air: to a rung of the
-        ladder where the backend compiles programs (`Backend.ladder`, JAX:
+        spacing grid the box holds the scan's whole grid, padded with air: to multiples of
+        the fixed windows' core where they run (`tiling.windows_box`), else to a rung of
+        the ladder where the backend compiles programs (`Backend.ladder`, JAX:
         `grids.inference_box`'s programs serve scans of other extents), else to the next
         multiple of `BOX_MULTIPLE`; with a `region`, only the box of the grid that gives
         its labels exactly (`ctseg.inference.region`)."""
         grid = self.grid.grid_of(scan.array.shape, scan.spacing)
         box, offset, window = grid, (0, 0, 0), None
         multiple = max(self.config.alignment, BOX_MULTIPLE)
-        if self.grid.kind == "spacing":
+        if self.grid.kind == "spacing" and self.windows is not None:
+            box = tiling.windows_box(self.config, self.windows, grid)
+        elif self.grid.kind == "spacing":
             box = grids.inference_box(grid, multiple, ladder=self.backend.ladder)
-            if self.windows is not None:  # at least one window a side
-                floor = tiling.window_floor(self.config, self.windows)
-                box = tuple(max(n, floor) for n in box)
         if region is not None:
             radius = unet.receptive_field_radius(self.config.model)
             window = window_of(region, scan.array.shape, grid, box, radius, multiple)

@@ -294,6 +294,21 @@ def window_floor(config: Config, core: int) -> int:
     return -(-side // config.alignment) * config.alignment
 
 
+def windows_box(config: Config, core: int, grid: Shape) -> Shape:
+    """The box fixed windows of `core` voxels run a spacing grid of `grid` in: each side
+    rounded up to a multiple of the core (and of the alignment), at least `window_floor`.
+
+    Free at level 0: a side's windows are as many as cores it takes either way (the last
+    window of an axis is shifted inwards), so a box between two multiples runs as many
+    level-0 windows as the larger multiple. And it makes fewer box shapes than
+    `grids.ladder_rung`'s rungs (512×512 scans: sides of 384, 512 or 640 voxels at
+    0.8 mm, where the ladder has six); each new shape compiles the driver's small
+    programs and the scan↔grid ones."""
+    multiple = math.lcm(core, config.alignment)
+    floor = window_floor(config, core)
+    return tuple(max(-(-n // multiple) * multiple, floor) for n in grid)
+
+
 def fixed_core(config: Config, core: int, kind: str, level: int) -> int:
     """The core of stage (`kind`, `level`) among fixed windows of `core` voxels: `core`,
     or the largest even core whose window fits the level of a `window_floor` box."""

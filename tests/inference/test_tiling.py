@@ -5,9 +5,10 @@ import math
 
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import REPO, tiny_config
 
 from ctseg import config as cfg
+from ctseg.data import grids
 from ctseg.inference import tiling
 
 
@@ -263,3 +264,20 @@ def test_a_stage_s_span_reads_only_what_the_stages_before_it_compute(shape, dept
     # Around a 512-class region the up stage at level 0 runs on the region, not the box.
     if shape[0] == 560:
         assert spans[-1] == need and spans[0] != spans[-1]
+
+
+def test_a_windows_box_runs_as_many_level_0_windows_as_the_ladder_s_in_fewer_shapes():
+    """lits512's cores of 128: a 512×512×63 scan's 560×560×306 grid in a 640×640×384 box,
+    as many level-0 windows as the ladder's 640×640×320; and the grids of 63 down to 36
+    slices in two box shapes where the ladder takes four."""
+    config = cfg.load(REPO / "configs" / "lits512_16way.toml", [])
+    box = tiling.windows_box(config, 128, (560, 560, 306))
+    assert box == (640, 640, 384)
+    ladder = grids.inference_box((560, 560, 306), 16)
+    assert ladder == (640, 640, 320)
+    level0 = [len(tiling.fixed_stages(config, 128, b)[0].windows()) for b in (box, ladder)]
+    assert level0[0] == level0[1] == 75
+    sides = range(175, 307, 14)  # the z of ten cut scans
+    assert len({tiling.windows_box(config, 128, (560, 560, z)) for z in sides}) == 2
+    assert len({grids.inference_box((560, 560, z), 16) for z in sides}) == 4
+    assert min(tiling.windows_box(config, 128, (40, 40, 40))) >= tiling.window_floor(config, 128)
