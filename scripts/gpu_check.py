@@ -159,8 +159,9 @@ def predict512(s: Settings) -> dict:
 
 
 def extents(s: Settings) -> dict:
-    """Ten scans of ten extents (the phantom cut to fewer slices) in one `ctseg predict`:
-    the programs compiled for the first serve the rest."""
+    """Ten scans of ten extents (the phantom cut to fewer slices) in one `ctseg predict`,
+    a second process on the predict check's compilation cache: the network's programs
+    come from the cache, and those of the first scan serve the rest."""
     import nibabel as nib
 
     work = s.work / "predict512"
@@ -177,7 +178,8 @@ def extents(s: Settings) -> dict:
         keep = slices - i * max(slices // (2 * EXTENTS), 1)
         part = image.slicer[:, :, :keep]
         nib.save(part, cut / f"volume-{i}.nii.gz")
-    wall, _ = run(s, "extents", [*CTSEG, "predict", str(run_dir), str(cut), "--out", str(out)], 600)
+    command = [*CTSEG, "predict", str(run_dir), str(cut), "--out", str(out)]
+    wall, _ = run(s, "extents", [*command, "--compile-cache", str(work / "xla-cache")], 600)
     stats = [json.loads(p.read_text()) for p in sorted(out.glob("*_stats.json"))]
     stats.sort(key=lambda st: st["seconds"].get("compile", 0.0), reverse=True)
     later = [st["seconds"].get("compile", 0.0) for st in stats[1:]]
@@ -186,6 +188,8 @@ def extents(s: Settings) -> dict:
         "wall_seconds": wall,
         "first_compile_seconds": stats[0]["seconds"].get("compile", 0.0),
         "later_compile_seconds": sum(later),
+        # The call's programs and those from the cache (each scan's record counts so far).
+        "compiled": max((st["compiled"] for st in stats), key=lambda c: c["programs"]),
     }
 
 
