@@ -1,10 +1,11 @@
 """The inference engine: logits and class probabilities of whole boxes of the grid.
 
-An `Engine` runs a trained model on one backend: ``jax`` (`ctseg.inference.jax_backend`: the
-whole volume partitioned over the devices, or exact level-wise tiles, all on the
-devices) or ``onnx`` (`ctseg.inference.onnx_backend`: ONNX Runtime on the host's CPU cores).
-Level-wise tiles are cut as `ctseg.inference.tiling` plans them; stitched, they equal one
-whole-volume pass.
+An `Engine` runs a trained model on one backend: ``jax`` (`ctseg.inference.jax_backend`,
+its plans in `jax_plans` and `jax_windows`: the whole volume partitioned over the
+devices, exact level-wise tiles or fixed windows, all on the devices) or ``onnx``
+(`ctseg.inference.onnx_backend`: ONNX Runtime on the host's CPU cores). Level-wise tiles
+are cut as `ctseg.inference.tiling` plans them; stitched, they equal one whole-volume
+pass.
 
 Softmax and the mean of the mirrored passes (test-time augmentation) run where the
 backend runs, by its own array operations (`class_probabilities`, one loop for both), and
@@ -25,7 +26,8 @@ from ctseg.config.tile import SIZE, WHOLE
 from ctseg.errors import CtsegError
 from ctseg.inference import tiling
 from ctseg.inference.backends import BACKENDS, Backend
-from ctseg.inference.jax_backend import COMPILED_SHARE, JaxBackend
+from ctseg.inference.jax_backend import JaxBackend
+from ctseg.inference.jax_plans import COMPILED_SHARE
 from ctseg.inference.onnx_backend import OnnxBackend
 from ctseg.inference.tiling import Shape, Span, Stage, TileProgress
 from ctseg.run.trained import TrainedModel

@@ -41,7 +41,7 @@ from ctseg import atomic
 from ctseg.errors import CtsegError
 from ctseg.inference import postprocess, quality, requests
 from ctseg.inference.inputs import OwnOutputs, ScanOutcome, foreign_outputs, output_paths
-from ctseg.inference.jax_backend import is_out_of_memory
+from ctseg.inference.jax_plans import is_out_of_memory
 from ctseg.inference.member import OnGrid
 from ctseg.inference.predictor import (
     PHASES,

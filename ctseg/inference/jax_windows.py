@@ -1,7 +1,7 @@
 """Fixed windows on JAX devices: level-wise tiles whose programs do not depend on the box.
 
 The spacing grid's boxes follow the scans' extents, and every new box shape would compile
-the whole-volume or stage programs anew (`ctseg.inference.jax_backend`; lits512's whole
+the whole-volume or stage programs anew (`ctseg.inference.jax_plans`; lits512's whole
 volume: ~107 s on an H200, mostly XLA's autotuning of the convolutions). Here each stage's
 convolutions are one program on one window whose extent does not depend on the box
 (`window_program`, `tiling.fixed_stages`), compiled once per model, stage and device and

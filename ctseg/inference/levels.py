@@ -1,5 +1,5 @@
 """The levels of level-wise tiles on JAX devices, shared by the stage programs
-(`ctseg.inference.jax_backend`) and fixed windows (`ctseg.inference.jax_windows`): each
+(`ctseg.inference.jax_plans`) and fixed windows (`ctseg.inference.jax_windows`): each
 stage's input and output level's shape and bytes, a window cut out of them and the voxels
 its core owns, and the bytes a plan needs beside its programs."""
 

@@ -23,7 +23,7 @@ from ctseg.errors import CtsegError
 from ctseg.inference import tiling, to_grid
 from ctseg.inference.backends import Backend
 from ctseg.inference.engine import Engine, class_probabilities, fixed_window_core
-from ctseg.inference.jax_backend import is_out_of_memory
+from ctseg.inference.jax_plans import is_out_of_memory
 from ctseg.inference.region import GridWindow, Region, window_of
 from ctseg.inference.tiling import Shape, Span, TileProgress
 from ctseg.io.scans import Scan

@@ -10,7 +10,7 @@ from ctseg.data import grids
 from ctseg.errors import CtsegError
 from ctseg.inference import scan_space, tiling
 from ctseg.inference.engine import Engine, class_probabilities
-from ctseg.inference.jax_backend import COMPILED_SHARE
+from ctseg.inference.jax_plans import COMPILED_SHARE
 from ctseg.inference.onnx_backend import softmax_
 from ctseg.model import unet
 from ctseg.parallel import devices as dev

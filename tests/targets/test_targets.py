@@ -16,7 +16,7 @@ from helpers import REPO, tiny_config
 
 from ctseg.errors import CtsegError
 from ctseg.inference import tiling
-from ctseg.inference.jax_backend import plan_inference
+from ctseg.inference.jax_plans import plan_inference
 from ctseg.model import aot, unet
 from ctseg.parallel.partition import make_mesh
 from ctseg.run.trained import TrainedModel
