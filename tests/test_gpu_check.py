@@ -1,0 +1,47 @@
+"""The GPU check's plumbing, on the CPU: its commands run in its work folder (started in a
+checkout, `python -m ctseg` would import the checkout's ctseg/, which lacks the command
+line), every command's output is kept, and `--only` refuses a check it does not know."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO
+
+SCRIPT = REPO / "scripts" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_a_command_runs_in_the_work_folder_and_its_output_is_kept(gpu_check, tmp_path):
+    settings = gpu_check.Settings("cpu", True, tmp_path)
+    code = "import os, sys; print(os.getcwd()); print('x', file=sys.stderr)"
+    where = [sys.executable, "-c", code]
+    _, out = gpu_check.run(settings, "where", where, 60)
+    assert out.strip() == str(tmp_path)
+    log = (tmp_path / "logs" / "where.log").read_text()
+    assert str(tmp_path) in log and "x" in log
+    failing = [sys.executable, "-c", "raise SystemExit('the last line')"]
+    with pytest.raises(RuntimeError, match="the last line"):
+        gpu_check.run(settings, "failing", failing, 60)
+    assert "the last line" in (tmp_path / "logs" / "failing.log").read_text()
+
+
+def test_only_refuses_an_unknown_check(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), "--only", "train,nonsense"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert "no check named nonsense" in done.stderr
