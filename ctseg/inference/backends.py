@@ -97,6 +97,12 @@ class Backend(ABC):
         """Fixed windows' core for `memory` bytes (a backend with `fixed_windows`)."""
         raise NotImplementedError(f"{self.name} runs no fixed windows")
 
+    def prepare_windows(self, model: TrainedModel, core: int) -> None:
+        """Begin compiling the programs of fixed windows of `core` voxels, which every box
+        at least their floor a side runs, in the background, and return (a backend with
+        `fixed_windows`)."""
+        raise NotImplementedError(f"{self.name} runs no fixed windows")
+
     def window_plan(
         self, model: TrainedModel, shape: Shape, stages: list[Stage], memory: int
     ) -> Plan:

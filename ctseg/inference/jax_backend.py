@@ -27,6 +27,7 @@ from ctseg.inference.jax_windows import (
     WINDOW_CORES,
     WindowPlan,
     WindowPrograms,
+    window_batch,
 )
 from ctseg.inference.tiling import Shape, Stage
 from ctseg.model.unet import UP
@@ -78,6 +79,14 @@ class JaxBackend(Backend):
             if tiling.window_bytes(config, 0, extent, itemsize) <= tiling.MEMORY_SHARE * memory / 4:
                 return core
         return WINDOW_CORES[-1]
+
+    def prepare_windows(self, model: TrainedModel, core: int) -> None:
+        config = model.config
+        floor = tiling.window_floor(config, core)
+        # Any box at least the floor a side has these windows' extents, hence these programs.
+        stages = tiling.fixed_stages(config, core, (floor,) * 3)
+        batches = [window_batch(stage, stages, self.most_batched) for stage in stages]
+        self.window_programs.start(model, stages, batches, self.devices)
 
     def window_plan(
         self, model: TrainedModel, shape: Shape, stages: list[Stage], memory: int

@@ -22,7 +22,8 @@ output levels summed back onto it (exact: the windows' blocks own disjoint voxel
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 from typing import Any
 
@@ -83,37 +84,71 @@ def window_batch(stage: Stage, stages: list[Stage], most: int = MAX_WINDOW_BATCH
 
 class WindowPrograms:
     """The window programs of a backend's devices, by model, stage and device
-    (`window_program`): every box shape reuses them."""
+    (`window_program`): every box shape reuses them. They compile in the background from
+    when they are first asked for (`start`): a member knows its windows before its first
+    scan, so their programs compile while that scan is read and brought to the grid."""
 
     def __init__(self) -> None:
-        self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self._compiled: dict[tuple, Future] = {}
+        self._lock = threading.Lock()
+
+    def start(
+        self, model: TrainedModel, stages: list[Stage], batches: list[int], devices: list[Any]
+    ) -> None:
+        """Begin compiling every stage's window program on every device where it is neither
+        compiled nor compiling, concurrently (XLA compiles in threads of its own), and
+        return. The first device's compile first: XLA keeps a GPU's autotuning results in
+        the process by the GPU's kind, so the other devices' compiles of the same programs
+        wait for them and should find them there rather than tune again (not yet measured
+        on several GPUs)."""
+        batched = list(zip(stages, batches, strict=True))
+        firsts = self._submit(model, batched, devices[:1], [])
+        self._submit(model, batched, devices[1:], firsts)
 
     def of(
         self, model: TrainedModel, stages: list[Stage], batches: list[int], devices: list[Any]
     ) -> list[list[jax.stages.Compiled]]:
-        """Every stage's window program on every device ([stage][device]), those not kept
-        yet compiled concurrently (XLA compiles in threads of its own). The first device's
-        compile first: XLA keeps a GPU's autotuning results in the process by the GPU's
-        kind, so the other devices' compiles of the same programs should find them there
-        rather than tune again (not yet measured on several GPUs)."""
-        batched = list(zip(stages, batches, strict=True))
-        self._compile(model, batched, devices[:1])
-        self._compile(model, batched, devices[1:])
-        return [[self._compiled[_key(model, *sb, d)] for d in devices] for sb in batched]
+        """Every stage's window program on every device ([stage][device]), waited for;
+        those not asked for yet compiled now (`start`)."""
+        self.start(model, stages, batches, devices)
+        return [
+            [self._compiled[_key(model, stage, batch, device)].result() for device in devices]
+            for stage, batch in zip(stages, batches, strict=True)
+        ]
 
-    def _compile(
-        self, model: TrainedModel, batched: list[tuple[Stage, int]], devices: list[Any]
-    ) -> None:
-        wanted = {_key(model, s, b, d): (s, b, d) for s, b in batched for d in devices}
-        missing = {key: each for key, each in wanted.items() if key not in self._compiled}
+    def _submit(
+        self,
+        model: TrainedModel,
+        batched: list[tuple[Stage, int]],
+        devices: list[Any],
+        after: list[Future],
+    ) -> list[Future]:
+        """The programs' futures, those not yet asked for submitted to wait for `after`
+        first (each waits only for work submitted before it: no deadlock in the pool)."""
+        futures = []
+        with self._lock:
+            for stage, batch in batched:
+                for device in devices:
+                    key = _key(model, stage, batch, device)
+                    if key not in self._compiled:
+                        self._compiled[key] = _COMPILING.submit(
+                            _compile_after, after, model, stage, batch, device
+                        )
+                    futures.append(self._compiled[key])
+        return futures
 
-        def compile_one(stage: Stage, batch: int, device: Any) -> jax.stages.Compiled:
-            weights = _single_shapes((model.params, model.stats), device)
-            return window_program(model.graphdef, model.config, stage, batch, *weights)
 
-        with ThreadPoolExecutor() as pool:
-            compiled = pool.map(lambda wanted: compile_one(*wanted), missing.values())
-            self._compiled.update(zip(missing, compiled, strict=True))
+# Where window programs compile: one pool for the process (backends come and go; their
+# compiles are few, and long on a GPU).
+_COMPILING = ThreadPoolExecutor(thread_name_prefix="ctseg-windows")
+
+
+def _compile_after(
+    after: list[Future], model: TrainedModel, stage: Stage, batch: int, device: Any
+) -> jax.stages.Compiled:
+    wait(after)
+    weights = _single_shapes((model.params, model.stats), device)
+    return window_program(model.graphdef, model.config, stage, batch, *weights)
 
 
 def _key(model: TrainedModel, stage: Stage, batch: int, device: Any) -> tuple:

@@ -76,6 +76,10 @@ class Member:
         # liver's: where the backend compiles fixed windows, their programs serve every
         # such box (at least their floor a side). The cube's own box is one shape: its plan.
         self.windows = fixed_window_core(model, tile, backend)
+        if self.windows is not None and self.grid.kind == "spacing":
+            # Their programs do not depend on the box: they compile while the first scan
+            # is read and brought to the grid.
+            backend.prepare_windows(model, self.windows)
         self.engine: Engine | None = None  # the one that ran (or will run) the latest scan
         if self.grid.kind == "cube":
             self.engine_for(tiling.grid_shape(self.config))

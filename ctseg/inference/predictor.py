@@ -349,11 +349,11 @@ class Predictor:
 
         probabilities = []
         for index, (member, on_grid) in enumerate(zip(self.members, on_grids, strict=True)):
-            compiled_before = self.clock.seconds
+            began = time.perf_counter()
             own: Seconds = {}
             with timed(own, "infer"):
                 probabilities.append(member.infer(on_grid, self.tta, tiles, warnings))
-            compiling = self.clock.seconds - compiled_before
+            compiling = self.clock.seconds_since(began)
             seconds["infer"] = seconds.get("infer", 0.0) + own["infer"] - compiling
             seconds["compile"] = seconds.get("compile", 0.0) + compiling
             if len(self.members) > 1:

@@ -127,9 +127,14 @@ class CompileClock:
     @property
     def seconds(self) -> float:
         """Wall seconds during which at least one program was compiling."""
+        return self.seconds_since(float("-inf"))
+
+    def seconds_since(self, began: float) -> float:
+        """Those of `seconds` after `began` (a `time.perf_counter()` reading): a compile
+        begun in the background before it counts from there."""
         with self._lock:
             spans = sorted(self._spans)
-        total, reached = 0.0, float("-inf")
+        total, reached = 0.0, began
         for start, end in spans:
             total += max(end - max(start, reached), 0.0)
             reached = max(reached, end)

@@ -110,4 +110,5 @@ def test_the_compile_clock_counts_compiles_in_threads_once(monkeypatch):
     for duration in (20.0, 30.0, 5.0):  # [0, 20] and [0, 30] together, then [45, 50]
         clock._duration(compile_cache._BACKEND_COMPILE, duration)
     assert clock.seconds == 35.0
+    assert clock.seconds_since(10.0) == 25.0  # [10, 30] and [45, 50]
     assert clock.programs == 3
