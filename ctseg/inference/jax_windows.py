@@ -9,7 +9,7 @@ kept in `WindowPrograms`; a driver on the host cuts the windows out of the level
 their masked cores into the next one with small programs that follow the box's level
 shapes and compile in milliseconds (`WindowPlan`).
 
-A deep stage's windows are small (17³ voxels at level 3 of 128³ cores), too small to keep
+A deep stage's windows are small (16³ voxels at level 3 of 128³ cores), too small to keep
 a GPU busy one at a time: they run several to a dispatch, stacked on the batch axis
 (`window_batch`), as many as hold the voxels of the plan's largest window.
 
@@ -67,7 +67,7 @@ MAX_WINDOW_BATCH = 8
 # A stage's windows run several to a dispatch where they hold at most this share of the
 # plan's largest window's voxels. Measured on an H100 (lits512, cores of 128, a 640×640×320
 # box, one process): batched 8 to a dispatch, the stages of levels 2 and 3 (windows of 34³
-# and 17³, 1/64 and 1/512 of the largest) took 0.14 s instead of 0.41 s; level 1's (68³,
+# and 16³, 1/64 and 1/600 of the largest) took 0.14 s instead of 0.41 s; level 1's (68³,
 # 1/8) were no faster (0.24 s against 0.20 s).
 BATCHED_SHARE = 1 / 64
 
