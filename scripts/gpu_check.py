@@ -23,7 +23,8 @@ WORKDIR/logs/ (with JAX_LOG_COMPILES=1 set, every program compiled and its secon
 `--quick` runs the same checks on small grids (minutes on a CPU: `--device cpu --quick`
 tests the script itself; its numbers mean nothing); `--only train,predict` runs those
 checks alone, in that order (PyTorch's anchors run last by default, so a short lease
-keeps ctseg's own figures).
+keeps ctseg's own figures); `--mirror DIR` copies the JSON and the logs (packed) there
+after every check.
 Record each run in docs/experiments/gpu.md.
 """
 
@@ -34,6 +35,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -310,12 +312,28 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def mirror(work: Path, folder: Path) -> None:
+    """WORKDIR's gpu_check.json and its logs, packed in one file, copied to `folder`: two
+    files, each replaced whole, however far the check got."""
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(folder / "gpu_check.json", json.loads((work / "gpu_check.json").read_text()))
+    with atomic.atomic_path(folder / "logs.tar.gz") as tmp, tarfile.open(tmp, "w:gz") as tar:
+        if (work / "logs").is_dir():
+            tar.add(work / "logs", arcname="logs")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workdir", type=Path)
     parser.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     parser.add_argument("--quick", action="store_true", help="small grids: tests the script")
     parser.add_argument("--only", help="comma-separated checks to run, in this order")
+    parser.add_argument(
+        "--mirror",
+        type=Path,
+        help="after every check, also write gpu_check.json and logs.tar.gz here (a lent "
+        "machine that gives back a few files of one folder)",
+    )
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     s = Settings(args.device, args.quick, args.workdir.resolve())
@@ -345,6 +363,8 @@ def main() -> None:
             s.results[name] = {"error": f"{type(exc).__name__}: {exc}"}
         s.results["wall_seconds"] = time.perf_counter() - began
         atomic.write_json(s.work / "gpu_check.json", s.results)
+        if args.mirror is not None:
+            mirror(s.work, args.mirror)
     print(table(s.results))
     print(f"wrote {s.work / 'gpu_check.json'} ({s.results['wall_seconds']:.0f} s in all)")
 

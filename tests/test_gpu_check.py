@@ -3,8 +3,10 @@ checkout, `python -m ctseg` would import the checkout's ctseg/, which lacks the 
 line), every command's output is kept, and `--only` refuses a check it does not know."""
 
 import importlib.util
+import json
 import subprocess
 import sys
+import tarfile
 
 import pytest
 from helpers import REPO
@@ -45,3 +47,16 @@ def test_only_refuses_an_unknown_check(tmp_path):
     )
     assert done.returncode == 2
     assert "no check named nonsense" in done.stderr
+
+
+def test_mirror_copies_the_results_and_the_packed_logs(gpu_check, tmp_path):
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "logs").mkdir(parents=True)
+    (work / "gpu_check.json").write_text('{"train": {"first_step_seconds": 1.5}}')
+    (work / "logs" / "train.log").write_text("$ ctseg train …\n")
+    gpu_check.mirror(work, out)
+    gpu_check.mirror(work, out)  # again, as after the next check: replaced whole
+    assert json.loads((out / "gpu_check.json").read_text())["train"]["first_step_seconds"] == 1.5
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert tar.extractfile("logs/train.log").read() == "$ ctseg train …\n".encode()
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "logs.tar.gz"]
