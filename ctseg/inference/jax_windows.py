@@ -112,9 +112,21 @@ class WindowPrograms:
         those not asked for yet compiled now (`start`)."""
         self.start(model, stages, batches, devices)
         return [
-            [self._compiled[_key(model, stage, batch, device)].result() for device in devices]
+            [self._result(_key(model, stage, batch, device)) for device in devices]
             for stage, batch in zip(stages, batches, strict=True)
         ]
+
+    def _result(self, key: tuple) -> jax.stages.Compiled:
+        """A program, waited for; one whose compile failed is forgotten, so that the next
+        box asks again rather than meeting the same failure for every later scan."""
+        future = self._compiled[key]
+        try:
+            return future.result()
+        except BaseException:
+            with self._lock:
+                if self._compiled.get(key) is future:
+                    del self._compiled[key]
+            raise
 
     def _submit(
         self,

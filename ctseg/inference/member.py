@@ -34,6 +34,7 @@ from ctseg.run.trained import TrainedModel
 # Spacing-grid boxes are rounded up to a rung of this multiple's ladder under JAX (or the
 # alignment's, if larger; `grids.inference_box`): scans of different extents share one
 # compiled program. Under ONNX Runtime, to the next multiple: ≤ 15 voxels of air a side.
+# In fixed windows (accelerators), to multiples of their core instead (`tiling.windows_box`).
 BOX_MULTIPLE = 16
 
 

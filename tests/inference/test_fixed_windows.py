@@ -271,3 +271,26 @@ def test_a_cube_member_runs_fixed_windows_for_region_boxes_only():
     floor = tiling.window_floor(model.config, 8)
     assert member.engine_for((floor, 28, 32)).windows == 8
     assert member.engine_for((floor - 4, 28, 32)).windows is None
+
+
+def test_a_window_program_whose_compile_failed_is_compiled_again_when_asked(monkeypatch):
+    """A failed compile (a GPU out of memory while tuning, say) fails that plan only: the
+    next box asks again, as when the programs compiled in the plan's own thread."""
+    model = random_model(2)
+    stages = tiling.fixed_stages(model.config, 8, (32, 32, 32))
+    batches = [jax_windows.window_batch(s, stages) for s in stages]
+    devices = jax.devices()[:1]
+    real, calls = jax_windows.window_program, []
+
+    def failing_once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("RESOURCE_EXHAUSTED while autotuning")
+        return real(*args)
+
+    monkeypatch.setattr(jax_windows, "window_program", failing_once)
+    programs = jax_windows.WindowPrograms()
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        programs.of(model, stages[:1], batches[:1], devices)
+    compiled = programs.of(model, stages[:1], batches[:1], devices)
+    assert len(calls) == 2 and compiled[0][0] is not None
