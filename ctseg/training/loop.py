@@ -19,7 +19,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -220,17 +220,18 @@ def _hold_from(config: cfg.Config) -> int:
 
 
 class _Programs:
-    """A run's compiled programs: the training step and, when the run reaches its phase,
-    the held-statistics step, and the on-device augmentation (`augmenter`), all compiled
-    side by side before the first batch (the step's memory need checked on accelerators;
-    each then run as it is: compiling again would cost as much where the compilation cache
-    is off); and the inference-mode programs that validate and pool the batch-norm
-    statistics.
+    """A run's compiled programs: the training step and the on-device augmentation
+    (`augmenter`), compiled side by side before the first batch (the step's memory need
+    checked on accelerators; each then run as it is: compiling again would cost as much
+    where the compilation cache is off); the held-statistics step, compiled after the
+    training step in the background, awaited when its phase begins; and the
+    inference-mode programs that validate and pool the batch-norm statistics.
 
-    Side by side: one after another they added up before the first step (73.5 s for
-    lits256 on an H100, with the held step still compiled mid-run), where XLA compiles
-    each in threads of its own and a GPU tunes each one's convolutions by running them
-    (how much side by side saves there is not measured yet)."""
+    The held step has the training step's convolutions. Compiled after it, it finds their
+    tuning (a GPU times each convolution's algorithms by running them) in the process's
+    cache; compiled beside it, both tuned the same convolutions on one GPU at once, and
+    lits256's first step on an H100 came 134 s after the command started, against 73.5 s
+    with the held step compiled mid-run (docs/experiments/gpu.md)."""
 
     def __init__(
         self,
@@ -242,19 +243,22 @@ class _Programs:
         hold_from: int,
     ):
         batch = aot.abstract_batch(config, mesh)
+        step = partial(aot.compile_train_step, graphdef, config, mesh, state, *batch)
         with ThreadPoolExecutor() as pool:
-            step = partial(aot.compile_train_step, graphdef, config, mesh, state, *batch)
             train = pool.submit(step)
-            held = pool.submit(step, held_norm=True) if hold_from < config.train.steps else None
             augmenter = (
                 pool.submit(augmenter_for, store, config, mesh)
                 if config.augment.on_device
                 else None
             )
             self.train_step = train.result()
-            self.held_step = held.result() if held else None
             self.augmenter = augmenter.result() if augmenter else None
         check_memory(self.train_step, config, list(mesh.devices.flat))
+        self._held_step: Future[Any] | None = None
+        if hold_from < config.train.steps:
+            background = ThreadPoolExecutor(1, thread_name_prefix="held-step")
+            self._held_step = background.submit(step, held_norm=True)
+            background.shutdown(wait=False)  # its one task still runs
         predict = make_predict(graphdef, config, mesh)
         self.segment = jax.jit(lambda *args: jnp.argmax(predict(*args), axis=-1).astype(jnp.uint8))
         self.batch_statistics = jax.jit(make_batch_statistics(graphdef, config, mesh))
@@ -262,7 +266,7 @@ class _Programs:
 
     def step_for(self, step: int, hold_from: int) -> Any:
         """The program that trains step `step`: on held statistics from `hold_from` on."""
-        return self.train_step if step < hold_from else self.held_step
+        return self.train_step if step < hold_from else self._held_step.result()
 
 
 @dataclass
