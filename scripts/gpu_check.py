@@ -5,21 +5,22 @@
 On a machine with one GPU and the `cuda12`/`cuda13` and `bench` extras, it runs, each
 in its own process as a user runs it:
 
-1. the training step at 128³ and 256³ (`ctseg bench`, `configs/lits128.toml` and
-   `configs/lits256_16way.toml` fitted to one device), and the same U-Net's step in
-   PyTorch, eager and `torch.compile`d (`scripts/monai_anchor.py train`);
-2. `ctseg train` with `configs/lits256_16way.toml` on four synthetic 256³-box scans,
+1. `ctseg train` with `configs/lits256_16way.toml` on four synthetic 256³-box scans,
    100 steps with the LiTS augmentations: seconds from the command's start to the first
    step, and the share of the loop spent waiting for input;
-3. prediction of 512×512 scans with the lits512 model (`scripts/bench_predict512.py
+2. prediction of 512×512 scans with the lits512 model (`scripts/bench_predict512.py
    --anchor`): cold and warm, each further scan, the network against MONAI's sliding
    window; and ten scans of ten different extents in one `ctseg predict`, which must
-   compile nothing after the first scan's programs.
+   compile nothing after the first scan's programs;
+3. the training step at 256³ and 128³ (`ctseg bench`, `configs/lits256_16way.toml`
+   fitted to one device and `configs/lits128.toml`), and the same U-Net's step in
+   PyTorch, eager and `torch.compile`d (`scripts/monai_anchor.py train`).
 
 A check that fails is a row saying so; the others go on. It prints a table of
 measurements against the targets last and writes WORKDIR/gpu_check.json (rewritten after
 every check, so an interrupted run keeps what it measured) and each command's output to
-WORKDIR/logs/ (with JAX_LOG_COMPILES=1 set, every program compiled and its seconds).
+WORKDIR/logs/ (with JAX_LOG_COMPILES=1 set: `ctseg train`'s log lists every program
+compiled and its seconds).
 `--quick` runs the same checks on small grids (minutes on a CPU: `--device cpu --quick`
 tests the script itself; its numbers mean nothing); `--only train,predict` runs those
 checks alone, in that order (PyTorch's anchors run last by default, so a short lease
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -75,7 +77,12 @@ def run(s: Settings, name: str, command: list[str], timeout: float) -> tuple[flo
     try:
         # Run in WORKDIR: started in a checkout, `python -m ctseg` would find the checkout's
         # ctseg/ first, which lacks the command line (it installs inside the namespace).
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=s.work)
+        # JAX_LOG_COMPILES: each program's compile seconds in the log (`ctseg train` prints
+        # them; commands that hold libraries' output print them with --verbose).
+        env = {**os.environ, "JAX_LOG_COMPILES": "1"}
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, cwd=s.work, env=env
+        )
     except subprocess.TimeoutExpired as exc:
         log.write_text(f"$ {' '.join(command)}\n{_text(exc.stdout)}{_text(exc.stderr)}")
         raise RuntimeError(f"no answer in {timeout:.0f} s: {' '.join(command[:3])} …") from None
@@ -338,12 +345,14 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     s = Settings(args.device, args.quick, args.workdir.resolve())
     # ctseg's own checks first, PyTorch's anchors last: a short lease keeps what is ours.
+    # Training before the steps: its step compiled into the cache is step256's, which on a
+    # fresh machine otherwise compiles for over 40 s before it times anything.
     checks: dict[str, Callable[[], dict]] = {
-        "step128": lambda: bench_step(s, LITS128, "step128"),
-        "step256": lambda: bench_step(s, LITS256, "step256"),
         "train": lambda: train_start(s),
         "predict": lambda: predict512(s),
         "extents": lambda: extents(s),
+        "step256": lambda: bench_step(s, LITS256, "step256"),
+        "step128": lambda: bench_step(s, LITS128, "step128"),
         "anchor128": lambda: anchor_step(s, 128, False),
         "anchor128_compiled": lambda: anchor_step(s, 128, True),
         "anchor256": lambda: anchor_step(s, 256, False),

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from ctseg.errors import CtsegError
 from ctseg.memory import host_memory
+from ctseg.parallel.xla_options import prefer_channels_last
 
 DEVICE_CHOICES = ("auto", "cpu", "gpu", "tpu")
 ACCELERATORS = ("gpu", "tpu")
@@ -58,9 +59,11 @@ def restrict_backends(request: str) -> None:
     preallocation), which a CPU-only run must not take from other users. And where no
     accelerator is attached, a backend installed for compiling only (the `targets`
     extra: JAX's CUDA plugin, libtpu) would fail to start and say so on every command.
+    The XLA options of `ctseg.parallel.xla_options` are set here too.
     """
     if request not in DEVICE_CHOICES:
         raise CtsegError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {request!r}")
+    _set_xla_options()
     unattended = request == "auto" and not os.environ.get("JAX_PLATFORMS") and no_accelerator()
     if request == "cpu" or unattended:
         import jax
@@ -85,6 +88,13 @@ def _platforms_chosen() -> bool:
     return _backends_started()
 
 
+def _set_xla_options() -> None:
+    # Only before the backends start: JAX's cache keys read XLA_FLAGS at each compile, so
+    # a later change would file programs under options they were not compiled with.
+    if not _backends_started():
+        prefer_channels_last(os.environ)
+
+
 def _backends_started() -> bool:
     try:
         from jax._src import xla_bridge
@@ -102,6 +112,7 @@ def start_quietly(request: str = "auto") -> Found:
     if request not in DEVICE_CHOICES:
         raise CtsegError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {request!r}")
     with held_start_output():  # importing JAX imports its plugins, which speak too
+        _set_xla_options()
         cpu_only = request == "cpu" or (request == "auto" and no_accelerator())
         if cpu_only and not _platforms_chosen():
             import jax

@@ -15,6 +15,7 @@ from ctseg.memory import host_memory
 from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import COMPILE_CACHE_ENV, compile_cache_dir
 from ctseg.parallel.layouts import fit_layout, fit_training
+from ctseg.parallel.xla_options import CHANNELS_LAST, prefer_channels_last
 from ctseg.training import loop
 
 GIB = 2**30
@@ -395,3 +396,26 @@ def test_auto_starts_only_the_cpu_where_no_accelerator_is_attached(monkeypatch):
     assert not dev.no_accelerator()
     monkeypatch.setattr(dev.sys, "platform", "darwin")  # no device files to read: no claim
     assert not dev.no_accelerator()
+
+
+def test_convolutions_are_channels_last_unless_the_user_chose():
+    environ: dict[str, str] = {}
+    prefer_channels_last(environ)
+    prefer_channels_last(environ)  # once only
+    assert environ["XLA_FLAGS"] == CHANNELS_LAST
+    environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/hlo"}
+    prefer_channels_last(environ)
+    assert environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/hlo", CHANNELS_LAST]
+    chosen = {"XLA_FLAGS": "--xla_gpu_force_conv_nchw"}
+    prefer_channels_last(chosen)
+    assert chosen == {"XLA_FLAGS": "--xla_gpu_force_conv_nchw"}
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_xla_options_are_set_only_before_jax_starts(monkeypatch, started):
+    # Afterwards XLA would not read them, but JAX's cache keys would: programs compiled
+    # without an option would be filed under it.
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setattr(dev, "_backends_started", lambda: started)
+    dev.restrict_backends("gpu")
+    assert os.environ.get("XLA_FLAGS") == (None if started else CHANNELS_LAST)
