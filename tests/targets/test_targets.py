@@ -19,6 +19,7 @@ from ctseg.inference import tiling
 from ctseg.inference.jax_plans import plan_inference
 from ctseg.model import aot, unet
 from ctseg.parallel.partition import make_mesh
+from ctseg.parallel.xla_options import CHANNELS_LAST
 from ctseg.run.trained import TrainedModel
 from ctseg.targets import compile as target_compile
 from ctseg.targets import process, table
@@ -62,6 +63,20 @@ def test_without_the_extra_the_target_says_what_to_install(monkeypatch):
     monkeypatch.setattr(process, "plugin_installed", lambda platform: False)
     with pytest.raises(CtsegError, match=r"needs libtpu, which is not installed: pip install"):
         process.plan_on_target(tiny_config(*SMALL), resolve("tpu-v5e:2x2"))
+
+
+def test_the_compile_child_has_the_options_of_a_command_on_the_device(monkeypatch):
+    seen = {}
+
+    def child(command, stdin, env):
+        seen.update(env)
+        return subprocess.CompletedProcess(command, 0, "{}", "")
+
+    monkeypatch.setattr(process, "plugin_installed", lambda platform: True)
+    monkeypatch.setattr(process, "run_child", child)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    process.plan_on_target(tiny_config(*SMALL), resolve("h100"))
+    assert seen["XLA_FLAGS"] == CHANNELS_LAST
 
 
 @pytest.fixture(scope="module")
