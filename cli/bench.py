@@ -1,5 +1,6 @@
 """`ctseg bench`: training-step time and memory per layout and partitioner on one grid."""
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -79,9 +80,9 @@ def _table(results: list[BenchResult], peak: Peak | None) -> Table:
             f"{r.step_seconds:.3f}",
             "–" if ratio is None else f"{ratio:.2f}×",
             f"{r.voxels_per_second / 1e6:.3g}",
-            f"{r.flops_per_second / 1e12:.3g}",
+            _or_dash(r.flops_per_second, lambda flops: f"{flops / 1e12:.3g}"),
         ]
-        cells += [f"{peak.utilisation(r):.1%}"] if peak else []
+        cells += [_or_dash(peak.utilisation(r), lambda share: f"{share:.1%}")] if peak else []
         table.add_row(
             r.partitioner,
             "×".join(map(str, r.spatial)),
@@ -89,6 +90,11 @@ def _table(results: list[BenchResult], peak: Peak | None) -> Table:
             human_bytes(r.per_device_bytes),
         )
     return table
+
+
+def _or_dash(value: float | None, shown: Callable[[float], str]) -> str:
+    """A figure the compiler did not count (a GPU compiled for without one) is a dash."""
+    return "–" if value is None else shown(value)
 
 
 def _peak_line(peak: Peak) -> str:

@@ -43,15 +43,15 @@ class BenchResult:
     step_seconds: float
     per_device_bytes: int
     voxels_per_step: int  # global grid voxels × batch
-    flops_per_step: float  # the whole step, all devices
+    flops_per_step: float | None  # the whole step, all devices; None: not counted
 
     @property
     def voxels_per_second(self) -> float:
         return self.voxels_per_step / self.step_seconds
 
     @property
-    def flops_per_second(self) -> float:
-        return self.flops_per_step / self.step_seconds
+    def flops_per_second(self) -> float | None:
+        return None if self.flops_per_step is None else self.flops_per_step / self.step_seconds
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -62,8 +62,12 @@ class BenchResult:
             "per_device_bytes": self.per_device_bytes,
             "voxels_per_second": self.voxels_per_second,
             "flops_per_step": self.flops_per_step,
-            "tflops_per_second": self.flops_per_second / 1e12,
+            "tflops_per_second": _tera(self.flops_per_second),
         }
+
+
+def _tera(flops: float | None) -> float | None:
+    return None if flops is None else flops / 1e12
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ class Peak:
     flops_per_second: float
     processes: int
 
-    def utilisation(self, result: BenchResult) -> float:
+    def utilisation(self, result: BenchResult) -> float | None:
         """The step's FLOP/s as a share of the peak of the hardware it ran on.
 
         Simulated CPU devices share their host's cores, so a CPU layout has one
@@ -84,6 +88,8 @@ class Peak:
         each bring their own.
         """
         units = self.processes if self.platform == "cpu" else result.devices
+        if result.flops_per_second is None:
+            return None
         return result.flops_per_second / (self.flops_per_second * units)
 
     def to_json(self) -> dict[str, Any]:
@@ -132,7 +138,8 @@ def time_layout(config: Config, steps: int, devices: Sequence[Any] | None = None
     graphdef, state = step.init_state(config)
     state = jax.device_put(state, NamedSharding(mesh, REPLICATED))
     image, label = random_batch(config, mesh, config.train.seed)
-    compiled = aot.compile_train_step(graphdef, config, mesh, state, image, label)
+    lowered = aot.lower_train_step(graphdef, config, mesh, state, image, label)
+    compiled = lowered.compile()
     state, metrics = compiled(state, image, label)
     jax.block_until_ready(metrics)
     times = []
@@ -149,7 +156,7 @@ def time_layout(config: Config, steps: int, devices: Sequence[Any] | None = None
         step_seconds=statistics.median(times),
         per_device_bytes=aot.memory_of(compiled).total,
         voxels_per_step=math.prod(image.shape),
-        flops_per_step=aot.flops_of(compiled, mesh.size),
+        flops_per_step=aot.flops_of(lowered, compiled, mesh),
     )
 
 

@@ -142,16 +142,17 @@ def plan_layout(
     mesh = make_mesh(config.mesh.spatial, config.mesh.data, devices)
     graphdef, state = aot.replicated_abstract_state(config, mesh)
     image, label = aot.abstract_batch(config, mesh)
-    compilers = {
-        "train": lambda: aot.compile_train_step(graphdef, config, mesh, state, image, label),
-        "predict": lambda: aot.compile_predict(graphdef, config, mesh, state, image),
+    lowerers = {
+        "train": lambda: aot.lower_train_step(graphdef, config, mesh, state, image, label),
+        "predict": lambda: aot.lower_predict(graphdef, config, mesh, state, image),
     }
     plans = []
     for mode in MODES:
         if progress is not None:
             progress(f"compiling {mode}, {config.num_partitions} partition(s)")
         began = time.perf_counter()
-        compiled = compilers[mode]()
+        lowered = lowerers[mode]()
+        compiled = lowered.compile()
         seconds = time.perf_counter() - began
         plans.append(
             LayoutPlan(
@@ -162,7 +163,7 @@ def plan_layout(
                 local_shape=local_block_shape(aot.global_image_shape(config), mesh.shape),
                 memory=aot.memory_of(compiled),
                 halo_bytes=halo_bytes(config, mode),
-                flops=aot.flops_of(compiled, mesh.size),
+                flops=aot.flops_of(lowered, compiled, mesh),
                 compile_seconds=seconds,
             )
         )

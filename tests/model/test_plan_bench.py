@@ -1,7 +1,9 @@
 """`ctseg plan` and `ctseg bench`: abstract compilation, memory and halo accounting, timing."""
 
 import json
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from helpers import TINY, tiny_config
 from typer.testing import CliRunner
@@ -9,7 +11,7 @@ from typer.testing import CliRunner
 import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg.cli.app import app
 from ctseg.errors import CtsegError
-from ctseg.model import bench, plan
+from ctseg.model import aot, bench, plan, unet
 from ctseg.parallel.layouts import auto_spatial
 
 DEPTH_3 = ["model.depth=3", "mesh.spatial=[2,2,1]"]
@@ -158,3 +160,35 @@ def test_bench_lists_that_name_nothing_are_one_line(option, value):
     result = CliRunner().invoke(app, ["bench", option, value, "--steps", "1"])
     assert isinstance(result.exception, CtsegError), result.output
     assert option in str(result.exception)
+
+
+def test_flops_are_counted_before_xla_hands_a_gpus_convolutions_to_cudnn():
+    """On a GPU the optimised program's count leaves cuDNN's convolutions out: only the
+    lowered program's count is used there; elsewhere the compiled one stands in."""
+
+    def stage(flops):
+        return SimpleNamespace(cost_analysis=lambda: None if flops is None else {"flops": flops})
+
+    def mesh(platform):
+        return SimpleNamespace(devices=np.array([SimpleNamespace(platform=platform)] * 4), size=4)
+
+    assert aot.flops_of(stage(7.0), stage(5.0), mesh("gpu")) == 28.0
+    assert aot.flops_of(stage(None), stage(5.0), mesh("gpu")) is None
+    assert aot.flops_of(stage(None), stage(5.0), mesh("tpu")) == 20.0
+
+
+def test_the_step_s_flops_are_its_convolutions_and_little_more():
+    # The plain count: 2 × k³ × c_in × c_out per output voxel for every convolution, and
+    # the backward pass's two more (input and weights' gradients).
+    config = tiny_config()
+    r, k = config.data.resolution, config.model.kernel_size
+    widths = unet.level_widths(config.model)
+    forward = 0
+    for level, width in enumerate(widths):
+        voxels = (r // 2**level) ** 3
+        first_in = 1 if level == 0 else widths[level - 1]
+        forward += 2 * k**3 * voxels * (first_in * width + width * width)
+        if level < len(widths) - 1:  # its decoder level: [skip, up] in, then width
+            forward += 2 * k**3 * voxels * (2 * width * width + width * width)
+    result = bench.time_layout(bench.layout_config(config, (1, 1, 1), "halo"), steps=1)
+    assert 3 * forward <= result.flops_per_step <= 1.5 * 3 * forward
