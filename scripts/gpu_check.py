@@ -14,7 +14,8 @@ in its own process as a user runs it:
    compile nothing after the first scan's programs;
 3. the training step at 256³ and 128³ (`ctseg bench`, `configs/lits256_16way.toml`
    fitted to one device and `configs/lits128.toml`), and the same U-Net's step in
-   PyTorch, eager and `torch.compile`d (`scripts/monai_anchor.py train`).
+   PyTorch, eager and `torch.compile`d (`scripts/monai_anchor.py train`); and where the
+   256³ step's device time goes, kernel by kernel (`scripts/profile_step.py`).
 
 A check that fails is a row saying so; the others go on. It prints a table of
 measurements against the targets last and writes WORKDIR/gpu_check.json (rewritten after
@@ -109,6 +110,17 @@ def bench_step(s: Settings, config: Path, name: str) -> dict:
     run(s, name, [*command, *s.sets(), "--json", str(report)], 300)
     result = json.loads(report.read_text())["results"][0]
     return {"step_seconds": result["step_seconds"], "gib": result["per_device_bytes"] / 2**30}
+
+
+def profile_step(s: Settings) -> dict:
+    """Where the 256³ step's device time goes, by kernel (`scripts/profile_step.py`)."""
+    report = s.work / "profile256.json"
+    report.unlink(missing_ok=True)
+    config = REPO / "configs" / "demo.toml" if s.quick else LITS256
+    command = [sys.executable, str(SCRIPTS / "profile_step.py"), "--config", str(config)]
+    command += ["--device", s.device, "--out", str(s.work / "profile256"), "--json", str(report)]
+    run(s, "profile256", command, 300)
+    return json.loads(report.read_text())
 
 
 def anchor_step(s: Settings, size: int, compiled: bool) -> dict:
@@ -353,6 +365,7 @@ def main() -> None:
         "extents": lambda: extents(s),
         "step256": lambda: bench_step(s, LITS256, "step256"),
         "step128": lambda: bench_step(s, LITS128, "step128"),
+        "profile256": lambda: profile_step(s),
         "anchor128": lambda: anchor_step(s, 128, False),
         "anchor128_compiled": lambda: anchor_step(s, 128, True),
         "anchor256": lambda: anchor_step(s, 256, False),

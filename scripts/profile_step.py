@@ -1,14 +1,15 @@
 """Where a training step's device time goes: the kernels of a few profiled steps, summed.
 
     python scripts/profile_step.py --config configs/lits256_16way.toml [--resolution 256]
-        [--steps 5] [--device gpu] [--out DIR]
+        [--steps 5] [--device gpu] [--out DIR] [--json FILE]
 
 Compiles the step of `--config` on one device (unpartitioned, as `ctseg bench
 --spatial 1,1,1`), runs a warm-up step, then profiles `--steps` steps with JAX's profiler
 and prints, for each of the device's timelines (on a GPU: its streams, and XLA's ops by
 HLO name), the events that took most time per step. The optimized HLO and the Perfetto
-trace go to `--out`, so that a fusion's name can be looked up there. On the CPU there is
-no device timeline: the host's threads are summed instead (useful to test the script).
+trace go to `--out`, so that a fusion's name can be looked up there; `--json` also writes
+the printed figures. On the CPU there is no device timeline: the host's threads are
+summed instead (useful to test the script).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="gpu", choices=["cpu", "gpu", "tpu"])
     parser.add_argument("--out", type=Path, default=Path("profile-step"))
+    parser.add_argument("--json", type=Path, help="also write the figures printed here")
     return parser.parse_args()
 
 
@@ -87,22 +89,34 @@ def timelines(trace: Path) -> dict[str, Counter]:
     return sums
 
 
-def report(sums: dict[str, Counter], steps: int, device: str) -> None:
-    on_device = {k: v for k, v in sums.items() if "/device:" in k} if device != "cpu" else sums
-    for line, counts in sorted(on_device.items()):
+def per_step(sums: dict[str, Counter], steps: int, device: str) -> dict[str, dict]:
+    """Each timeline that took time: its milliseconds per step, and its `TOP` events'."""
+    shown = {k: v for k, v in sums.items() if "/device:" in k} if device != "cpu" else sums
+    figures = {}
+    for line, counts in sorted(shown.items()):
         total = sum(counts.values()) / steps / 1e3
-        if total < 0.05:
-            continue
-        print(f"\n{line}: {total:.2f} ms per step over {len(counts)} names")
-        for name, us in counts.most_common(TOP):
-            print(f"  {us / steps / 1e3:8.3f} ms  {us / steps / 1e3 / total:6.1%}  {name[:110]}")
+        if total >= 0.05:
+            top = [[name, us / steps / 1e3] for name, us in counts.most_common(TOP)]
+            figures[line] = {"ms_per_step": total, "names": len(counts), "top": top}
+    return figures
+
+
+def report(figures: dict[str, dict]) -> None:
+    for line, timeline in figures.items():
+        total = timeline["ms_per_step"]
+        print(f"\n{line}: {total:.2f} ms per step over {timeline['names']} names")
+        for name, ms in timeline["top"]:
+            print(f"  {ms:8.3f} ms  {ms / total:6.1%}  {name[:110]}")
 
 
 def main() -> None:
     args = parse()
     args.out.mkdir(parents=True, exist_ok=True)
     trace = profiled_step(args)
-    report(timelines(trace), args.steps, args.device)
+    figures = per_step(timelines(trace), args.steps, args.device)
+    report(figures)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"steps": args.steps, "timelines": figures}, indent=1))
 
 
 if __name__ == "__main__":

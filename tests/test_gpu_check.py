@@ -2,6 +2,7 @@
 checkout, `python -m ctseg` would import the checkout's ctseg/, which lacks the command
 line), every command's output is kept, and `--only` refuses a check it does not know."""
 
+import gzip
 import importlib.util
 import json
 import subprocess
@@ -60,3 +61,27 @@ def test_mirror_copies_the_results_and_the_packed_logs(gpu_check, tmp_path):
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert tar.extractfile("logs/train.log").read() == "$ ctseg train …\n".encode()
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "logs.tar.gz"]
+
+
+def test_the_profile_sums_each_device_timeline_per_step(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "profile_step", REPO / "scripts" / "profile_step.py"
+    )
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #1"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+    ]
+    kernels = [("conv", 600), ("fusion.1", 300), ("conv", 900), ("fusion.2", 200)]
+    events = [{"ph": "X", "pid": 1, "tid": 7, "name": n, "dur": us} for n, us in kernels]
+    events.append({"ph": "X", "pid": 2, "tid": 3, "name": "python", "dur": 10**6})
+    trace = tmp_path / "t.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+    figures = profile.per_step(profile.timelines(trace), steps=2, device="gpu")
+    assert list(figures) == ["/device:GPU:0 / Stream #1"]  # the host's time left out
+    timeline = figures["/device:GPU:0 / Stream #1"]
+    assert timeline["ms_per_step"] == 1.0 and timeline["names"] == 3
+    assert timeline["top"] == [["conv", 0.75], ["fusion.1", 0.15], ["fusion.2", 0.1]]
