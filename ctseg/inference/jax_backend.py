@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ctseg.config import Config
-from ctseg.inference import scan_space, tiling
+from ctseg.inference import scan_space, tile_memory, tiling
 from ctseg.inference.backends import Backend
 from ctseg.inference.jax_plans import JaxPlan
 from ctseg.inference.jax_windows import (
@@ -76,7 +76,8 @@ class JaxBackend(Backend):
         itemsize = jnp.dtype(config.model.dtype).itemsize
         for core in WINDOW_CORES:
             extent = (core + 2 * tiling.stage_context(config, UP),) * 3
-            if tiling.window_bytes(config, 0, extent, itemsize) <= tiling.MEMORY_SHARE * memory / 4:
+            budget = tile_memory.MEMORY_SHARE * memory / 4
+            if tile_memory.window_bytes(config, 0, extent, itemsize) <= budget:
                 return core
         return WINDOW_CORES[-1]
 

@@ -15,7 +15,7 @@ while they fit, and are moved to the host whole (never per window) when they do 
 The levels' shapes and the window cut: `ctseg.inference.levels`, shared with fixed
 windows (`ctseg.inference.jax_windows`).
 
-Planning (no stages given): the hand formula of `ctseg.inference.tiling` proposes candidates
+Planning (no stages given): the hand formula of `ctseg.inference.tile_memory` proposes candidates
 (the whole volume, then tiles); the candidates' programs are compiled, all of a plan
 at once (XLA compiles them in parallel threads), and the compiler's own memory
 analysis of each, with the levels alive beside it, decides against the devices' free
@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ctseg.config import Config
 from ctseg.errors import CtsegError
-from ctseg.inference import tiling
+from ctseg.inference import tile_memory, tiling
 from ctseg.inference.levels import (
     as_batch,
     below_level,
@@ -270,11 +270,11 @@ def plan_inference(
     # in bfloat16, 48 GiB compiled), so the whole volume is compiled to be measured
     # whenever the formula is within that factor of fitting.
     itemsize = jnp.dtype(config.model.dtype).itemsize
-    if tiling.whole_volume_bytes(config, itemsize, shape) <= 3 * budget:
+    if tile_memory.whole_volume_bytes(config, itemsize, shape) <= 3 * budget:
         whole = _compile_whole(model, devices, shape)
         if whole.needed <= budget:
             return whole
-    first_guess = tiling.choose_stages(config, memory, itemsize, shape)
+    first_guess = tile_memory.choose_stages(config, memory, itemsize, shape)
     return _plan_tiles(model, first_guess, tiles_mesh, budget)
 
 

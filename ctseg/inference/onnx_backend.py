@@ -17,7 +17,7 @@ import numpy as np
 
 from ctseg.config import Config
 from ctseg.errors import CtsegError
-from ctseg.inference import scan_space, tiling
+from ctseg.inference import scan_space, tile_memory, tiling
 from ctseg.inference.backends import Backend
 from ctseg.inference.tiling import Shape, Span, Stage, TileProgress
 from ctseg.memory import host_memory, human_bytes
@@ -114,8 +114,8 @@ class OnnxPlan:
             itemsize = self.dtype.itemsize
             stages = (
                 []
-                if tiling.fits_whole(config, memory, itemsize, shape)
-                else tiling.choose_stages(config, memory, itemsize, shape)
+                if tile_memory.fits_whole(config, memory, itemsize, shape)
+                else tile_memory.choose_stages(config, memory, itemsize, shape)
             )
         self.stages = stages
         self._forwards = _onnx_forwards(model, stages)

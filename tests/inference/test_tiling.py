@@ -9,7 +9,7 @@ from helpers import REPO, tiny_config
 
 from ctseg import config as cfg
 from ctseg.data import grids
-from ctseg.inference import tiling
+from ctseg.inference import tile_memory, tiling
 
 
 @pytest.mark.parametrize(
@@ -81,30 +81,31 @@ LITS512 = cfg.from_dict({"data": {"resolution": 512}, "model": {"base_filters": 
 
 def test_automatic_plan_from_memory():
     config = LITS512
-    assert tiling.fits_whole(config, memory=2**50, itemsize=2)
-    assert not tiling.fits_whole(config, memory=16 * 2**30, itemsize=2)
-    stages = tiling.choose_stages(config, memory=16 * 2**30, itemsize=2)
+    assert tile_memory.fits_whole(config, memory=2**50, itemsize=2)
+    assert not tile_memory.fits_whole(config, memory=16 * 2**30, itemsize=2)
+    stages = tile_memory.choose_stages(config, memory=16 * 2**30, itemsize=2)
     assert [(s.kind, s.level) for s in stages] == tiling.stage_order(4)
     level0 = [s.largest_core for s in stages if s.level == 0]
     assert all(0 < core < 512 and core % 2 == 0 for core in level0)
     for stage in stages:  # every stage's step fits what its materialised arrays leave
-        resident = tiling.resident_bytes(config, (512,) * 3, stage.kind, stage.level, 2)
-        room = tiling.MEMORY_SHARE * 16 * 2**30 - resident
-        assert tiling.window_bytes(config, stage.level, stage.extent, 2) <= room
+        resident = tile_memory.resident_bytes(config, (512,) * 3, stage.kind, stage.level, 2)
+        room = tile_memory.MEMORY_SHARE * 16 * 2**30 - resident
+        assert tile_memory.window_bytes(config, stage.level, stage.extent, 2) <= room
     # Less memory or float32 intermediates: smaller cores (however many devices share them).
     for smaller in (
-        tiling.choose_stages(config, memory=8 * 2**30, itemsize=2),
-        tiling.choose_stages(config, memory=16 * 2**30, itemsize=4),
+        tile_memory.choose_stages(config, memory=8 * 2**30, itemsize=2),
+        tile_memory.choose_stages(config, memory=16 * 2**30, itemsize=4),
     ):
         pairs = list(zip(smaller, stages, strict=True))
         assert all(a.largest_core <= b.largest_core for a, b in pairs)
         assert any(a.largest_core < b.largest_core for a, b in pairs)
     # Nothing fits: small cores are the best chance.
-    tiny = tiling.choose_stages(config, memory=2**20, itemsize=2)
+    tiny = tile_memory.choose_stages(config, memory=2**20, itemsize=2)
     assert max(s.largest_core for s in tiny) == 32
     # A box twice as long along z needs about twice the memory of its cube.
     box = (512, 512, 1024)
-    assert tiling.whole_volume_bytes(config, 2, box) == 2 * tiling.whole_volume_bytes(config, 2)
+    cube = tile_memory.whole_volume_bytes(config, 2)
+    assert tile_memory.whole_volume_bytes(config, 2, box) == 2 * cube
 
 
 def test_memory_estimates():
@@ -112,22 +113,23 @@ def test_memory_estimates():
     large = dataclasses.replace(small, model=dataclasses.replace(small.model, base_filters=32))
     none = dataclasses.replace(small, model=dataclasses.replace(small.model, base_filters=0))
     ten = (10, 10, 10)
-    fixed = tiling.window_bytes(none, 0, ten, 4)
-    assert tiling.window_bytes(large, 0, ten, 4) - fixed == 2 * (
-        tiling.window_bytes(small, 0, ten, 4) - fixed
+    fixed = tile_memory.window_bytes(none, 0, ten, 4)
+    assert tile_memory.window_bytes(large, 0, ten, 4) - fixed == 2 * (
+        tile_memory.window_bytes(small, 0, ten, 4) - fixed
     )
-    assert tiling.window_bytes(small, 1, ten, 4) > tiling.window_bytes(small, 0, ten, 4)  # wider
-    assert tiling.whole_volume_bytes(large, 4) > tiling.whole_volume_bytes(small, 4)
+    wider = tile_memory.window_bytes(small, 1, ten, 4)
+    assert wider > tile_memory.window_bytes(small, 0, ten, 4)
+    assert tile_memory.whole_volume_bytes(large, 4) > tile_memory.whole_volume_bytes(small, 4)
     # The compute dtype counts: bfloat16 activations take half the width term of float32.
     assert (
-        tiling.window_bytes(large, 0, ten, 2) - fixed
-        == (tiling.window_bytes(large, 0, ten, 4) - fixed) / 2
+        tile_memory.window_bytes(large, 0, ten, 2) - fixed
+        == (tile_memory.window_bytes(large, 0, ten, 4) - fixed) / 2
     )
-    assert tiling.whole_volume_bytes(large, 2) < tiling.whole_volume_bytes(large, 4)
+    assert tile_memory.whole_volume_bytes(large, 2) < tile_memory.whole_volume_bytes(large, 4)
     # bfloat16 intermediates halve everything but the float32 image and logits.
     for kind, level in tiling.stage_order(LITS512.model.depth):
-        f32 = tiling.resident_bytes(LITS512, (512,) * 3, kind, level, 4)
-        bf16 = tiling.resident_bytes(LITS512, (512,) * 3, kind, level, 2)
+        f32 = tile_memory.resident_bytes(LITS512, (512,) * 3, kind, level, 4)
+        bf16 = tile_memory.resident_bytes(LITS512, (512,) * 3, kind, level, 2)
         assert bf16 < f32 < 2 * bf16
 
 
