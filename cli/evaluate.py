@@ -9,9 +9,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from ctseg.cli.app import app
+from ctseg.cli.evaluate_report import fmt, number, print_result
 from ctseg.cli.options import CompileCacheOption, DeviceChoice, start_jax, warn
 from ctseg.cli.predict import BackendOption, TtaOption
 from ctseg.cli.progress import counting
@@ -24,7 +24,6 @@ from ctseg.evaluation.reports import (
     LocatedCounts,
     Report,
     RunReport,
-    Summary,
 )
 from ctseg.evaluation.runs import evaluate_run
 from ctseg.evaluation.scoring import claim_reports, evaluate_folders, write_reports
@@ -32,64 +31,6 @@ from ctseg.evaluation.skeleton import check_request
 from ctseg.run import evaluations, rundir
 
 console = Console(highlight=False)
-
-
-def _fmt(value: float | None, digits: int = 3) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
-
-
-def _case_table(cases: list[dict]) -> Table:
-    table = Table(title="Per case")
-    table.add_column("case")
-    for heading in (
-        "liver Dice",
-        "tumour Dice",
-        "liver ASSD mm",
-        "liver HD95 mm",
-        "lesions det/ref",
-    ):
-        table.add_column(heading, justify="right")
-    located = any("located" in case for case in cases)  # --locate: where each was predicted
-    if located:
-        table.add_column("predicted")
-    for case in cases:
-        detection = case["detection"]
-        row = [
-            escape(case["case"]),
-            _fmt(case["liver"]["dice"]),
-            _fmt(case["tumour"]["dice"]),
-            _fmt(case["liver"]["assd"], 2),
-            _fmt(case["liver"]["hd95"], 2),
-            f"{detection['n_detected']}/{detection['n_ref']}",
-        ]
-        if located:
-            region = case.get("located", {}).get("region")
-            row.append("region" if region else "[yellow]whole scan[/]")
-        table.add_row(*row)
-    return table
-
-
-def _summary_table(summary: Summary) -> Table:
-    table = Table(title=f"Summary over {summary.n_cases} case(s)")
-    table.add_column("metric")
-    table.add_column("liver", justify="right")
-    table.add_column("tumour", justify="right")
-    liver, tumour = summary.liver, summary.tumour
-    rows = [
-        ("Dice, mean per case", "dice_per_case", 3),
-        ("Dice, global", "dice_global", 3),
-        ("VOE", "voe", 3),
-        ("RVD", "rvd", 3),
-        ("ASSD mm", "assd", 2),
-        ("HD95 mm", "hd95", 2),
-        ("MSSD mm", "mssd", 2),
-    ]
-    for label, key, digits in rows:
-        table.add_row(label, _fmt(liver[key], digits), _fmt(tumour[key], digits))
-    table.add_row("detection precision", "", _fmt(tumour["detection_precision"]))
-    table.add_row("detection recall", "", _fmt(tumour["detection_recall"]))
-    table.add_row("burden error", "", _fmt(tumour["burden_error"], 4))
-    return table
 
 
 def _run_with_progress(run: Callable[..., Report]) -> Report:
@@ -145,7 +86,7 @@ def _evaluate_run(
         grid = result.summary.grid_dice or {}
         model = (
             f"checkpoint step {head.checkpoint_step}; grid Dice liver "
-            f"{_fmt(grid.get('liver'))}, tumour {_fmt(grid.get('tumour'))}"
+            f"{fmt(grid.get('liver'))}, tumour {fmt(grid.get('tumour'))}"
         )
     else:
         model = f"an ensemble of {len(head.ensemble)} runs"
@@ -194,13 +135,13 @@ def _evaluate_cross_validation(
         console.print(
             f"fold {entry.fold}: {escape(entry.run_dir)}, checkpoint step "
             f"{entry.checkpoint_step}, {len(entry.cases)} case(s): Dice per case liver "
-            f"{_fmt(liver['dice_per_case'])}, tumour {_fmt(tumour['dice_per_case'])}"
+            f"{fmt(liver['dice_per_case'])}, tumour {fmt(tumour['dice_per_case'])}"
         )
     grid = result.summary.grid_dice or {}
     console.print(
         f"{escape(result.cross_validation.engine.device)}; cross-validation over "
-        f"{len(result.runs)} folds; grid Dice liver {_fmt(grid.get('liver'))}, tumour "
-        f"{_fmt(grid.get('tumour'))}; reports in {escape(str(out))} (summary.json, metrics.csv)"
+        f"{len(result.runs)} folds; grid Dice liver {fmt(grid.get('liver'))}, tumour "
+        f"{fmt(grid.get('tumour'))}; reports in {escape(str(out))} (summary.json, metrics.csv)"
     )
     return result
 
@@ -253,40 +194,6 @@ def _check_run_form(
         raise CtsegError("give --data PREP_DIR: the prepared store whose split to evaluate")
 
 
-def _print_result(result: Report) -> None:
-    """The cases, the summary, the quality's power, what was unpaired, every failure."""
-    if result.cases:
-        console.print(_case_table(result.cases))
-        console.print(_summary_table(result.summary))
-        if result.summary.quality:
-            console.print(_quality_line(result.summary.quality))
-    unpaired = result.unpaired
-    if unpaired.pred or unpaired.ref:
-        console.print(
-            escape(
-                f"unpaired predictions: {', '.join(unpaired.pred) or 'none'}; "
-                f"unpaired references: {', '.join(unpaired.ref) or 'none'}"
-            )
-        )
-    for error in result.errors:
-        console.print(
-            f"[bold red]case {escape(error['case'])} failed:[/] {escape(error['message'])}"
-        )
-
-
-def _number(value: float | None) -> str:
-    return "–" if value is None else f"{value:.2f}"
-
-
-def _quality_line(quality: dict) -> str:
-    """The prediction quality's power against the truth, in one line."""
-    return escape(
-        f"quality against the truth: AUROC liver {_number(quality['liver']['auroc'])}, "
-        f"tumour {_number(quality['tumour']['auroc'])}; good cases sent to review "
-        f"{_number(quality['good_flagged'])} (thresholds: {quality['thresholds']})"
-    )
-
-
 def _calibrate(run_dirs: list[Path], result: Report, data: Path, split: str, force: bool) -> None:
     """--calibrate: the thresholds chosen on the evaluated cases, written into the (first)
     run: its own, or those of the ensembles it leads."""
@@ -303,9 +210,9 @@ def _calibrate(run_dirs: list[Path], result: Report, data: Path, split: str, for
         escape(
             f"quality thresholds chosen on {summary['n_cases']} case(s), written to "
             f"{quality_power.thresholds_path(run_dir, ensemble)}: {chosen}. Under them: "
-            f"AUROC liver {_number(summary['liver']['auroc'])}, tumour "
-            f"{_number(summary['tumour']['auroc'])}; good cases sent to review "
-            f"{_number(summary['good_flagged'])}; livers of Dice < "
+            f"AUROC liver {number(summary['liver']['auroc'])}, tumour "
+            f"{number(summary['tumour']['auroc'])}; good cases sent to review "
+            f"{number(summary['good_flagged'])}; livers of Dice < "
             f"{quality_power.LIVER_FAILED_BELOW:g} not flagged: {len(missed)}"
         )
     )
@@ -472,7 +379,7 @@ def evaluate(
         result = _run_with_progress(partial(evaluate_folders, pred, ref))
         write_reports(result, json_path=json_path, csv_path=csv_path)
 
-    _print_result(result)
+    print_result(console, result)
     if calibrate:
         _calibrate(run_dirs, result, data, split or "val", force)
     if result.errors:

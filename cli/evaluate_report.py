@@ -1,0 +1,100 @@
+"""What `ctseg evaluate` prints: each case's metrics, the summary over the cases, the
+quality's power against the truth, the cases left unpaired and those that failed."""
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ctseg.evaluation.reports import Report, Summary
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _case_table(cases: list[dict]) -> Table:
+    table = Table(title="Per case")
+    table.add_column("case")
+    for heading in (
+        "liver Dice",
+        "tumour Dice",
+        "liver ASSD mm",
+        "liver HD95 mm",
+        "lesions det/ref",
+    ):
+        table.add_column(heading, justify="right")
+    located = any("located" in case for case in cases)  # --locate: where each was predicted
+    if located:
+        table.add_column("predicted")
+    for case in cases:
+        detection = case["detection"]
+        row = [
+            escape(case["case"]),
+            fmt(case["liver"]["dice"]),
+            fmt(case["tumour"]["dice"]),
+            fmt(case["liver"]["assd"], 2),
+            fmt(case["liver"]["hd95"], 2),
+            f"{detection['n_detected']}/{detection['n_ref']}",
+        ]
+        if located:
+            region = case.get("located", {}).get("region")
+            row.append("region" if region else "[yellow]whole scan[/]")
+        table.add_row(*row)
+    return table
+
+
+def _summary_table(summary: Summary) -> Table:
+    table = Table(title=f"Summary over {summary.n_cases} case(s)")
+    table.add_column("metric")
+    table.add_column("liver", justify="right")
+    table.add_column("tumour", justify="right")
+    liver, tumour = summary.liver, summary.tumour
+    rows = [
+        ("Dice, mean per case", "dice_per_case", 3),
+        ("Dice, global", "dice_global", 3),
+        ("VOE", "voe", 3),
+        ("RVD", "rvd", 3),
+        ("ASSD mm", "assd", 2),
+        ("HD95 mm", "hd95", 2),
+        ("MSSD mm", "mssd", 2),
+    ]
+    for label, key, digits in rows:
+        table.add_row(label, fmt(liver[key], digits), fmt(tumour[key], digits))
+    table.add_row("detection precision", "", fmt(tumour["detection_precision"]))
+    table.add_row("detection recall", "", fmt(tumour["detection_recall"]))
+    table.add_row("burden error", "", fmt(tumour["burden_error"], 4))
+    return table
+
+
+def print_result(console: Console, result: Report) -> None:
+    """The cases, the summary, the quality's power, what was unpaired, every failure."""
+    if result.cases:
+        console.print(_case_table(result.cases))
+        console.print(_summary_table(result.summary))
+        if result.summary.quality:
+            console.print(quality_line(result.summary.quality))
+    unpaired = result.unpaired
+    if unpaired.pred or unpaired.ref:
+        console.print(
+            escape(
+                f"unpaired predictions: {', '.join(unpaired.pred) or 'none'}; "
+                f"unpaired references: {', '.join(unpaired.ref) or 'none'}"
+            )
+        )
+    for error in result.errors:
+        console.print(
+            f"[bold red]case {escape(error['case'])} failed:[/] {escape(error['message'])}"
+        )
+
+
+def number(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def quality_line(quality: dict) -> str:
+    """The prediction quality's power against the truth, in one line."""
+    return escape(
+        f"quality against the truth: AUROC liver {number(quality['liver']['auroc'])}, "
+        f"tumour {number(quality['tumour']['auroc'])}; good cases sent to review "
+        f"{number(quality['good_flagged'])} (thresholds: {quality['thresholds']})"
+    )
