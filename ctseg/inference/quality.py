@@ -14,9 +14,10 @@ Every prediction gets a `Quality` (`assess`): a few *concerns*, each a number in
   (`ctseg.inference.scan_checks.checks`, any of which makes the verdict
   `unlike the training data`), and the median HU inside the predicted liver against the
   training livers' (`intensity`, in the training voxels' standard deviations);
-- plausibility: no liver at all (`no_liver`), a liver volume outside the training livers'
-  range (`liver_volume`), a liver in pieces (`fragments`, the share of it outside its
-  largest connected piece).
+- plausibility: no liver at all (`no_liver`), a liver too large or too small against the
+  training livers' range (`liver_volume`: its share of the body over its slices, which a
+  larger patient's larger liver keeps; its volume against a fingerprint without shares),
+  a liver in pieces (`fragments`, the share of it outside its largest connected piece).
 
 A concern is 0 where nothing is wrong, ½ at its review threshold and 1 at twice it
 (`_ramp`). The liver's score is the largest liver concern, the tumours' the larger of
@@ -63,7 +64,7 @@ from ctseg.inference.thresholds import (
 from ctseg.inference.uncertainty import Uncertainty
 from ctseg.labels import liver_mask
 from ctseg.run import rundir
-from ctseg.run.fingerprint import sample_step
+from ctseg.run.fingerprint import liver_body_share, sample_step
 
 OK, REVIEW, UNLIKE = "ok", "review", "unlike the training data"
 VERDICTS = (OK, REVIEW, UNLIKE)
@@ -136,6 +137,9 @@ class Reference:
     liver_hu_median: float | None = None
     liver_hu_sd: float | None = None
     liver_volume_ml: tuple[float, float] | None = None  # the training livers' min, max
+    # The training livers' min and max share of the body over their slices (fingerprints
+    # made before it have none: the volume is compared instead).
+    liver_body_share: tuple[float, float] | None = None
     thresholds: Thresholds = DEFAULT_THRESHOLDS
 
     @classmethod
@@ -145,13 +149,12 @@ class Reference:
         if not isinstance(raw, dict):
             return cls()
         try:
-            hu, volume = raw.get("liver_hu"), raw.get("liver_volume_ml")
+            hu = raw.get("liver_hu")
             return cls(
                 liver_hu_median=None if hu is None else float(hu["median"]),
                 liver_hu_sd=None if hu is None else float(hu["std"]),
-                liver_volume_ml=None
-                if volume is None
-                else (float(volume["min"]), float(volume["max"])),
+                liver_volume_ml=_range(raw.get("liver_volume_ml")),
+                liver_body_share=_range(raw.get("liver_body_share")),
             )
         except (KeyError, TypeError, ValueError):
             return cls()
@@ -171,6 +174,13 @@ class Reference:
         except Exception:  # an unreadable fingerprint is the checks' to report, not ours
             reference = cls()
         return dataclasses.replace(reference, thresholds=thresholds)
+
+
+def _range(distribution: dict[str, Any] | None) -> tuple[float, float] | None:
+    """A fingerprint distribution's (min, max)."""
+    if distribution is None:
+        return None
+    return float(distribution["min"]), float(distribution["max"])
 
 
 # ---------------------------------------------------------------- the components
@@ -220,22 +230,11 @@ def liver_concerns(
     if voxels == 0:
         return [Concern("no_liver", LIVER, 1.0, 1.0, "no liver was found")]
     found = []
-    volume = voxels * voxel_ml
-    if reference.liver_volume_ml is not None:
-        low, high = reference.liver_volume_ml
-        factor = max(low / volume, volume / high, 1.0) if low > 0 and high > 0 else 1.0
-        found.append(
-            Concern(
-                "liver_volume",
-                LIVER,
-                factor,
-                _ramp(math.log(factor), math.log(thresholds.liver_volume_factor)),
-                f"the liver's volume, {_ml(volume)} mL, is {factor:.1f}× outside the training "
-                f"livers' ({_ml(low)}–{_ml(high)} mL)",
-            )
-        )
     step = sample_step(labels.shape, SAMPLED)
     liver = liver_mask(labels[::step, ::step, ::step])
+    size = _size_concern(liver, hu, step, voxels * voxel_ml, reference)
+    if size is not None:
+        found.append(size)
     if liver.any():
         pieces, count = ndimage.label(liver, structure=np.ones((3, 3, 3), bool))
         sizes = np.bincount(pieces.ravel())[1:]
@@ -265,6 +264,39 @@ def liver_concerns(
                 )
             )
     return found
+
+
+def _size_concern(
+    liver: np.ndarray, hu: np.ndarray | None, step: int, volume: float, reference: Reference
+) -> Concern | None:
+    """How far the liver's size lies outside the training livers' (`liver_volume`, as a
+    factor): its share of the body over its slices where the fingerprint has the training
+    livers' and the scan's HU are here (a larger patient's larger liver is not unlike
+    them), else its volume."""
+    review = math.log(reference.thresholds.liver_volume_factor)
+    share = None if hu is None else liver_body_share(liver, hu[::step, ::step, ::step])
+    if reference.liver_body_share is not None and share is not None:
+        low, high = reference.liver_body_share
+        factor = _outside(share, low, high)
+        reason = (
+            f"the liver takes {share:.0%} of the body over its slices, {factor:.1f}× outside "
+            f"the training livers' ({low:.0%}–{high:.0%})"
+        )
+    elif reference.liver_volume_ml is not None:
+        low, high = reference.liver_volume_ml
+        factor = _outside(volume, low, high)
+        reason = (
+            f"the liver's volume, {_ml(volume)} mL, is {factor:.1f}× outside the training "
+            f"livers' ({_ml(low)}–{_ml(high)} mL)"
+        )
+    else:
+        return None
+    return Concern("liver_volume", LIVER, factor, _ramp(math.log(factor), review), reason)
+
+
+def _outside(value: float, low: float, high: float) -> float:
+    """How many times `value` lies outside [low, high]: 1 inside it."""
+    return max(low / value, value / high, 1.0) if low > 0 and high > 0 and value > 0 else 1.0
 
 
 def _ml(value: float) -> str:

@@ -14,11 +14,13 @@ RUN_DIR/fingerprint.json (`ctseg.run.rundir.FINGERPRINT`)::
      "liver_volume_ml": DISTRIBUTION,        # label ≥ 1 on the grid × the grid voxel's mL
      "liver_extent_mm": DISTRIBUTION,        # the liver's bounding box on the grid, per axis
      "liver_hu": {"mean", "std", "min", "percentile_00_5", "median", "percentile_99_5",
-                  "max", "voxels"}}          # HU inside the livers (a deterministic sample)
+                  "max", "voxels"},          # HU inside the livers (a deterministic sample)
+     "liver_body_share": DISTRIBUTION}       # `liver_body_share`: of the body over its slices
 
     DISTRIBUTION = {"min", "p5", "median", "p95", "max"}: numbers, or lists of 3 per axis
 
-The liver fields are null when no training case has a liver. At large grids only a
+The liver fields are null when no training case has a liver (`liver_body_share` is
+absent from fingerprints made before it). At large grids only a
 strided sample of each case is read (every `sample_step`-th voxel along each axis,
 at most `_SAMPLED_GRID` per axis): the liver's bounding box is then good to a
 stride, its volume stays exact (the manifest's `label_counts`).
@@ -52,6 +54,7 @@ VERSION = 1
 
 
 _SAMPLED_GRID = 64  # the fingerprint reads at most this many voxels per axis of a case
+BODY_HU = -500  # above it the body (fat, soft tissue, bone); below, air and lung
 _HU_PER_CASE = 10_000  # liver voxels per case in the intensity sample (nnU-Net's number)
 _PERCENTILES = {"min": 0, "p5": 5, "median": 50, "p95": 95, "max": 100}
 
@@ -59,6 +62,19 @@ _PERCENTILES = {"min": 0, "p5": 5, "median": 50, "p95": 95, "max": 100}
 def sample_step(shape: Sequence[int], most: int = _SAMPLED_GRID) -> int:
     """The stride that reads at most `most` voxels along every axis of `shape`."""
     return max(1, math.ceil(max(shape) / most))
+
+
+def liver_body_share(liver: np.ndarray, hu: np.ndarray) -> float | None:
+    """The liver's share of the body over the slices (the last axis) that hold it: its
+    voxels over those above `BODY_HU` there. Unit-free, and so the same for a larger
+    patient's larger liver (a 15 % larger body: a liver of 1.5× the volume, and as much
+    more body over its slices) and whatever the scan covers beyond the liver. None without
+    a liver or a body."""
+    slices = np.flatnonzero(liver.any(axis=(0, 1)))
+    if slices.size == 0:
+        return None
+    body = np.count_nonzero(np.asarray(hu[:, :, slices[0] : slices[-1] + 1]) > BODY_HU)
+    return float(np.count_nonzero(liver)) / body if body else None
 
 
 def compute(store: Store) -> dict[str, Any]:
@@ -69,7 +85,7 @@ def compute(store: Store) -> dict[str, Any]:
     resolution = store.resolution
     spacing = np.array([case.spacing for case in cases], dtype=float)
     extent = spacing * np.array([case.canonical_shape for case in cases], dtype=float)
-    volumes, extents, intensities = [], [], []
+    volumes, extents, intensities, shares = [], [], [], []
     for case in cases:
         liver_voxels = 0 if case.label_counts is None else sum(case.label_counts[1:])
         if not liver_voxels:
@@ -82,8 +98,11 @@ def compute(store: Store) -> dict[str, Any]:
         if box is None:
             continue  # a liver too small for the sample
         extents.append(box * np.linalg.norm(affine[:3, :3], axis=0))
-        hu = np.asarray(store.image(case.id)[::step, ::step, ::step])[liver]
-        intensities.append(_thinned(hu, _HU_PER_CASE))
+        hu = np.asarray(store.image(case.id)[::step, ::step, ::step])
+        intensities.append(_thinned(hu[liver], _HU_PER_CASE))
+        share = liver_body_share(liver, hu)
+        if share is not None:
+            shares.append(share)
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -96,6 +115,7 @@ def compute(store: Store) -> dict[str, Any]:
         "liver_volume_ml": _distribution(np.array(volumes)) if volumes else None,
         "liver_extent_mm": _distribution(np.array(extents)) if extents else None,
         "liver_hu": _intensities(np.concatenate(intensities)) if intensities else None,
+        "liver_body_share": _distribution(np.array(shares)) if shares else None,
     }
 
 

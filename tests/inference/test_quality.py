@@ -2,6 +2,7 @@
 scans and livers; the verdict the same whole, tiled and partitioned; wired into `ctseg
 predict`'s stats and table, the API's `result.quality` and the DICOM SEG's description."""
 
+import dataclasses
 import json
 import math
 import shutil
@@ -24,6 +25,7 @@ from ctseg.io import dicom_seg
 from ctseg.io.scans import read_scan
 from ctseg.labels import mask_dice
 from ctseg.run.fingerprint import Fingerprint
+from ctseg.run.fingerprint import liver_body_share as fingerprint_share
 from ctseg.run.trained import load_model
 
 runner = CliRunner()
@@ -352,3 +354,43 @@ def test_the_dicom_seg_names_the_verdict_in_its_description(tmp_path):
     dicom_seg.write_dicom_seg(scan, labels, tmp_path / "seg.dcm", verdict=quality.UNLIKE)
     written = hd.seg.segread(tmp_path / "seg.dcm")
     assert written.ContentDescription == "ctseg liver/tumour segmentation, QC: " + quality.UNLIKE
+
+
+def _patient(scale: int = 1, liver_scale: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Labels and HU of a body (fat, air around it) holding the liver of `_labels`, the
+    whole patient `scale` times larger along each axis, the liver alone `liver_scale`."""
+    labels = np.zeros(SHAPE, np.uint8)
+    labels[8:24, 4:12, 2:6] = 1
+    if liver_scale > 1:
+        labels[4:28, 2:14, 1:7] = 1
+    hu = np.full(SHAPE, -1000.0, np.float32)
+    hu[2:30, 1:15, :] = -80.0
+    hu[labels >= 1] = 60.0
+    grow = [np.repeat(np.repeat(np.repeat(a, scale, 0), scale, 1), scale, 2) for a in (labels, hu)]
+    return grow[0], grow[1]
+
+
+def test_a_larger_patient_s_larger_liver_is_not_unlike_the_training_livers():
+    labels, hu = _patient()
+    share = fingerprint_share(labels >= 1, hu)
+    voxel_ml = 0.02
+    volume = np.count_nonzero(labels) * voxel_ml
+    reference = quality.Reference(
+        liver_volume_ml=(volume / 1.1, volume * 1.1), liver_body_share=(share / 1.1, share * 1.1)
+    )
+    larger_labels, larger_hu = _patient(scale=2)  # 8× the liver's volume
+    size = quality.liver_concerns(larger_labels, larger_hu, voxel_ml, reference)
+    assert _named(size, "liver_volume").value == 1.0  # its share of the body is the same
+    big_labels, big_hu = _patient(liver_scale=2)  # the same body, a liver too large for it
+    big = _named(quality.liver_concerns(big_labels, big_hu, voxel_ml, reference), "liver_volume")
+    assert big.value > 1.5 and "of the body over its slices" in big.reason
+    # A fingerprint made before the share compares the volume, as before.
+    by_volume = dataclasses.replace(reference, liver_body_share=None)
+    old = _named(
+        quality.liver_concerns(larger_labels, larger_hu, voxel_ml, by_volume), "liver_volume"
+    )
+    assert old.value == pytest.approx(8 / 1.1) and "mL" in old.reason
+
+
+def _named(concerns: list[quality.Concern], name: str) -> quality.Concern:
+    return next(c for c in concerns if c.name == name)

@@ -44,7 +44,7 @@ def _reference(store_dir: Path) -> dict:
     train = store.split("train")
     spacing = np.array([case.spacing for case in train])
     extent = spacing * np.array([case.canonical_shape for case in train])
-    volumes, extents, hu, voxel = [], [], [], []
+    volumes, extents, hu, voxel, shares = [], [], [], [], []
     for case in train:
         label = np.load(array_path(store_dir, case.id, "label"))
         image = np.load(array_path(store_dir, case.id, "image"))
@@ -56,12 +56,16 @@ def _reference(store_dir: Path) -> dict:
         voxel.append(np.sqrt((affine[:3, :3] ** 2).sum(axis=0)))
         extents.append(voxels * voxel[-1])
         hu.append(image[liver])
+        slices = np.flatnonzero(liver.any(axis=(0, 1)))
+        body = image[:, :, slices[0] : slices[-1] + 1] > -500
+        shares.append(liver.sum() / body.sum())
     return {
         "spacing": spacing,
         "extent": extent,
         "volume": np.array(volumes),
         "liver_extent": np.array(extents),
         "hu": np.concatenate(hu).astype(float),
+        "share": np.array(shares),  # the liver's share of the body over its slices
         "voxel": np.array(voxel),  # the grid's voxel size per case and axis, mm
         "cases": len(train),
     }
@@ -85,6 +89,7 @@ def test_fingerprint_equals_numpy_on_the_store(training):
     _same_distribution(found["extent_mm"], reference["extent"])
     _same_distribution(found["liver_volume_ml"], reference["volume"])
     _same_distribution(found["liver_extent_mm"], reference["liver_extent"])
+    _same_distribution(found["liver_body_share"], reference["share"])
     hu = reference["hu"]
     assert found["liver_hu"]["voxels"] == len(hu)  # a 16³ grid: every liver voxel
     assert found["liver_hu"]["mean"] == pytest.approx(hu.mean())
