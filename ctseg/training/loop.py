@@ -7,7 +7,7 @@ the same parameters as an uninterrupted one (to the order of floating-point sums
 when it resumes on another layout).
 
 A run goes: claim the run directory (`_claim`), restore or initialise the state
-(`_Run.start`), compile its programs once (`_Programs`), then the step loop
+(`_Run.start`), compile its programs once (`ctseg.training.programs`), then the step loop
 (`_Run.train`), which validates, checkpoints and logs as the config says, and saves
 a checkpoint when stopped (`ctseg.training.signals`). It returns a `TrainingSummary`
 (`to_json` for a file), and reports each step as `ctseg.progress.TrainingProgress`.
@@ -19,14 +19,11 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -36,14 +33,9 @@ from ctseg.data.store import Store
 from ctseg.errors import CtsegError
 from ctseg.io import pictures
 from ctseg.labels import TUMOUR
-from ctseg.memory import human_bytes
-from ctseg.model import aot
 from ctseg.model.step import (
     TrainState,
     init_state,
-    make_batch_statistics,
-    make_predict,
-    pool_statistics,
 )
 from ctseg.parallel import devices as dev
 from ctseg.parallel.partition import REPLICATED, make_mesh, replicated_shapes
@@ -51,7 +43,8 @@ from ctseg.progress import StepProgress, TrainingProgress
 from ctseg.run import fingerprint, rundir
 from ctseg.run.checkpoints import Checkpoints
 from ctseg.training import signals
-from ctseg.training.pipeline import Prefetcher, augmenter_for
+from ctseg.training.pipeline import Prefetcher
+from ctseg.training.programs import Programs
 from ctseg.training.validation import population_statistics, validation_dice
 
 
@@ -149,21 +142,6 @@ def _resuming(run_dir: Path, step: int, steps: int) -> str:
     )
 
 
-def check_memory(compiled: jax.stages.Compiled, config: cfg.Config, devices: list) -> None:
-    """On accelerators: the compiled step must fit the devices' free memory."""
-    if not dev.is_accelerator(devices):
-        return  # simulated CPU devices share the host's RAM; the OS has the last word
-    needed, free = aot.memory_of(compiled).total, dev.free_memory(devices)
-    if needed > free:
-        raise CtsegError(
-            f"the training step on {config.data.resolution}³ "
-            f"({list(config.mesh.spatial)}, batch {config.train.batch_size}) needs "
-            f"{human_bytes(needed)} per device but {dev.describe(devices)} has "
-            f"{human_bytes(free)} free; use more devices, a lower data.resolution, "
-            "model.remat = true, or --device cpu"
-        )
-
-
 def train_and_evaluate(
     config: cfg.Config,
     data_dir: Path,
@@ -219,56 +197,6 @@ def _hold_from(config: cfg.Config) -> int:
     return config.train.steps - config.train.held_norm_steps
 
 
-class _Programs:
-    """A run's compiled programs: the training step and the on-device augmentation
-    (`augmenter`), compiled side by side before the first batch (the step's memory need
-    checked on accelerators; each then run as it is: compiling again would cost as much
-    where the compilation cache is off); the held-statistics step, compiled after the
-    training step in the background, awaited when its phase begins; and the
-    inference-mode programs that validate and pool the batch-norm statistics.
-
-    The held step has the training step's convolutions. Compiled after it, it finds their
-    tuning (a GPU times each convolution's algorithms by running them) in the process's
-    cache; compiled beside it, both tuned the same convolutions on one GPU at once, and
-    lits256's first step on an H100 came 134 s after the command started, against 73.5 s
-    with the held step compiled mid-run (docs/experiments/gpu.md)."""
-
-    def __init__(
-        self,
-        graphdef: Any,
-        config: cfg.Config,
-        mesh: Any,
-        state: TrainState,
-        store: Store,
-        hold_from: int,
-    ):
-        batch = aot.abstract_batch(config, mesh)
-        step = partial(aot.compile_train_step, graphdef, config, mesh, state, *batch)
-        with ThreadPoolExecutor() as pool:
-            train = pool.submit(step)
-            augmenter = (
-                pool.submit(augmenter_for, store, config, mesh)
-                if config.augment.on_device
-                else None
-            )
-            self.train_step = train.result()
-            self.augmenter = augmenter.result() if augmenter else None
-        check_memory(self.train_step, config, list(mesh.devices.flat))
-        self._held_step: Future[Any] | None = None
-        if hold_from < config.train.steps:
-            background = ThreadPoolExecutor(1, thread_name_prefix="held-step")
-            self._held_step = background.submit(step, held_norm=True)
-            background.shutdown(wait=False)  # its one task still runs
-        predict = make_predict(graphdef, config, mesh)
-        self.segment = jax.jit(lambda *args: jnp.argmax(predict(*args), axis=-1).astype(jnp.uint8))
-        self.batch_statistics = jax.jit(make_batch_statistics(graphdef, config, mesh))
-        self.pool = jax.jit(pool_statistics, out_shardings=NamedSharding(mesh, REPLICATED))
-
-    def step_for(self, step: int, hold_from: int) -> Any:
-        """The program that trains step `step`: on held statistics from `hold_from` on."""
-        return self.train_step if step < hold_from else self._held_step.result()
-
-
 @dataclass
 class _Run:
     """One run's training, from its restored state on."""
@@ -281,7 +209,7 @@ class _Run:
     state: TrainState
     checkpoints: Checkpoints
     log: rundir.MetricsLog
-    programs: _Programs
+    programs: Programs
 
     @classmethod
     def start(
@@ -310,7 +238,7 @@ class _Run:
             where = where or dev.describe(list(mesh.devices.flat), simulated=True)
             rundir.record_layout(run_dir, start, config, where)
             fingerprint.record(run_dir, store)  # what `predict` holds scans against; kept on resume
-        programs = _Programs(graphdef, config, mesh, state, store, _hold_from(config))
+        programs = Programs(graphdef, config, mesh, state, store, _hold_from(config))
         return cls(config, store, run_dir, mesh, main_process, state, checkpoints, log, programs)
 
     @property

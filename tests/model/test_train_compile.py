@@ -3,10 +3,10 @@
 import pytest
 from helpers import prepare_store, tiny_config
 
+from ctseg.model import aot
 from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_clock
 from ctseg.synth.dataset import write_dataset
-from ctseg.training import loop
 from ctseg.training.loop import train_and_evaluate
 
 TRAIN = [
@@ -48,7 +48,7 @@ def test_the_held_step_compiles_after_the_training_step_and_nothing_else_mid_run
     reaches the held phase compiles no other step and no augmentation afterwards
     (validation's own programs aside)."""
     events: list[tuple[str, bool]] = []
-    compile_step = loop.aot.compile_train_step
+    compile_step = aot.compile_train_step
 
     def recorded(*args, held_norm=False, **kwargs):
         events.append(("start", held_norm))
@@ -56,7 +56,7 @@ def test_the_held_step_compiles_after_the_training_step_and_nothing_else_mid_run
         events.append(("end", held_norm))
         return compiled
 
-    monkeypatch.setattr(loop.aot, "compile_train_step", recorded)
+    monkeypatch.setattr(aot, "compile_train_step", recorded)
     clock = compile_clock()
     before = clock.by_name["jit(program)"]
     at_first_step: list[int] = []

@@ -16,7 +16,7 @@ from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import COMPILE_CACHE_ENV, compile_cache_dir
 from ctseg.parallel.layouts import fit_layout, fit_training
 from ctseg.parallel.xla_options import CHANNELS_LAST, prefer_channels_last
-from ctseg.training import loop
+from ctseg.training import programs
 
 GIB = 2**30
 
@@ -212,14 +212,14 @@ class FakeCompiled:
 
 
 def test_a_step_too_large_for_the_gpu_is_one_line_with_the_ways_out():
-    loop.check_memory(FakeCompiled(10 * GIB), SIXTEEN_WAY, gpus(1, free=70 * GIB))
+    programs.check_memory(FakeCompiled(10 * GIB), SIXTEEN_WAY, gpus(1, free=70 * GIB))
     with pytest.raises(
         CtsegError,
         match=r"needs 101\.0 GiB per device but 1 × NVIDIA H100 80GB "
         r"HBM3 has 70\.0 GiB free; use more devices, a lower data.resolution",
     ):
-        loop.check_memory(FakeCompiled(100 * GIB), SIXTEEN_WAY, gpus(1, free=70 * GIB))
-    loop.check_memory(FakeCompiled(100 * GIB), SIXTEEN_WAY, CPU)  # the OS has the last word
+        programs.check_memory(FakeCompiled(100 * GIB), SIXTEEN_WAY, gpus(1, free=70 * GIB))
+    programs.check_memory(FakeCompiled(100 * GIB), SIXTEEN_WAY, CPU)  # the OS has the last word
 
 
 # --------------------------------------------------------------------------- backends that fail

@@ -1,0 +1,92 @@
+"""A training run's compiled programs, and the check that its step fits the devices.
+
+The training step and the on-device augmentation compile side by side before the first
+batch, the held-statistics step after the training step in the background; the
+inference-mode programs that validate and pool the batch-norm statistics are jitted here
+and compile when first called. `ctseg.training.loop` runs them.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from ctseg import config as cfg
+from ctseg.data.store import Store
+from ctseg.errors import CtsegError
+from ctseg.memory import human_bytes
+from ctseg.model import aot
+from ctseg.model.step import TrainState, make_batch_statistics, make_predict, pool_statistics
+from ctseg.parallel import devices as dev
+from ctseg.parallel.partition import REPLICATED
+from ctseg.training.pipeline import augmenter_for
+
+
+def check_memory(compiled: jax.stages.Compiled, config: cfg.Config, devices: list) -> None:
+    """On accelerators: the compiled step must fit the devices' free memory."""
+    if not dev.is_accelerator(devices):
+        return  # simulated CPU devices share the host's RAM; the OS has the last word
+    needed, free = aot.memory_of(compiled).total, dev.free_memory(devices)
+    if needed > free:
+        raise CtsegError(
+            f"the training step on {config.data.resolution}³ "
+            f"({list(config.mesh.spatial)}, batch {config.train.batch_size}) needs "
+            f"{human_bytes(needed)} per device but {dev.describe(devices)} has "
+            f"{human_bytes(free)} free; use more devices, a lower data.resolution, "
+            "model.remat = true, or --device cpu"
+        )
+
+
+class Programs:
+    """A run's compiled programs: the training step and the on-device augmentation
+    (`augmenter`), compiled side by side before the first batch (the step's memory need
+    checked on accelerators; each then run as it is: compiling again would cost as much
+    where the compilation cache is off); the held-statistics step, compiled after the
+    training step in the background, awaited when its phase begins; and the
+    inference-mode programs that validate and pool the batch-norm statistics.
+
+    The held step has the training step's convolutions. Compiled after it, it finds their
+    tuning (a GPU times each convolution's algorithms by running them) in the process's
+    cache; compiled beside it, both tuned the same convolutions on one GPU at once, and
+    lits256's first step on an H100 came 134 s after the command started, against 73.5 s
+    with the held step compiled mid-run (docs/experiments/gpu.md)."""
+
+    def __init__(
+        self,
+        graphdef: Any,
+        config: cfg.Config,
+        mesh: Any,
+        state: TrainState,
+        store: Store,
+        hold_from: int,
+    ):
+        batch = aot.abstract_batch(config, mesh)
+        step = partial(aot.compile_train_step, graphdef, config, mesh, state, *batch)
+        with ThreadPoolExecutor() as pool:
+            train = pool.submit(step)
+            augmenter = (
+                pool.submit(augmenter_for, store, config, mesh)
+                if config.augment.on_device
+                else None
+            )
+            self.train_step = train.result()
+            self.augmenter = augmenter.result() if augmenter else None
+        check_memory(self.train_step, config, list(mesh.devices.flat))
+        self._held_step: Future[Any] | None = None
+        if hold_from < config.train.steps:
+            background = ThreadPoolExecutor(1, thread_name_prefix="held-step")
+            self._held_step = background.submit(step, held_norm=True)
+            background.shutdown(wait=False)  # its one task still runs
+        predict = make_predict(graphdef, config, mesh)
+        self.segment = jax.jit(lambda *args: jnp.argmax(predict(*args), axis=-1).astype(jnp.uint8))
+        self.batch_statistics = jax.jit(make_batch_statistics(graphdef, config, mesh))
+        self.pool = jax.jit(pool_statistics, out_shardings=NamedSharding(mesh, REPLICATED))
+
+    def step_for(self, step: int, hold_from: int) -> Any:
+        """The program that trains step `step`: on held statistics from `hold_from` on."""
+        return self.train_step if step < hold_from else self._held_step.result()
