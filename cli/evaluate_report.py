@@ -9,6 +9,7 @@ from ctseg.evaluation.reports import Report, Summary
 
 
 def fmt(value: float | None, digits: int = 3) -> str:
+    """`value` to `digits` places; a dash where there is none."""
     return "–" if value is None else f"{value:.{digits}f}"
 
 
@@ -87,14 +88,10 @@ def print_result(console: Console, result: Report) -> None:
         )
 
 
-def number(value: float | None) -> str:
-    return "–" if value is None else f"{value:.2f}"
-
-
 def quality_line(quality: dict) -> str:
     """The prediction quality's power against the truth, in one line."""
     return escape(
-        f"quality against the truth: AUROC liver {number(quality['liver']['auroc'])}, "
-        f"tumour {number(quality['tumour']['auroc'])}; good cases sent to review "
-        f"{number(quality['good_flagged'])} (thresholds: {quality['thresholds']})"
+        f"quality against the truth: AUROC liver {fmt(quality['liver']['auroc'], 2)}, "
+        f"tumour {fmt(quality['tumour']['auroc'], 2)}; good cases sent to review "
+        f"{fmt(quality['good_flagged'], 2)} (thresholds: {quality['thresholds']})"
     )

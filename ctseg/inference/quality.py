@@ -274,8 +274,10 @@ def _size_concern(
     livers' and the scan's HU are here (a larger patient's larger liver is not unlike
     them), else its volume."""
     review = math.log(reference.thresholds.liver_volume_factor)
-    share = None if hu is None else liver_body_share(liver, hu[::step, ::step, ::step])
-    if reference.liver_body_share is not None and share is not None:
+    share = None
+    if reference.liver_body_share is not None and hu is not None:
+        share = liver_body_share(liver, hu[::step, ::step, ::step])
+    if share is not None:
         low, high = reference.liver_body_share
         factor = _outside(share, low, high)
         reason = (
