@@ -269,10 +269,10 @@ def liver_concerns(
 def _size_concern(
     liver: np.ndarray, hu: np.ndarray | None, step: int, volume: float, reference: Reference
 ) -> Concern | None:
-    """How far the liver's size lies outside the training livers' (`liver_volume`, as a
-    factor): its share of the body over its slices where the fingerprint has the training
-    livers' and the scan's HU are here (a larger patient's larger liver is not unlike
-    them), else its volume."""
+    """How many times the liver's size lies outside the training livers' range
+    (`liver_volume`). Its share of the body over its slices, where the fingerprint holds
+    the training livers' shares and the scan's HU are given (a larger patient's larger
+    liver keeps its share); else its volume."""
     review = math.log(reference.thresholds.liver_volume_factor)
     share = None
     if reference.liver_body_share is not None and hu is not None:
