@@ -223,8 +223,9 @@ class _Run:
         say: Callable[[str], None] | None,
     ) -> _Run:
         """The run restored from its latest checkpoint (or initialised), its start recorded,
-        its programs compiled."""
-        graphdef, state = init_state(config)
+        its programs compiling from the start (they need only the state's shapes)."""
+        programs = Programs(config, mesh, store, _hold_from(config))
+        _, state = init_state(config)
         state = jax.device_put(state, NamedSharding(mesh, REPLICATED))
         checkpoints = Checkpoints(run_dir, keep=config.train.keep_checkpoints)
         latest = checkpoints.latest_step()
@@ -238,7 +239,6 @@ class _Run:
             where = where or dev.describe(list(mesh.devices.flat), simulated=True)
             rundir.record_layout(run_dir, start, config, where)
             fingerprint.record(run_dir, store)  # what `predict` holds scans against; kept on resume
-        programs = Programs(graphdef, config, mesh, state, store, _hold_from(config))
         return cls(config, store, run_dir, mesh, main_process, state, checkpoints, log, programs)
 
     @property

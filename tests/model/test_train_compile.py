@@ -1,4 +1,7 @@
-"""Training compiles its step once: the program the memory check reads is the one the loop runs."""
+"""Training compiles its step once, from the start of the run: the program the memory check
+reads is the one the loop runs."""
+
+import threading
 
 import pytest
 from helpers import prepare_store, tiny_config
@@ -7,6 +10,7 @@ from ctseg.model import aot
 from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_clock
 from ctseg.synth.dataset import write_dataset
+from ctseg.training import loop
 from ctseg.training.loop import train_and_evaluate
 
 TRAIN = [
@@ -27,11 +31,28 @@ def store_dir(tmp_path_factory):
     return root / "prep"
 
 
-def test_the_step_compiles_once_with_the_memory_check(store_dir, tmp_path, monkeypatch):
+def test_the_step_compiles_once_with_the_memory_check_while_the_state_initialises(
+    store_dir, tmp_path, monkeypatch
+):
     # The memory check runs on accelerators only: take these CPU devices for GPUs (with
     # the host's RAM as their free memory). Conftest keeps the compilation cache off, so
     # a second compile of the step would be a real one, as on a GPU without the cache.
     monkeypatch.setattr(dev, "is_accelerator", lambda devices: True)
+    compiling = threading.Event()
+    compile_step, init_state = aot.compile_train_step, loop.init_state
+
+    def recorded(*args, **kwargs):
+        compiling.set()
+        return compile_step(*args, **kwargs)
+
+    def initialise(config):
+        # The step needs only the state's shapes: it compiles while the model initialises
+        # (on a GPU, seconds of small eager programs) instead of after.
+        assert compiling.wait(timeout=30), "the step did not start compiling before init"
+        return init_state(config)
+
+    monkeypatch.setattr(aot, "compile_train_step", recorded)
+    monkeypatch.setattr(loop, "init_state", initialise)
     clock = compile_clock()
     before = clock.by_name["jit(train_step)"]
     train_and_evaluate(tiny_config(*TRAIN), store_dir, tmp_path / "run")
