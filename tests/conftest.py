@@ -6,6 +6,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Commands run in tests keep no compilation cache unless a test gives one (--compile-cache).
 os.environ.setdefault("CTSEG_COMPILE_CACHE", "off")
 
+from ctseg.parallel.xla_options import add_options  # noqa: E402
+
+# Programs compiled here for GPU targets are compiled as a command compiles them, whichever
+# test (a command run in this process) happens to start JAX first.
+add_options(os.environ)
+
 from ctseg.cli.library_output import held  # noqa: E402
 
 with held(show=False):  # the lines of compile-only plugins (the targets extra) on import

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from ctseg.errors import CtsegError
 from ctseg.memory import host_memory
-from ctseg.parallel.xla_options import prefer_channels_last
+from ctseg.parallel.xla_options import add_options
 
 DEVICE_CHOICES = ("auto", "cpu", "gpu", "tpu")
 ACCELERATORS = ("gpu", "tpu")
@@ -92,7 +92,7 @@ def _set_xla_options() -> None:
     # Only before the backends start: JAX's cache keys read XLA_FLAGS at each compile, so
     # a later change would file programs under options they were not compiled with.
     if not _backends_started():
-        prefer_channels_last(os.environ)
+        add_options(os.environ)
 
 
 def _backends_started() -> bool:

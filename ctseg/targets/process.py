@@ -30,7 +30,7 @@ from typing import Any
 
 from ctseg import config as cfg
 from ctseg.errors import CtsegError
-from ctseg.parallel.xla_options import prefer_channels_last
+from ctseg.parallel.xla_options import add_options
 from ctseg.targets.catalogue import EXTRA, Target
 
 # What each platform's compile-only devices need installed (the `targets` extra).
@@ -55,7 +55,7 @@ def plan_on_target(config: cfg.Config, target: Target, search: bool = True) -> d
     if target.accelerator_type:  # else libtpu asks the machine, and warns that it cannot
         env["TPU_ACCELERATOR_TYPE"] = target.accelerator_type
     env[PARENT_ENV] = str(os.getpid())  # the child dies when this process does
-    prefer_channels_last(env)  # compiled as a command would compile on the GPU
+    add_options(env)  # compiled as a command would compile on the GPU
     request = {"config": cfg.to_dict(config), "target": asdict(target), "search": search}
     done = run_child([sys.executable, "-m", "ctseg.targets.child"], json.dumps(request), env)
     if done.returncode != 0 or not done.stdout.strip():

@@ -29,6 +29,7 @@ from ctseg.data.store import Box, Store
 from ctseg.errors import CtsegError
 from ctseg.model.step import LABEL_SPEC
 from ctseg.parallel.partition import ACTIVATION_SPEC, SPATIAL_AXES, halo_comm, make_global_array
+from ctseg.parallel.xla_options import compile_untuned
 from ctseg.training import intensity, warp
 
 _PER_SAMPLE = P("data")
@@ -316,8 +317,10 @@ class Augmenter:
     # ------------------------------------------------------------------ device
 
     def _compile(self, block: tuple[int, ...] | None) -> jax.stages.Compiled:
-        """The devices' program for slabs (`block` None) or for blocks of that shape."""
-        return jax.jit(self._program_fn(block)).lower(*self._abstract_inputs(block)).compile()
+        """The devices' program for slabs (`block` None) or for blocks of that shape, compiled
+        without tuning its fusions (on a GPU: seconds, not most of a minute)."""
+        lowered = jax.jit(self._program_fn(block)).lower(*self._abstract_inputs(block))
+        return compile_untuned(lowered)
 
     def _abstract_inputs(
         self, block: tuple[int, ...] | None

@@ -6,6 +6,7 @@ import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import jax
 import pytest
 
 from ctseg import config as cfg
@@ -13,9 +14,10 @@ from ctseg.errors import CtsegError
 from ctseg.inference.backends import choose_backend
 from ctseg.memory import host_memory
 from ctseg.parallel import devices as dev
+from ctseg.parallel import xla_options
 from ctseg.parallel.compile_cache import COMPILE_CACHE_ENV, compile_cache_dir
 from ctseg.parallel.layouts import fit_layout, fit_training
-from ctseg.parallel.xla_options import CHANNELS_LAST, prefer_channels_last
+from ctseg.parallel.xla_options import CUBLAS_GEMMS, OPTIONS, add_options
 from ctseg.training import programs
 
 GIB = 2**30
@@ -398,17 +400,48 @@ def test_auto_starts_only_the_cpu_where_no_accelerator_is_attached(monkeypatch):
     assert not dev.no_accelerator()
 
 
-def test_convolutions_are_channels_last_unless_the_user_chose():
+def test_xla_options_are_added_once_unless_the_user_chose():
     environ: dict[str, str] = {}
-    prefer_channels_last(environ)
-    prefer_channels_last(environ)  # once only
-    assert environ["XLA_FLAGS"] == CHANNELS_LAST
+    add_options(environ)
+    add_options(environ)  # once only
+    assert environ["XLA_FLAGS"].split() == list(OPTIONS)
     environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/hlo"}
-    prefer_channels_last(environ)
-    assert environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/hlo", CHANNELS_LAST]
-    chosen = {"XLA_FLAGS": "--xla_gpu_force_conv_nchw"}
-    prefer_channels_last(chosen)
-    assert chosen == {"XLA_FLAGS": "--xla_gpu_force_conv_nchw"}
+    add_options(environ)
+    assert environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/hlo", *OPTIONS]
+    # A layout or GEMM choice of the user's stands; a flag that merely begins alike does not
+    # count as one.
+    chosen = {"XLA_FLAGS": "--xla_gpu_force_conv_nchw --xla_gpu_enable_triton_gemm=true"}
+    add_options(chosen)
+    assert chosen == {"XLA_FLAGS": "--xla_gpu_force_conv_nchw --xla_gpu_enable_triton_gemm=true"}
+    layout = {"XLA_FLAGS": "--xla_gpu_force_conv_nchw --xla_gpu_enable_triton_gemm_int4=true"}
+    add_options(layout)
+    assert layout["XLA_FLAGS"].split()[-1] == CUBLAS_GEMMS
+
+
+class _Lowered:
+    """A lowered program whose compile refuses options as an XLA without them would."""
+
+    def __init__(self, error: str | None):
+        self.error, self.options = error, []
+
+    def compile(self, compiler_options=None):
+        self.options.append(compiler_options)
+        if compiler_options and self.error:
+            raise jax.errors.JaxRuntimeError(self.error)
+        return "compiled"
+
+
+def test_untuned_programs_compile_with_the_option_or_without_where_xla_has_none():
+    lowered = jax.jit(lambda x: 2 * x).lower(jax.numpy.ones(3))
+    assert list(xla_options.compile_untuned(lowered)(jax.numpy.ones(3))) == [2, 2, 2]
+    accepted = _Lowered(None)
+    assert xla_options.compile_untuned(accepted) == "compiled"
+    assert accepted.options == [xla_options.UNTUNED_FUSIONS]
+    unknown = _Lowered("INVALID_ARGUMENT: No such compile option: 'xla_gpu_experimental_…'")
+    assert xla_options.compile_untuned(unknown) == "compiled"
+    assert unknown.options == [xla_options.UNTUNED_FUSIONS, None]
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        xla_options.compile_untuned(_Lowered("RESOURCE_EXHAUSTED: out of memory"))
 
 
 @pytest.mark.parametrize("started", [False, True])
@@ -418,4 +451,4 @@ def test_xla_options_are_set_only_before_jax_starts(monkeypatch, started):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setattr(dev, "_backends_started", lambda: started)
     dev.restrict_backends("gpu")
-    assert os.environ.get("XLA_FLAGS") == (None if started else CHANNELS_LAST)
+    assert os.environ.get("XLA_FLAGS") == (None if started else " ".join(OPTIONS))
