@@ -23,6 +23,7 @@ from flax import nnx
 
 from ctseg.config import ModelConfig
 from ctseg.labels import NUM_CLASSES
+from ctseg.model.image_conv import image_conv
 from ctseg.parallel.partition import Comm
 
 # The stages of level-wise tiled inference (`ctseg.inference`): an encoder level with its
@@ -86,8 +87,16 @@ class ConvBlock(nnx.Module):
         self.halo = k // 2
 
     def __call__(self, x: jax.Array, comm: Comm, train: bool) -> jax.Array:
-        y = self.conv(comm.pad(x, self.halo))
+        y = self._convolve(comm.pad(x, self.halo))
         return comm.constrain(jax.nn.relu(self.norm(y, comm, train)))
+
+    def _convolve(self, x: jax.Array) -> jax.Array:
+        if self.conv.in_features > 1:
+            return self.conv(x)
+        # The image's one channel: matrix products on GPUs, where cuDNN's gradient of
+        # these weights is slow (`image_conv`); the same function, in the same dtype.
+        dtype = self.conv.dtype
+        return image_conv(x.astype(dtype), self.conv.kernel[...].astype(dtype))
 
 
 class Level(nnx.Module):
