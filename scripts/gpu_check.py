@@ -14,8 +14,10 @@ in its own process as a user runs it:
    compile nothing after the first scan's programs;
 3. the training step at 256³ and 128³ (`ctseg bench`, `configs/lits256_16way.toml`
    fitted to one device and `configs/lits128.toml`), and the same U-Net's step in
-   PyTorch, eager and `torch.compile`d (`scripts/monai_anchor.py train`); and where the
-   256³ step's device time goes, kernel by kernel (`scripts/profile_step.py`).
+   PyTorch, eager and `torch.compile`d (`scripts/monai_anchor.py train`); where the
+   256³ step's device time goes, kernel by kernel (`scripts/profile_step.py`); and the
+   image's convolution alone, its weights' gradient against PyTorch's
+   (`scripts/bench_conv.py`).
 
 A check that fails is a row saying so; the others go on. It prints a table of
 measurements against the targets last and writes WORKDIR/gpu_check.json (rewritten after
@@ -121,6 +123,18 @@ def profile_step(s: Settings) -> dict:
     command += ["--device", s.device, "--out", str(s.work / "profile256"), "--json", str(report)]
     run(s, "profile256", command, 300)
     return json.loads(report.read_text())
+
+
+def first_conv(s: Settings) -> dict:
+    """The image's convolution (1 → 32 channels at 256³), each pass apart: ctseg's matrix
+    products (`ctseg.model.image_conv`) against cuDNN's kernels as XLA tunes them, and
+    PyTorch's on a GPU (`scripts/bench_conv.py`)."""
+    command = [sys.executable, str(SCRIPTS / "bench_conv.py"), "--cin", "1", "--cout", "32"]
+    command += ["--size", "32" if s.quick else "256", "--variants", "padding,matrix"]
+    command += ["--device", s.device, *(["--torch"] if s.device == "gpu" else [])]
+    _, out = run(s, "conv1", command, 180)
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {line["variant"]: line for line in lines}
 
 
 def anchor_step(s: Settings, size: int, compiled: bool) -> dict:
@@ -286,6 +300,13 @@ ROWS = (
         lambda v: v <= 0.6,
         "×",
     ),
+    Row(
+        "  first conv's weight gradient vs PyTorch",
+        _ratio(("conv1", "jax matrix", "wgrad_ms"), ("conv1", "torch", "wgrad_ms")),
+        "",
+        None,
+        "×",
+    ),
     Row("train: first step", _get("train", "first_step_seconds"), "≤ 60 s", lambda v: v <= 60),
     Row(
         "train: data wait", _percent("train", "data_wait_fraction"), "≤ 5 %", lambda v: v <= 5, "%"
@@ -366,6 +387,7 @@ def main() -> None:
         "step256": lambda: bench_step(s, LITS256, "step256"),
         "step128": lambda: bench_step(s, LITS128, "step128"),
         "profile256": lambda: profile_step(s),
+        "conv1": lambda: first_conv(s),
         "anchor128": lambda: anchor_step(s, 128, False),
         "anchor128_compiled": lambda: anchor_step(s, 128, True),
         "anchor256": lambda: anchor_step(s, 256, False),

@@ -85,3 +85,16 @@ def test_the_profile_sums_each_device_timeline_per_step(tmp_path):
     timeline = figures["/device:GPU:0 / Stream #1"]
     assert timeline["ms_per_step"] == 1.0 and timeline["names"] == 3
     assert timeline["top"] == [["conv", 0.75], ["fusion.1", 0.15], ["fusion.2", 0.1]]
+
+
+def test_the_first_convolution_check_times_both_of_its_ways(gpu_check, tmp_path):
+    """`conv1`, quick on the CPU: cuDNN's way (here XLA:CPU's) and ctseg's matrix products,
+    each pass; PyTorch's only on a GPU, so the ratio row shows a dash."""
+    settings = gpu_check.Settings("cpu", True, tmp_path)
+    result = gpu_check.first_conv(settings)
+    assert set(result) == {"jax padding", "jax matrix"}
+    assert all(result[v]["wgrad_ms"] > 0 and result[v]["cin"] == 1 for v in result)
+    row = next(
+        line for line in gpu_check.table({"conv1": result}).splitlines() if "first conv" in line
+    )
+    assert row.split()[-2:] == ["–", "–"]
