@@ -6,7 +6,7 @@ The gradient of its weights is where cuDNN does worst: on an H100 (bfloat16, 256
 to PyTorch's 117 ms. With one input channel, the convolution is a product of small
 matrices: the image's 27 shifted copies (its patches, voxels × 27) times the kernel
 (27 × filters); and the weights' gradient, the patches' transpose times the output's
-gradient, a sum over every voxel. Cut into `CHUNKS` row blocks against copies of the
+gradient, a sum over every voxel. Cut into up to `CHUNKS` row blocks against copies of the
 kernel, each block's product is its own matrix product, so the gradient is as many
 independent small products (run side by side) and one float32 sum of their results,
 not one product whose inner dimension is every voxel of the volume.
