@@ -6,8 +6,9 @@ resampled onto g grid voxels, with the voxel-centre convention
 
     grid voxel i  <->  source voxel coordinate (i + 0.5) * n / g - 0.5
 
-so the first and last voxel faces of the scan and the grid coincide and `from_grid`
-is the exact inverse coordinate map of `to_grid`. Two grids (`data.grid`):
+so the first and last voxel faces of the scan and the grid coincide, and the way back
+(`ctseg.inference.scan_space`, by `linear_weights`) is the exact inverse coordinate map of
+`to_grid`. Two grids (`data.grid`):
 
 - ``cube``: g = R on every axis, the field of view stretched onto R³ (an anisotropic
   stretch, as the Mesh-TensorFlow LiTS U-Net did);
@@ -128,7 +129,7 @@ def to_box(
 
 def linear_weights(size: int, out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Linear interpolation from `size` to `out` voxels covering one field of view, as
-    `from_grid` does it: for each output voxel, the two source voxels it lies between and
+    `to_grid` does it (order 1): for each output voxel, the two source voxels it lies between and
     its weight towards the second (voxel centres; edge values beyond the last centre)."""
     coordinate = (np.arange(out) + 0.5) * (size / out) - 0.5
     lower = np.floor(coordinate)
@@ -136,21 +137,6 @@ def linear_weights(size: int, out: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     first = np.clip(lower, 0, size - 1).astype(np.int32)
     second = np.clip(lower + 1, 0, size - 1).astype(np.int32)
     return first, second, weight
-
-
-def from_grid(grid_array: np.ndarray, shape: Sequence[int], order: int = 1) -> np.ndarray:
-    """Map an [R,R,R] or [R,R,R,C] grid array back onto the canonical scan shape.
-
-    Channels (e.g. class probabilities) are resampled one at a time into a
-    preallocated output, so a 512×512×500×3 float32 result needs no second copy.
-    """
-    dtype = np.float32 if order > 0 else grid_array.dtype
-    if grid_array.ndim == 3:
-        return _resample(grid_array, shape, order, dtype)
-    out = np.empty((*shape, grid_array.shape[3]), dtype=dtype)
-    for channel in range(grid_array.shape[3]):
-        out[..., channel] = _resample(grid_array[..., channel], shape, order, dtype)
-    return out
 
 
 def grid_affine(

@@ -4,10 +4,11 @@ JAX (XLA) runs on the chosen devices; ONNX Runtime on the host's CPU cores, wher
 3-D convolutions are several times slower. Both are a `Backend`
 (`ctseg.inference.jax_backend.JaxBackend`, `ctseg.inference.onnx_backend.OnnxBackend`):
 its name, dtype and exactness class, where the scan is brought to the grid and how the
-backend reads it, a compiled `Plan` per box shape (logits, whole or tiled), the array
-operations of the class probabilities (softmax, flips, the mirrored passes' mean: the one
-loop is `ctseg.inference.engine.class_probabilities`), and the way back to the scan's
-voxels (`ctseg.inference.scan_space`). Callers hold a backend, never ask which.
+backend reads it, a compiled `Plan` per box shape (logits, whole or tiled), the mirrored
+passes' flips, and the logits handed to JAX (on the host CPU's device for ONNX Runtime,
+without a copy), where the class probabilities (`ctseg.inference.probability_ops`, the one
+loop `ctseg.inference.engine.class_probabilities`) and the way back to the scan's voxels
+(`ctseg.inference.scan_space`) run for both. Callers hold a backend, never ask which.
 
 This module imports no JAX (the CLI checks `--backend` before it starts JAX): the two
 backends are made by `ctseg.inference.engine.backend_named`, above them.
@@ -140,21 +141,11 @@ class Backend(ABC):
     def adopt(self, unit: Any) -> Any:
         """A box brought to the grid on `grid_device`, as the backend reads it."""
 
-    # The class probabilities' array operations (`engine.class_probabilities`).
-
     @abstractmethod
-    def softmax(self, logits: Any, need: Span | None) -> Any:
-        """Class probabilities of logits [x, y, z, C] (at least on the voxels `need`)."""
+    def adopt_logits(self, logits: Any) -> Any:
+        """A plan's logits as a JAX array, where the class probabilities' operations
+        (`ctseg.inference.probability_ops`) and the way back to the scan run."""
 
     @abstractmethod
     def flip(self, placed: Any, axes: tuple[int, ...]) -> Any:
-        """A `place`d image mirrored along the grid's `axes`."""
-
-    @abstractmethod
-    def add_unflipped(self, total: Any | None, logits: Any, axes: tuple[int, ...]) -> Any:
-        """`total` (None: nothing yet) plus the probabilities of a mirrored pass's logits,
-        mirrored back along `axes`."""
-
-    @abstractmethod
-    def mean(self, total: Any, count: int) -> Any:
-        """The mean of `count` passes summed in `total`."""
+        """A `place`d image mirrored along the grid's `axes` (a mirrored pass's input)."""

@@ -7,9 +7,10 @@ devices, exact level-wise tiles or fixed windows, all on the devices) or ``onnx`
 are cut as `ctseg.inference.tiling` plans them; stitched, they equal one whole-volume
 pass.
 
-Softmax and the mean of the mirrored passes (test-time augmentation) run where the
-backend runs, by its own array operations (`class_probabilities`, one loop for both), and
-so does the way back to the scan's voxels (the backend's `ctseg.inference.scan_space.Space`).
+Softmax and the mean of the mirrored passes (test-time augmentation) run on JAX arrays
+for both backends (`class_probabilities`, `ctseg.inference.probability_ops`): on the
+devices under JAX, on the host CPU's device for ONNX Runtime's logits, adopted without a
+copy. So does the way back to the scan's voxels (`ctseg.inference.scan_space`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 from ctseg.config import Config, TileRequest
 from ctseg.config.tile import SIZE, WHOLE
 from ctseg.errors import CtsegError
-from ctseg.inference import tiling
+from ctseg.inference import probability_ops, tiling
 from ctseg.inference.backends import BACKENDS, Backend
 from ctseg.inference.jax_backend import JaxBackend
 from ctseg.inference.jax_plans import COMPILED_SHARE
@@ -198,19 +199,20 @@ def class_probabilities(
     mirrored: bool,
     progress: TileProgress | None = None,
     need: Span | None = None,
-) -> np.ndarray | jax.Array:
+) -> jax.Array:
     """Class probabilities [x, y, z, 3] float32 of a unit-scaled image [x, y, z]; with
     `need`, on those voxels (`Engine.logits`), the rest of the box unspecified.
 
     `mirrored`: the mean of the probabilities of the 8 mirrorings of the image,
     each flipped back. Every pass is the engine's own (tiled passes equal the
-    whole pass), so the mean is exact too. The arrays are the backend's (`Backend`'s
-    softmax, flips and mean): under JAX on the devices, from one transfer of the image.
+    whole pass), so the mean is exact too. The image is flipped where the backend reads
+    it (`Backend.flip`: under JAX on the devices, from one transfer of the image); the
+    probabilities are JAX arrays (`Backend.adopt_logits`).
     """
-    ops = engine.backend
+    backend = engine.backend
     placed = engine.place(image)
     if not mirrored:
-        return ops.softmax(engine.logits(placed, progress, need), need)
+        return probability_ops.softmax(backend.adopt_logits(engine.logits(placed, progress, need)))
     total = None
     for index, axes in enumerate(MIRRORINGS):
 
@@ -218,10 +220,14 @@ def class_probabilities(
             if progress is not None:
                 progress(index * count + done, len(MIRRORINGS) * count)
 
-        flipped = ops.flip(placed, axes)
-        logits = engine.logits(flipped, tick, _mirrored(need, axes, engine.shape))
-        total = ops.add_unflipped(total, logits, axes)
-    return ops.mean(total, len(MIRRORINGS))
+        flipped = backend.flip(placed, axes)
+        need_flipped = _mirrored(need, axes, engine.shape)
+        logits = backend.adopt_logits(engine.logits(flipped, tick, need_flipped))
+        if total is None:
+            total = probability_ops.unflipped(logits, axes)
+        else:
+            total = probability_ops.add_unflipped(total, logits, axes)
+    return probability_ops.mean(total, len(MIRRORINGS))
 
 
 def _mirrored(need: Span | None, axes: tuple[int, ...], shape: Shape) -> Span | None:

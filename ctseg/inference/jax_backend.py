@@ -114,43 +114,13 @@ class JaxBackend(Backend):
     def adopt(self, unit: jax.Array) -> jax.Array:
         return unit
 
-    def softmax(self, logits: jax.Array, need: tiling.Span | None) -> jax.Array:
-        return _softmax(logits)
+    def adopt_logits(self, logits: jax.Array) -> jax.Array:
+        return logits
 
     def flip(self, placed: jax.Array, axes: tuple[int, ...]) -> jax.Array:
         return _flip_batch(placed, axes)
-
-    def add_unflipped(
-        self, total: jax.Array | None, logits: jax.Array, axes: tuple[int, ...]
-    ) -> jax.Array:
-        if total is None:
-            return _unflipped(logits, axes)
-        return _add_unflipped(total, logits, axes)
-
-    def mean(self, total: jax.Array, count: int) -> jax.Array:
-        return _mean(total, count)
-
-
-@jax.jit
-def _softmax(logits: jax.Array) -> jax.Array:
-    return jax.nn.softmax(logits, axis=-1)
 
 
 @partial(jax.jit, static_argnums=1)
 def _flip_batch(image: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     return jnp.flip(image, tuple(a + 1 for a in axes))
-
-
-@partial(jax.jit, static_argnums=1)
-def _unflipped(logits: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    return jnp.flip(jax.nn.softmax(logits, axis=-1), axes)
-
-
-@partial(jax.jit, static_argnums=2)
-def _add_unflipped(total: jax.Array, logits: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    return total + _unflipped(logits, axes)
-
-
-@partial(jax.jit, static_argnums=1)
-def _mean(total: jax.Array, count: int) -> jax.Array:
-    return total / count

@@ -3,7 +3,9 @@
 The same inference-mode network as under JAX, exported by `ctseg.inference.onnx_export`:
 whole, or one ONNX graph per level-wise stage (the geometry in `ctseg.inference.tiling`),
 run one window at a time on host arrays and stitched on the host (host memory is
-this backend's device). The logits equal the JAX pass's to float32 rounding.
+this backend's device). The logits equal the JAX pass's to float32 rounding. From them
+on, JAX on the host CPU's device (`OnnxBackend.adopt_logits`, no copy): the class
+probabilities and the way back to the scan are the JAX backend's programs.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ctseg.memory import host_memory, human_bytes
 from ctseg.model.unet import BOTTOM, DOWN, UP
 from ctseg.run.trained import TrainedModel
 
-_SOFTMAX_SLAB = 32
+_XLA_ALIGNMENT = 64  # bytes: XLA:CPU adopts host buffers aligned so without a copy
 
 
 def _halve(slices: tuple[slice, ...]) -> tuple[slice, ...]:
@@ -44,7 +46,7 @@ def _run_stage_on_host(
             batch.append(inputs[1][_halve(w.window)][None])
         result = forward(*batch)[0]
         if out is None:
-            out = np.zeros((*stage.out_size, result.shape[-1]), result.dtype)
+            out = aligned_zeros((*stage.out_size, result.shape[-1]), result.dtype)
         if stage.kind == DOWN:
             out[_halve(w.core)] = result[_halve(w.core_in_window)]
         else:
@@ -161,10 +163,11 @@ class OnnxPlan:
 
 
 class OnnxBackend(Backend):
-    """ONNX Runtime on the host's CPU cores: host arrays from the grid to the labels."""
+    """ONNX Runtime on the host's CPU cores: host arrays from the grid to the logits; from
+    there JAX on the host CPU's device, as under the JAX backend."""
 
     name, runtime, ladder = "onnx", "ONNX Runtime", False
-    space = scan_space.ON_HOST
+    space = scan_space.ON_DEVICES  # on the host CPU's JAX device
 
     def __init__(self) -> None:
         self.devices: list[Any] = []  # the host's CPU cores, no JAX device
@@ -187,35 +190,20 @@ class OnnxBackend(Backend):
     def adopt(self, unit: jax.Array) -> np.ndarray:
         return np.asarray(jax.device_get(unit))  # ONNX Runtime reads host arrays
 
-    def softmax(self, logits: np.ndarray, need: Span | None) -> np.ndarray:
-        # Only the voxels wanted: the rest of a region's box was never computed, and its
-        # pages, never touched, take no memory.
-        softmax_(logits if need is None else logits[tuple(slice(*ends) for ends in need)])
-        return logits
+    def adopt_logits(self, logits: np.ndarray) -> jax.Array:
+        # No copy where the buffer is aligned as XLA:CPU wants: ONNX Runtime's outputs, the
+        # stitched stages' (`aligned_zeros`). Nothing writes to the logits afterwards.
+        return jax.device_put(logits, self.grid_device)
 
     def flip(self, placed: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
         # A view: the sessions copy the windows they read.
         return np.flip(placed, tuple(a + 1 for a in axes))
 
-    def add_unflipped(
-        self, total: np.ndarray | None, logits: np.ndarray, axes: tuple[int, ...]
-    ) -> np.ndarray:
-        flipped = np.flip(softmax_(logits), axes)
-        if total is None:
-            return np.array(flipped)  # the first pass's copy holds the sum
-        total += flipped
-        return total
 
-    def mean(self, total: np.ndarray, count: int) -> np.ndarray:
-        total /= count
-        return total
-
-
-def softmax_(logits: np.ndarray) -> np.ndarray:
-    """Class probabilities from logits [..., C], in place, a slab at a time (no big temporaries)."""
-    for start in range(0, logits.shape[0], _SOFTMAX_SLAB):
-        slab = logits[start : start + _SOFTMAX_SLAB]
-        slab -= slab.max(axis=-1, keepdims=True)
-        np.exp(slab, out=slab)
-        slab /= slab.sum(axis=-1, keepdims=True)
-    return logits
+def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Zeros whose buffer starts on a multiple of `_XLA_ALIGNMENT` bytes, so that JAX on
+    the CPU adopts it without a copy (a 1.2 GB copy for a 560×560×320 box's logits)."""
+    size = int(np.prod(shape)) * dtype.itemsize
+    raw = np.zeros(size + _XLA_ALIGNMENT, np.uint8)  # calloc: untouched pages take no memory
+    start = -raw.ctypes.data % _XLA_ALIGNMENT
+    return raw[start : start + size].view(dtype).reshape(shape)

@@ -77,7 +77,7 @@ class Prediction:
         None for an ensemble (its members' grids differ)."""
         if self.grid_probabilities is None:
             return None
-        return scan_space.grid_labels(self.grid_probabilities, self.grid)
+        return scan_space.ON_DEVICES.grid_labels(self.grid_probabilities, self.grid)
 
 
 @contextlib.contextmanager

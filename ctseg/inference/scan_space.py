@@ -2,10 +2,10 @@
 
 (The way there, and the resampling on the devices both ways use: `ctseg.inference.to_grid`.)
 The way back: class probabilities of the box cropped to the scan's grid, resampled
-linearly, argmax, an ensemble's mean, the model's uncertainty measured there: a
-`Space` per kind of array, each backend holding its own (`ON_DEVICES` under JAX: what
-comes back to the host is the uint8 label map, and probabilities only where a caller asks
-for them; `ON_HOST`, scipy's resampling, under ONNX Runtime).
+linearly, argmax, an ensemble's mean, the model's uncertainty measured there, all on the
+JAX device that holds the probabilities (`Space`, `ON_DEVICES`: the accelerators under the
+JAX backend, the host CPU's device for ONNX Runtime's). What comes back to the host is the
+uint8 label map, the uncertainty's sums, and probabilities only where a caller asks.
 
 On the devices a scan is padded to a rung of a ladder of sizes (`to_grid.padded`) and the
 resampling reads tables of source voxels and weights as arguments, so every program
@@ -15,7 +15,7 @@ the programs the first one compiled. The crop is the host's view.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy import ndimage
 
 from ctseg.data import grids
 from ctseg.data.grids import Shape, linear_weights
@@ -86,12 +85,10 @@ class OnScan:
 
 
 class Space:
-    """The way back from a box of the grid to the scan's voxels, on one backend's arrays:
-    `ON_DEVICES` (JAX arrays, programs that depend on the box and the padded scan's shape
-    only) or `ON_HOST` (NumPy arrays, scipy's resampling). A backend holds its own
-    (`ctseg.inference.backends.Backend.space`); the module's functions of the same names
-    choose by the arrays' type. Each way back measures the model's uncertainty where the
-    probabilities are (`ctseg.inference.uncertainty`)."""
+    """The way back from a box of the grid to the scan's voxels, on the JAX device that
+    holds the probabilities, by programs that depend on the box and the padded scan's shape
+    only; a backend holds it (`ctseg.inference.backends.Backend.space`). Each way back
+    measures the model's uncertainty there (`ctseg.inference.uncertainty`)."""
 
     def scan_labels(
         self,
@@ -183,104 +180,24 @@ class Space:
         full[where] = mean
         return OnScan(labels, full, uncertainty)
 
-    # What each backend's arrays do their own way; each returns the uncertainty's sums
+    # The resampling and the argmax on the devices; each returns the uncertainty's sums
     # (`ctseg.inference.uncertainty`), and for several members their agreement's (else None).
 
     def _scan_labels(
-        self, probabilities: Any, shape: Shape, with_probabilities: bool, grid: Shape
+        self, probabilities: jax.Array, shape: Shape, with_probabilities: bool, grid: Shape
     ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        raise NotImplementedError
-
-    def _mean_scan_labels(
-        self,
-        probabilities: Sequence[Any],
-        shape: Shape,
-        with_probabilities: bool,
-        grids_of: Sequence[Shape],
-    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
-        raise NotImplementedError
-
-    def _argmax(self, probabilities: Any) -> np.ndarray:
-        raise NotImplementedError
-
-    def _window(
-        self,
-        probabilities: Any,
-        grid: Shape,
-        offset: Sequence[int],
-        scan_shape: Shape,
-        lo: Sequence[int],
-        hi: Sequence[int],
-    ) -> Any:
-        raise NotImplementedError
-
-    def _measured_mean(
-        self, parts: Sequence[Any]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        """The mean of the members' parts, its argmax (uint8), on the host, and the sums."""
-        raise NotImplementedError
-
-
-class _OnHost(Space):
-    """NumPy arrays, resampled by scipy (`grids.from_grid`)."""
-
-    def _scan_labels(self, probabilities, shape, with_probabilities, grid):  # type: ignore[override]
-        on_grid = probabilities[: grid[0], : grid[1], : grid[2]]
-        on_scan = grids.from_grid(on_grid, shape, order=1)
-        sums = unc.probability_sums(on_scan, np)
-        return on_scan.argmax(-1).astype(np.uint8), on_scan if with_probabilities else None, sums
-
-    def _mean_scan_labels(self, probabilities, shape, with_probabilities, grids_of):  # type: ignore[override]
-        on_scan = (
-            grids.from_grid(member[: grid[0], : grid[1], : grid[2]], shape, order=1)
-            for member, grid in zip(probabilities, grids_of, strict=True)
-        )
-        mean, sums, agreement = _host_mean(on_scan)
-        return (
-            mean.argmax(-1).astype(np.uint8),
-            mean if with_probabilities else None,
-            sums,
-            agreement,
-        )
-
-    def _argmax(self, probabilities: np.ndarray) -> np.ndarray:
-        return probabilities.argmax(-1).astype(np.uint8)
-
-    def _window(self, probabilities, grid, offset, scan_shape, lo, hi):  # type: ignore[override]
-        return _host_window(probabilities, grid, offset, scan_shape, lo, hi)
-
-    def _measured_mean(self, parts):  # type: ignore[override]
-        mean, sums, agreement = _host_mean(parts)
-        return mean.argmax(-1).astype(np.uint8), mean, sums, agreement
-
-
-def _host_mean(parts: Iterable[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The members' mean of their probabilities on the scan's voxels (the first member's
-    array reused for it), its uncertainty's sums, and the members' agreement's (None for
-    one member)."""
-    total, counts, members = None, None, 0
-    for part in parts:
-        votes = unc.votes(part, np)
-        counts = votes if counts is None else np.add(counts, votes, out=counts)
-        total = part if total is None else np.add(total, part, out=total)
-        members += 1
-    total /= np.float32(members)
-    agreement = unc.vote_sums(counts, np) if members > 1 else None
-    return total, unc.probability_sums(total, np), agreement
-
-
-class _OnDevices(Space):
-    """JAX arrays, resampled on their devices by tables of source voxels and weights: what
-    comes back to the host is the uint8 label map, the uncertainty's sums, and
-    probabilities where asked for."""
-
-    def _scan_labels(self, probabilities, shape, with_probabilities, grid):  # type: ignore[override]
         tables, order = _back_tables(grid, shape), axis_order(shape, grid)
         found = _on_scan(probabilities, tables, _shape_array(shape), order, with_probabilities)
         labels, on_scan, sums = jax.device_get(found)
         return _cropped(labels, shape), _cropped(on_scan, shape), sums
 
-    def _mean_scan_labels(self, probabilities, shape, with_probabilities, grids_of):  # type: ignore[override]
+    def _mean_scan_labels(
+        self,
+        probabilities: Sequence[jax.Array],
+        shape: Shape,
+        with_probabilities: bool,
+        grids_of: Sequence[Shape],
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
         # Every member's probabilities onto one device (device to device), summed there.
         device = min(probabilities[0].devices(), key=lambda d: d.id)
         scan = jax.device_put(_shape_array(shape), device)
@@ -298,7 +215,15 @@ class _OnDevices(Space):
     def _argmax(self, probabilities: jax.Array) -> np.ndarray:
         return jax.device_get(_grid_argmax(probabilities))
 
-    def _window(self, probabilities, grid, offset, scan_shape, lo, hi):  # type: ignore[override]
+    def _window(
+        self,
+        probabilities: jax.Array,
+        grid: Shape,
+        offset: Sequence[int],
+        scan_shape: Shape,
+        lo: Sequence[int],
+        hi: Sequence[int],
+    ) -> jax.Array:
         x = probabilities
         for axis in axis_order(scan_shape, grid):
             if scan_shape[axis] == grid[axis]:  # the whole pass's weights are 0 there: as it is
@@ -311,7 +236,10 @@ class _OnDevices(Space):
             )
         return x
 
-    def _measured_mean(self, parts):  # type: ignore[override]
+    def _measured_mean(
+        self, parts: Sequence[jax.Array]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """The mean of the members' parts, its argmax (uint8), on the host, and the sums."""
         device = min(parts[0].devices(), key=lambda d: d.id)
         whole = jax.device_put(_shape_array(parts[0].shape[:3]), device)
         members = None
@@ -322,70 +250,7 @@ class _OnDevices(Space):
         return labels, mean, sums, agreement if len(parts) > 1 else None
 
 
-ON_HOST: Space = _OnHost()
-ON_DEVICES: Space = _OnDevices()
-
-
-def space_of(probabilities: Any) -> Space:
-    """The way back that reads these arrays: host (NumPy) or device (JAX) ones; for a
-    list, all on the host or on devices."""
-    if isinstance(probabilities, list | tuple):
-        host = all(isinstance(p, np.ndarray) for p in probabilities)
-    else:
-        host = isinstance(probabilities, np.ndarray)
-    return ON_HOST if host else ON_DEVICES
-
-
-def scan_labels(
-    probabilities: np.ndarray | jax.Array,
-    shape: Sequence[int],
-    with_probabilities: bool = False,
-    grid: Sequence[int] | None = None,
-) -> OnScan:
-    """`Space.scan_labels` where the arrays lie."""
-    return space_of(probabilities).scan_labels(probabilities, shape, with_probabilities, grid)
-
-
-def mean_scan_labels(
-    probabilities: Sequence[np.ndarray | jax.Array],
-    shape: Sequence[int],
-    with_probabilities: bool = False,
-    grids_of: Sequence[Sequence[int]] | None = None,
-) -> OnScan:
-    """`Space.mean_scan_labels` where the arrays lie."""
-    space = space_of(list(probabilities))
-    return space.mean_scan_labels(probabilities, shape, with_probabilities, grids_of)
-
-
-def grid_labels(
-    probabilities: np.ndarray | jax.Array, grid: Sequence[int] | None = None
-) -> np.ndarray:
-    """`Space.grid_labels` where the arrays lie."""
-    return space_of(probabilities).grid_labels(probabilities, grid)
-
-
-def window_probabilities(
-    probabilities: np.ndarray | jax.Array,
-    grid: Sequence[int],
-    offset: Sequence[int],
-    scan_shape: Sequence[int],
-    lo: Sequence[int],
-    hi: Sequence[int],
-) -> np.ndarray | jax.Array:
-    """`Space.window_probabilities` where the arrays lie."""
-    space = space_of(probabilities)
-    return space.window_probabilities(probabilities, grid, offset, scan_shape, lo, hi)
-
-
-def window_labels(
-    probabilities: Sequence[np.ndarray | jax.Array],
-    on_grids: Sequence[Any],
-    shape: Sequence[int],
-    with_probabilities: bool = False,
-) -> OnScan:
-    """`Space.window_labels` where the arrays lie."""
-    space = space_of(list(probabilities))
-    return space.window_labels(probabilities, on_grids, shape, with_probabilities)
+ON_DEVICES = Space()
 
 
 def _shape_array(shape: Sequence[int]) -> np.ndarray:
@@ -436,27 +301,3 @@ def _take_slice(x: jax.Array, start: int, size: int, axis: int) -> jax.Array:
 
 
 _interpolate = jax.jit(lerp, static_argnums=4)
-
-
-def _host_window(
-    probabilities: np.ndarray,
-    grid: tuple[int, ...],
-    offset: Sequence[int],
-    scan_shape: tuple[int, ...],
-    lo: Sequence[int],
-    hi: Sequence[int],
-) -> np.ndarray:
-    """`grids.from_grid`'s resampling of the scan voxels [lo, hi) from a box of the grid."""
-    # Only the grid's part of the box: beyond the grid, `from_grid` holds the edge value.
-    sides = zip(probabilities.shape[:3], grid, offset, strict=True)
-    inside = tuple(slice(0, min(b, g - o)) for b, g, o in sides)
-    box = probabilities[inside]
-    scale = np.array(grid, dtype=float) / np.array(scan_shape, dtype=float)
-    start = 0.5 * scale - 0.5 + scale * np.asarray(lo, dtype=float) - np.asarray(offset)
-    size = tuple(int(h - low) for low, h in zip(lo, hi, strict=True))
-    out = np.empty((*size, box.shape[3]), dtype=np.float32)
-    for channel in range(box.shape[3]):
-        out[..., channel] = ndimage.affine_transform(
-            box[..., channel], scale, offset=start, output_shape=size, order=1, mode="nearest"
-        )
-    return out

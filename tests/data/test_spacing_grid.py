@@ -5,7 +5,7 @@ import jax
 import nibabel as nib
 import numpy as np
 import pytest
-from helpers import prepare_store, rotation_z, tiny_config
+from helpers import from_grid, prepare_store, rotation_z, tiny_config
 from scipy import ndimage
 from typer.testing import CliRunner
 
@@ -70,8 +70,8 @@ def _round_trip(path, target, box):
     ]
     covered = np.zeros(grid, bool)
     covered[region] = True
-    back = grids.from_grid(on_grid, scan.array.shape, order=0)
-    in_box = grids.from_grid(covered.astype(np.uint8), scan.array.shape, order=0) > 0
+    back = from_grid(on_grid, scan.array.shape, order=0)
+    in_box = from_grid(covered.astype(np.uint8), scan.array.shape, order=0) > 0
     out = path.with_name("back.nii.gz")
     scans.write_labels(scan, back, out)
     written = nib.load(out)

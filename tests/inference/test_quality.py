@@ -57,7 +57,9 @@ def _probabilities(labels: np.ndarray, sure: float) -> np.ndarray:
 
 def _measured(probabilities: np.ndarray) -> uncertainty.Uncertainty:
     """The uncertainty of probabilities on the scan's voxels, as the way back measures it."""
-    return scan_space.ON_HOST.scan_labels(probabilities, probabilities.shape[:3]).uncertainty
+    return scan_space.ON_DEVICES.scan_labels(
+        jnp.asarray(probabilities), probabilities.shape[:3]
+    ).uncertainty
 
 
 def _concern(judged: quality.Quality, name: str) -> quality.Concern:
@@ -110,11 +112,11 @@ def test_a_likely_tumour_that_was_not_predicted_is_reviewed():
     assert judged.liver < quality.REVIEW_AT <= judged.tumour
 
 
-def test_the_uncertainty_is_the_same_on_the_host_and_on_16_devices():
+def test_the_uncertainty_is_the_same_on_1_and_on_16_devices_and_by_hand():
     labels = _labels()
     p = _probabilities(labels, 0.7)
     # The scan's 8 slices are padded to the ladder's 16 on the devices, which must not count.
-    host = scan_space.ON_HOST.scan_labels(p, SHAPE).uncertainty
+    host = _measured(p)
     mesh = Mesh(np.array(jax.devices()[:16]), ("x",))
     sharded = jax.device_put(jnp.asarray(p), NamedSharding(mesh, PartitionSpec("x")))
     on_devices = scan_space.ON_DEVICES.scan_labels(sharded, SHAPE).uncertainty
@@ -137,19 +139,16 @@ def test_an_ensembles_agreement_is_the_dice_between_its_members():
         2 * np.count_nonzero((labels == 2) & (other == 2)),
         np.count_nonzero(labels == 2) + np.count_nonzero(other == 2),
     )
-    for space, arrays in (
-        (scan_space.ON_HOST, members),
-        (scan_space.ON_DEVICES, [jnp.asarray(m) for m in members]),
-    ):
-        measured = space.mean_scan_labels(arrays, SHAPE).uncertainty
-        assert measured.members == 2 and measured.agreement("liver") == pytest.approx(1.0)
-        assert measured.agreement("tumour") == pytest.approx((pairs + smooth) / (total + smooth))
+    arrays = [jnp.asarray(m) for m in members]
+    measured = scan_space.ON_DEVICES.mean_scan_labels(arrays, SHAPE).uncertainty
+    assert measured.members == 2 and measured.agreement("liver") == pytest.approx(1.0)
+    assert measured.agreement("tumour") == pytest.approx((pairs + smooth) / (total + smooth))
     assert (pairs + smooth) / (total + smooth) == pytest.approx(tumour_dice, abs=0.05)
     judged = quality.assess(labels, AFFINE, _hu(), measured, (), REFERENCE)
     disagreement = _concern(judged, "tumour_disagreement")
     assert disagreement.value == pytest.approx(1 - measured.agreement("tumour"))
     assert "2 models disagree on the tumours" in disagreement.reason
-    alone = scan_space.ON_HOST.scan_labels(members[0], SHAPE).uncertainty
+    alone = _measured(members[0])
     assert alone.agreement("tumour") is None
 
 

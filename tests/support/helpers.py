@@ -11,6 +11,7 @@ import jax
 import nibabel as nib
 import numpy as np
 import SimpleITK as sitk
+from scipy import ndimage
 
 from ctseg import config as cfg
 from ctseg.data_prep.build import PrepareResult, write_store
@@ -143,3 +144,19 @@ def no_host_transfers():
         jax.transfer_guard_device_to_host("disallow_explicit"),
     ):
         yield
+
+
+def from_grid(grid_array: np.ndarray, shape, order: int = 1) -> np.ndarray:
+    """The reference way back: an [R,R,R] or [R,R,R,C] grid array resampled onto the scan's
+    `shape` by scipy (float64 inside), voxel centres as `ctseg.data.grids` places them."""
+    scale = np.array(grid_array.shape[:3], float) / np.array(shape, float)
+
+    def one(array: np.ndarray) -> np.ndarray:
+        return ndimage.affine_transform(
+            array, scale, offset=0.5 * scale - 0.5, output_shape=tuple(shape),
+            output=np.float32 if order > 0 else array.dtype, order=order, mode="nearest",
+        )  # fmt: skip
+
+    if grid_array.ndim == 3:
+        return one(grid_array)
+    return np.stack([one(grid_array[..., c]) for c in range(grid_array.shape[3])], axis=-1)
