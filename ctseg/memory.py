@@ -1,9 +1,15 @@
-"""The host's memory, and byte counts as people read them (one formatter for every command)."""
+"""The host's memory: what is available, buffers JAX on the CPU takes without a copy, and
+byte counts as people read them (one formatter for every command)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+import numpy as np
+
+# XLA:CPU adopts a host buffer that starts on a multiple of these bytes without a copy.
+XLA_ALIGNMENT = 64
 
 
 def host_memory() -> int:
@@ -15,6 +21,15 @@ def host_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Zeros on an `XLA_ALIGNMENT` boundary, so that `jax.device_put` to the CPU adopts them
+    without a copy (a 560×560×320 box's logits: 1.2 GB, 0.5 s to copy on 2 cores)."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.zeros(size + XLA_ALIGNMENT, np.uint8)  # calloc: untouched pages take no memory
+    start = -raw.ctypes.data % XLA_ALIGNMENT
+    return raw[start : start + size].view(dtype).reshape(shape)
 
 
 def human_bytes(count: float) -> str:

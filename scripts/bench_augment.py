@@ -68,9 +68,13 @@ def train(data: Path, run_dir: Path, steps: int, extra: tuple[str, ...]) -> dict
 
 
 def host_times(data: Path, samples: int, box: int) -> dict:
-    from ctseg.parallel.partition import configure_cpu_devices
+    from ctseg.parallel import devices as dev
 
-    configure_cpu_devices(16)
+    with dev.held_start_output():  # importing JAX imports its plugins, which speak
+        from ctseg.parallel.partition import configure_cpu_devices
+
+        configure_cpu_devices(16)
+    dev.start_quietly("cpu")
     import jax
     import numpy as np
     from scipy import ndimage

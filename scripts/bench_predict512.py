@@ -248,7 +248,9 @@ def predict(
     shutil.rmtree(out, ignore_errors=True)
     ctseg, env = CTSEG, None
     if args.checkout:
-        ctseg = [sys.executable, "-c", CHECKOUT_CTSEG]
+        # -P: without the working directory first on its path, which in another checkout
+        # would import that checkout's ctseg rather than this one's.
+        ctseg = [sys.executable, "-P", "-c", CHECKOUT_CTSEG]
         env = {**os.environ, "PYTHONPATH": str(args.checkout.resolve())}
     command = [*ctseg, "predict", str(run_dir), *map(str, scans), "--out", str(out)]
     if roi is not None:
@@ -430,6 +432,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == [MAKE_RUN]:
+        from ctseg.parallel import devices
+
+        # CPU-only, as the parent asked; what JAX's plugins print on starting is held.
+        devices.start_quietly("cpu")
         from ctseg import config as cfg
 
         run_dir, config_path, *overrides = sys.argv[2:]

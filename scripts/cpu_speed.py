@@ -25,7 +25,10 @@ os.environ.setdefault(
     "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads=2"
 )
 
-import jax  # noqa: E402
+from ctseg.parallel.devices import held_start_output  # noqa: E402
+
+with held_start_output():  # importing JAX imports its plugins, which speak
+    import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ctseg import config as cfg  # noqa: E402

@@ -22,11 +22,9 @@ from ctseg.errors import CtsegError
 from ctseg.inference import scan_space, tile_memory, tiling
 from ctseg.inference.backends import Backend
 from ctseg.inference.tiling import Shape, Span, Stage, TileProgress
-from ctseg.memory import host_memory, human_bytes
+from ctseg.memory import aligned_zeros, host_memory, human_bytes
 from ctseg.model.unet import BOTTOM, DOWN, UP
 from ctseg.run.trained import TrainedModel
-
-_XLA_ALIGNMENT = 64  # bytes: XLA:CPU adopts host buffers aligned so without a copy
 
 
 def _halve(slices: tuple[slice, ...]) -> tuple[slice, ...]:
@@ -192,18 +190,9 @@ class OnnxBackend(Backend):
 
     def adopt_logits(self, logits: np.ndarray) -> jax.Array:
         # No copy where the buffer is aligned as XLA:CPU wants: ONNX Runtime's outputs, the
-        # stitched stages' (`aligned_zeros`). Nothing writes to the logits afterwards.
+        # stitched stages' (`memory.aligned_zeros`). Nothing writes to the logits afterwards.
         return jax.device_put(logits, self.grid_device)
 
     def flip(self, placed: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
         # A view: the sessions copy the windows they read.
         return np.flip(placed, tuple(a + 1 for a in axes))
-
-
-def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """Zeros whose buffer starts on a multiple of `_XLA_ALIGNMENT` bytes, so that JAX on
-    the CPU adopts it without a copy (a 1.2 GB copy for a 560×560×320 box's logits)."""
-    size = int(np.prod(shape)) * dtype.itemsize
-    raw = np.zeros(size + _XLA_ALIGNMENT, np.uint8)  # calloc: untouched pages take no memory
-    start = -raw.ctypes.data % _XLA_ALIGNMENT
-    return raw[start : start + size].view(dtype).reshape(shape)

@@ -48,7 +48,6 @@ def _back_tables(grid: Sequence[int], shape: Sequence[int]) -> Tables:
     )
 
 
-@partial(jax.jit, static_argnums=(3, 4))
 def _on_scan(
     probabilities: jax.Array,
     tables: Tables,
@@ -57,8 +56,17 @@ def _on_scan(
     with_probabilities: bool,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """Box probabilities [x, y, z, C] resampled onto the padded scan, their argmax, and the
-    uncertainty's sums on the scan's own voxels (`shape`, traced: one program per rung)."""
-    x = resampled(probabilities, tables, order)
+    uncertainty's sums on the scan's own voxels (`shape`, traced: one program per rung).
+
+    Two programs: as one, XLA:CPU took 0.53 s for the 512×512×63 scan's way back from a
+    560×560×320 box on 2 cores, against 0.30 s for the two (the same results)."""
+    return _measured_on_scan(resampled(probabilities, tables, order), shape, with_probabilities)
+
+
+@partial(jax.jit, static_argnums=2)
+def _measured_on_scan(
+    x: jax.Array, shape: jax.Array, with_probabilities: bool
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     labels = jnp.argmax(x, axis=-1).astype(jnp.uint8)
     sums = unc.probability_sums(x, jnp, _scan_voxels(x.shape, shape))
     return labels, (x if with_probabilities else None), sums
@@ -72,6 +80,12 @@ def _scan_voxels(padded_shape: Sequence[int], shape: jax.Array) -> jax.Array:
 def _cropped(array: np.ndarray | None, shape: Sequence[int]) -> np.ndarray | None:
     """The scan's voxels of an array of its padded shape (a view)."""
     return None if array is None else array[: shape[0], : shape[1], : shape[2]]
+
+
+def _cropped_labels(labels: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+    """The scan's labels of its padded label map, contiguous: cc3d and the writers read a
+    contiguous map faster (the 512×512×63 scan's NIfTI is written in 0.02 s, not 0.05)."""
+    return np.ascontiguousarray(_cropped(labels, shape))
 
 
 @dataclass(frozen=True)
@@ -189,7 +203,7 @@ class Space:
         tables, order = _back_tables(grid, shape), axis_order(shape, grid)
         found = _on_scan(probabilities, tables, _shape_array(shape), order, with_probabilities)
         labels, on_scan, sums = jax.device_get(found)
-        return _cropped(labels, shape), _cropped(on_scan, shape), sums
+        return _cropped_labels(labels, shape), _cropped(on_scan, shape), sums
 
     def _mean_scan_labels(
         self,
@@ -210,7 +224,7 @@ class Space:
         labels, mean, sums, agreement = found
         labels, sums, agreement = jax.device_get((labels, sums, agreement))
         mean = jax.device_get(mean) if with_probabilities else None
-        return _cropped(labels, shape), _cropped(mean, shape), sums, agreement
+        return _cropped_labels(labels, shape), _cropped(mean, shape), sums, agreement
 
     def _argmax(self, probabilities: jax.Array) -> np.ndarray:
         return jax.device_get(_grid_argmax(probabilities))

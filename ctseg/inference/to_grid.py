@@ -23,6 +23,7 @@ import numpy as np
 
 from ctseg.data import grids
 from ctseg.data.grids import Shape
+from ctseg.memory import aligned_zeros
 
 _INT16 = np.iinfo(np.int16)
 
@@ -74,7 +75,7 @@ def unit_box(
     scipy's resampling runs in float64: a voxel whose value lies within ~1e-4 HU of a
     rounding boundary may round the other way (1 HU apart). The program depends on the
     padded scan's shape, the box's and the window only."""
-    scan = np.zeros(padded(hu.shape), _sent_dtype(hu))
+    scan = aligned_zeros(padded(hu.shape), _sent_dtype(hu))  # sent to the CPU without a copy
     scan[: hu.shape[0], : hu.shape[1], : hu.shape[2]] = hu
     axes = [
         grids.axis_table(n, g, o, b) for n, g, o, b in zip(hu.shape, grid, offset, box, strict=True)

@@ -90,3 +90,38 @@ def test_roi_runs_beside_the_whole_scan(tmp_path):
     assert "tiles ≤ 8³" in stats["device"]
     run_config = cfg.load(workdir / "run" / "config.toml")
     assert run_config.model.base_filters == 4
+
+
+def test_the_child_that_makes_the_run_starts_jax_quietly(tmp_path):
+    """The script's CPU-only child starts JAX as ctseg's commands do: what JAX's plugins
+    print on starting (here the `targets` extra's CUDA plugin: "Could not find cuda
+    drivers") is held, and its stderr stays empty."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(cfg.to_toml(tiny_config("mesh.spatial=[1,1,1]", WIDE_ENOUGH)))
+    command = [sys.executable, str(SCRIPT), "--make-run", str(tmp_path / "run"), str(config)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "run" / "config.toml").exists()
+    assert done.stderr == ""
+
+
+def test_checkout_measures_that_checkout_even_from_inside_this_one(tmp_path):
+    """`--checkout DIR` runs DIR's ctseg, also where the script runs from a checkout, whose
+    ctseg a `python -c` would otherwise import first (its working directory)."""
+    other = tmp_path / "other" / "ctseg"
+    (other / "cli").mkdir(parents=True)
+    (other / "__init__.py").write_text("")
+    (other / "cli" / "__init__.py").write_text("")
+    ran = tmp_path / "other-ran"
+    main = f"def main():\n    open({str(ran)!r}, 'w')\n    return 3\n"  # exit status 3
+    (other / "cli" / "main.py").write_text(main)
+    config = tmp_path / "tiny.toml"
+    config.write_text(cfg.to_toml(tiny_config("mesh.spatial=[1,1,1]", WIDE_ENOUGH)))
+    command = [sys.executable, str(SCRIPT), str(tmp_path / "bench"), "--cold-only"]
+    command += ["--size", "32", "--config", str(config), "--scans", "1", "--device", "cpu"]
+    command += ["--backend", "jax", "--checkout", str(other.parent)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
+    assert "ctseg predict failed (exit status 3)" in done.stderr, done.stderr[-2000:]
+    assert ran.exists()

@@ -7,10 +7,11 @@ import pytest
 from helpers import RESOLUTION, from_grid, no_host_transfers, random_model
 
 from ctseg.errors import CtsegError
-from ctseg.inference import onnx_backend, probability_ops, scan_space, tiling
+from ctseg.inference import probability_ops, scan_space, tiling
 from ctseg.inference.engine import Engine, class_probabilities
 from ctseg.inference.jax_plans import COMPILED_SHARE
 from ctseg.inference.onnx_backend import OnnxBackend
+from ctseg.memory import aligned_zeros
 from ctseg.model import unet
 from ctseg.parallel import devices as dev
 from ctseg.parallel.partition import LOCAL
@@ -240,7 +241,7 @@ def test_tile_must_be_even():
 def test_onnx_runtime_s_logits_go_to_jax_without_a_copy():
     """The stitched logits' buffer is aligned as XLA:CPU wants, so JAX adopts it as it is
     (a copy of a 560×560×320 box's logits takes 0.5 s); the softmax is the formula's."""
-    logits = onnx_backend.aligned_zeros((40, 3, 2, 3), np.dtype(np.float32))
+    logits = aligned_zeros((40, 3, 2, 3), np.dtype(np.float32))
     logits[...] = np.random.default_rng(0).normal(size=logits.shape)
     adopted = OnnxBackend().adopt_logits(logits)
     assert adopted.unsafe_buffer_pointer() == logits.ctypes.data
