@@ -16,7 +16,8 @@
 # experiment/quality (git-ignored); sets and scores already there are kept (delete
 # experiment/quality/scores after changing the quality's code).
 # Override with OUT=…, RUN=…, CASES=… (per set); ENSEMBLE="RUN2 RUN3 …" predicts with an
-# ensemble of RUN and those runs (`ctseg predict --run`), which adds its members' agreement.
+# ensemble of RUN and those runs (`ctseg predict --run`), which adds its members' agreement;
+# TTA=1 predicts with mirrored test-time augmentation (`--tta`: a run trained with flips).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CTSEG=${CTSEG:-.venv/bin/ctseg}
@@ -26,6 +27,7 @@ RUN=${RUN:-demo/run}
 CASES=${CASES:-16}
 MEMBERS=()
 for member in ${ENSEMBLE:-}; do MEMBERS+=(--run "$member"); done
+[ -n "${TTA:-}" ] && MEMBERS+=(--tta)
 SETS=(clean rotated larger smaller noise soft thick contrast mr chest)
 
 if [ ! -f "$RUN/config.toml" ]; then

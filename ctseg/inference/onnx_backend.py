@@ -183,7 +183,9 @@ class OnnxBackend(Backend):
 
     @property
     def grid_device(self) -> Any:
-        return jax.local_devices()[0]  # the host's CPU
+        # The host's CPU, also where JAX has started an accelerator beside it (`--device
+        # auto` on a GPU machine): ONNX Runtime's arrays are host arrays.
+        return jax.local_devices(backend="cpu")[0]
 
     def adopt(self, unit: jax.Array) -> np.ndarray:
         return np.asarray(jax.device_get(unit))  # ONNX Runtime reads host arrays
