@@ -67,7 +67,9 @@ def train(data: Path, run_dir: Path, steps: int, extra: tuple[str, ...]) -> dict
     }
 
 
-def host_times(data: Path, samples: int, box: int) -> dict:
+def start_on_16_cpu_devices() -> None:
+    """JAX on 16 simulated CPU devices, what its plugins print on starting held, as the
+    commands hold it."""
     from ctseg.parallel import devices as dev
 
     with dev.held_start_output():  # importing JAX imports its plugins, which speak
@@ -75,6 +77,10 @@ def host_times(data: Path, samples: int, box: int) -> dict:
 
         configure_cpu_devices(16)
     dev.start_quietly("cpu")
+
+
+def host_times(data: Path, samples: int, box: int) -> dict:
+    start_on_16_cpu_devices()
     import jax
     import numpy as np
     from scipy import ndimage
