@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ctseg.data import grids
-from ctseg.data.grids import Shape, linear_weights
+from ctseg.data.grids import linear_weights
 from ctseg.inference import uncertainty as unc
 from ctseg.inference.to_grid import Tables, lerp, padded, resampled, tables_of
 from ctseg.inference.uncertainty import Uncertainty
@@ -117,8 +117,11 @@ class Space:
         `with_probabilities`, the resampled probabilities too."""
         shape = tuple(int(n) for n in shape)
         grid = tuple(probabilities.shape[:3]) if grid is None else tuple(int(n) for n in grid)
-        labels, on_scan, sums = self._scan_labels(probabilities, shape, with_probabilities, grid)
-        return OnScan(labels, on_scan, Uncertainty.of(sums, unc.smoothing(shape, grid)))
+        tables, order = _back_tables(grid, shape), axis_order(shape, grid)
+        found = _on_scan(probabilities, tables, _shape_array(shape), order, with_probabilities)
+        labels, on_scan, sums = jax.device_get(found)
+        uncertainty = Uncertainty.of(sums, unc.smoothing(shape, grid))
+        return OnScan(_cropped_labels(labels, shape), _cropped(on_scan, shape), uncertainty)
 
     def mean_scan_labels(
         self,
@@ -134,17 +137,26 @@ class Space:
         if grids_of is None:
             grids_of = [p.shape[:3] for p in probabilities]
         grids_of = [tuple(int(n) for n in g) for g in grids_of]
-        labels, mean, sums, agreement = self._mean_scan_labels(
-            probabilities, shape, with_probabilities, grids_of
-        )
+        # Every member's probabilities onto one device (device to device), summed there.
+        device = min(probabilities[0].devices(), key=lambda d: d.id)
+        members = None
+        for member, grid in zip(probabilities, grids_of, strict=True):
+            tables, order = _back_tables(grid, shape), axis_order(shape, grid)
+            on_scan = resampled(jax.device_put(member, device), tables, order)
+            members = _device_members(members, on_scan)
+        scan = jax.device_put(_shape_array(shape), device)
+        labels, mean, sums, agreement = _measured_mean_of(*members, scan, len(probabilities))
+        labels, sums, agreement = jax.device_get((labels, sums, agreement))
+        mean = jax.device_get(mean) if with_probabilities else None
         smooth = unc.smoothing(shape, grids_of[0])
-        return OnScan(labels, mean, Uncertainty.of(sums, smooth, agreement, len(probabilities)))
+        uncertainty = Uncertainty.of(sums, smooth, agreement, len(probabilities))
+        return OnScan(_cropped_labels(labels, shape), _cropped(mean, shape), uncertainty)
 
     def grid_labels(self, probabilities: Any, grid: Sequence[int] | None = None) -> np.ndarray:
         """The argmax on the grid (uint8), where training's validation Dice is measured: of
         a box whose first voxels are the `grid` (default: the box is the grid)."""
         grid = tuple(probabilities.shape[:3]) if grid is None else tuple(int(n) for n in grid)
-        labels = self._argmax(probabilities)
+        labels = jax.device_get(_grid_argmax(probabilities))
         return np.ascontiguousarray(labels[: grid[0], : grid[1], : grid[2]])
 
     def window_probabilities(
@@ -162,7 +174,17 @@ class Space:
         same wherever the box holds what the whole pass holds (`ctseg.inference.region`)."""
         scan_shape = tuple(int(n) for n in scan_shape)
         grid = tuple(int(n) for n in grid)
-        return self._window(probabilities, grid, offset, scan_shape, lo, hi)
+        x = probabilities
+        for axis in axis_order(scan_shape, grid):
+            if scan_shape[axis] == grid[axis]:  # the whole pass's weights are 0 there: as it is
+                x = _take_slice(x, int(lo[axis] - offset[axis]), int(hi[axis] - lo[axis]), axis)
+                continue
+            first, second, weight = linear_weights(grid[axis], scan_shape[axis])
+            part = slice(lo[axis], hi[axis])
+            x = _interpolate(
+                x, first[part] - offset[axis], second[part] - offset[axis], weight[part], axis
+            )
+        return x
 
     def window_labels(
         self,
@@ -181,7 +203,7 @@ class Space:
             self.window_probabilities(p, g.grid, g.window.offset, shape, lo, hi)
             for p, g in zip(probabilities, on_grids, strict=True)
         ]
-        inside, mean, sums, agreement = self._measured_mean(parts)
+        inside, mean, sums, agreement = _measured_mean(parts)
         smooth = unc.smoothing(shape, on_grids[0].grid)
         uncertainty = Uncertainty.of(sums, smooth, agreement, len(parts))
         labels = np.zeros(shape, np.uint8)
@@ -194,77 +216,23 @@ class Space:
         full[where] = mean
         return OnScan(labels, full, uncertainty)
 
-    # The resampling and the argmax on the devices; each returns the uncertainty's sums
-    # (`ctseg.inference.uncertainty`), and for several members their agreement's (else None).
-
-    def _scan_labels(
-        self, probabilities: jax.Array, shape: Shape, with_probabilities: bool, grid: Shape
-    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        tables, order = _back_tables(grid, shape), axis_order(shape, grid)
-        found = _on_scan(probabilities, tables, _shape_array(shape), order, with_probabilities)
-        labels, on_scan, sums = jax.device_get(found)
-        return _cropped_labels(labels, shape), _cropped(on_scan, shape), sums
-
-    def _mean_scan_labels(
-        self,
-        probabilities: Sequence[jax.Array],
-        shape: Shape,
-        with_probabilities: bool,
-        grids_of: Sequence[Shape],
-    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
-        # Every member's probabilities onto one device (device to device), summed there.
-        device = min(probabilities[0].devices(), key=lambda d: d.id)
-        scan = jax.device_put(_shape_array(shape), device)
-        members = None
-        for member, grid in zip(probabilities, grids_of, strict=True):
-            tables, order = _back_tables(grid, shape), axis_order(shape, grid)
-            on_scan = resampled(jax.device_put(member, device), tables, order)
-            members = _device_members(members, on_scan)
-        found = _measured_mean_of(*members, scan, len(probabilities))
-        labels, mean, sums, agreement = found
-        labels, sums, agreement = jax.device_get((labels, sums, agreement))
-        mean = jax.device_get(mean) if with_probabilities else None
-        return _cropped_labels(labels, shape), _cropped(mean, shape), sums, agreement
-
-    def _argmax(self, probabilities: jax.Array) -> np.ndarray:
-        return jax.device_get(_grid_argmax(probabilities))
-
-    def _window(
-        self,
-        probabilities: jax.Array,
-        grid: Shape,
-        offset: Sequence[int],
-        scan_shape: Shape,
-        lo: Sequence[int],
-        hi: Sequence[int],
-    ) -> jax.Array:
-        x = probabilities
-        for axis in axis_order(scan_shape, grid):
-            if scan_shape[axis] == grid[axis]:  # the whole pass's weights are 0 there: as it is
-                x = _take_slice(x, int(lo[axis] - offset[axis]), int(hi[axis] - lo[axis]), axis)
-                continue
-            first, second, weight = linear_weights(grid[axis], scan_shape[axis])
-            part = slice(lo[axis], hi[axis])
-            x = _interpolate(
-                x, first[part] - offset[axis], second[part] - offset[axis], weight[part], axis
-            )
-        return x
-
-    def _measured_mean(
-        self, parts: Sequence[jax.Array]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        """The mean of the members' parts, its argmax (uint8), on the host, and the sums."""
-        device = min(parts[0].devices(), key=lambda d: d.id)
-        whole = jax.device_put(_shape_array(parts[0].shape[:3]), device)
-        members = None
-        for part in parts:
-            members = _device_members(members, jax.device_put(part, device))
-        found = _measured_mean_of(*members, whole, len(parts))
-        labels, mean, sums, agreement = jax.device_get(found)
-        return labels, mean, sums, agreement if len(parts) > 1 else None
-
 
 ON_DEVICES = Space()
+
+
+def _measured_mean(
+    parts: Sequence[jax.Array],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Window parts of the members: the argmax (uint8) of their mean, the mean, its
+    uncertainty's sums and the members' agreement's (None for one member), on the host."""
+    device = min(parts[0].devices(), key=lambda d: d.id)
+    whole = jax.device_put(_shape_array(parts[0].shape[:3]), device)
+    members = None
+    for part in parts:
+        members = _device_members(members, jax.device_put(part, device))
+    found = _measured_mean_of(*members, whole, len(parts))
+    labels, mean, sums, agreement = jax.device_get(found)
+    return labels, mean, sums, agreement if len(parts) > 1 else None
 
 
 def _shape_array(shape: Sequence[int]) -> np.ndarray:
