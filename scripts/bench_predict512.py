@@ -248,8 +248,8 @@ def predict(
     shutil.rmtree(out, ignore_errors=True)
     ctseg, env = CTSEG, None
     if args.checkout:
-        # -P: without the working directory first on its path, which in another checkout
-        # would import that checkout's ctseg rather than this one's.
+        # -P: without the working directory first on its path: run from inside a checkout,
+        # the child would import that checkout's ctseg rather than DIR's.
         ctseg = [sys.executable, "-P", "-c", CHECKOUT_CTSEG]
         env = {**os.environ, "PYTHONPATH": str(args.checkout.resolve())}
     command = [*ctseg, "predict", str(run_dir), *map(str, scans), "--out", str(out)]

@@ -190,6 +190,10 @@ def test_both_backends_give_the_same_probabilities_through_one_interface(tile):
         pairs = zip(engines, (on_jax, on_onnx), strict=True)
         labels = [engine.backend.space.scan_labels(p, shape).labels for engine, p in pairs]
         assert labels[0].shape == shape and (labels[0] == labels[1]).mean() > 0.99
+    # ONNX Runtime's logits, whole or stitched from tiles, pass to JAX without a copy.
+    logits = engines[1].logits(image)
+    adopted = engines[1].backend.adopt_logits(logits)
+    assert adopted.unsafe_buffer_pointer() == logits.ctypes.data
     bfloat16 = random_model(2, dtype="bfloat16").config
     jax_backend, onnx_backend = (e.backend for e in engines)
     assert jax_backend.dtype(bfloat16).name == "bfloat16"
