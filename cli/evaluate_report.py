@@ -5,6 +5,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ctseg.evaluation.metrics import MEASURABLE_MM
 from ctseg.evaluation.reports import Report, Summary
 
 
@@ -63,6 +64,9 @@ def _summary_table(summary: Summary) -> Table:
         table.add_row(label, fmt(liver[key], digits), fmt(tumour[key], digits))
     table.add_row("detection precision", "", fmt(tumour["detection_precision"]))
     table.add_row("detection recall", "", fmt(tumour["detection_recall"]))
+    table.add_row(
+        f"  of tumours ≥ {MEASURABLE_MM:g} mm", "", fmt(tumour["detection_recall_measurable"])
+    )
     table.add_row("burden error", "", fmt(tumour["burden_error"], 4))
     return table
 
@@ -92,6 +96,8 @@ def quality_line(quality: dict) -> str:
     """The prediction quality's power against the truth, in one line."""
     return escape(
         f"quality against the truth: AUROC liver {fmt(quality['liver']['auroc'], 2)}, "
-        f"tumour {fmt(quality['tumour']['auroc'], 2)}; good cases sent to review "
+        f"tumour {fmt(quality['tumour']['auroc'], 2)} "
+        f"({fmt(quality['tumour_measurable']['auroc'], 2)} counting only tumours "
+        f"≥ {MEASURABLE_MM:g} mm missed); good cases sent to review "
         f"{fmt(quality['good_flagged'], 2)} (thresholds: {quality['thresholds']})"
     )

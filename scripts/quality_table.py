@@ -75,9 +75,12 @@ def _diagnosis(judged: list[dict]) -> str:
     ]
     dice_only = power.auroc([s for s, _ in pairs], [b for _, b in pairs])
     bad = sum(bool(power.tumour_bad(c)) for c in judged)
+    measurable = power.summarize(judged)["tumour_measurable"]
     return (
         f"- tumour bad: {bad} of {len(judged)}; of these, {len(only_missed)} only by a missed "
         f"lesion (tumour Dice ≥ {power.TUMOUR_BAD_BELOW:g})\n"
+        f"- tumour AUROC counting only measurable tumours missed ({measurable['bad']}): "
+        f"{_fmt(measurable['auroc'])} ({measurable['n_bad']} bad)\n"
         f"- tumour AUROC were only Dice < {power.TUMOUR_BAD_BELOW:g} bad: {_fmt(dice_only)} "
         f"({sum(b for _, b in pairs)} bad)"
     )

@@ -37,6 +37,13 @@ Lesion detection
     sum of reference lesions, precision = sum of true-positive predicted
     components / sum of predicted components.
 
+    Measurable lesions are also counted apart (`n_ref_measurable`,
+    `n_detected_measurable`, and over a data set `detection_recall_measurable`):
+    reference lesions at least `MEASURABLE_MM` across, as the diameter of a ball
+    of their volume. RECIST 1.1 calls a lesion on CT measurable from 10 mm (its
+    longest axial diameter, which is never shorter than the ball's); a smaller
+    one may not be visible at all at a scan's resolution and noise.
+
 Tumour burden
     Tumour volume / liver volume (liver including tumour), per map; the burden
     error is |burden_pred - burden_ref|, None when either liver is empty.
@@ -53,6 +60,11 @@ from scipy import ndimage
 from ctseg.labels import bounding_box, dice_from_counts, liver_mask, tumour_burden, tumour_mask
 
 DETECTION_IOU = 0.5  # the LiTS detection threshold
+MEASURABLE_MM = 10.0  # a lesion's diameter (its volume's ball's) from which it is measurable
+DETECTION_KEYS = (
+    "n_ref", "n_detected", "n_pred", "n_pred_tp", "n_pred_fp",
+    "n_ref_measurable", "n_detected_measurable",
+)  # fmt: skip
 SURFACE_DISTANCE_KEYS = ("assd", "hd95", "mssd")
 OVERLAP_KEYS = ("dice", "jaccard", "voe", "rvd")
 
@@ -151,13 +163,14 @@ def structure_metrics(pred_mask: np.ndarray, ref_mask: np.ndarray, spacing: Spac
 # ---------------------------------------------------------------- lesions
 
 
-def lesion_detection(pred_tumour: np.ndarray, ref_tumour: np.ndarray) -> dict:
-    """Lesion counts of one case under the rule in the module docstring."""
+def lesion_detection(pred_tumour: np.ndarray, ref_tumour: np.ndarray, spacing: Spacing) -> dict:
+    """Lesion counts of one case under the rules in the module docstring (`spacing`: mm
+    per axis, for the measurable lesions' sizes)."""
     pred_tumour = np.asarray(pred_tumour, dtype=bool)
     ref_tumour = np.asarray(ref_tumour, dtype=bool)
     box = bounding_box(pred_tumour | ref_tumour)
     if box is None:
-        return {"n_ref": 0, "n_detected": 0, "n_pred": 0, "n_pred_tp": 0, "n_pred_fp": 0}
+        return dict.fromkeys(DETECTION_KEYS, 0)
     ref_labels, n_ref = ndimage.label(ref_tumour[box], structure=_FULL_STRUCTURE)
     pred_labels, n_pred = ndimage.label(pred_tumour[box], structure=_FULL_STRUCTURE)
 
@@ -184,13 +197,21 @@ def lesion_detection(pred_tumour: np.ndarray, ref_tumour: np.ndarray) -> dict:
     touches_any[p] = True
     touches_detected = np.zeros(n_columns, dtype=bool)
     touches_detected[p[detected[r - 1]]] = True
+    measurable = _ball_diameters(ref_size[1:], spacing) >= MEASURABLE_MM
     return {
         "n_ref": int(n_ref),
         "n_detected": int(detected.sum()),
         "n_pred": int(n_pred),
         "n_pred_tp": int(touches_detected.sum()),
         "n_pred_fp": int(n_pred - touches_any.sum()),
+        "n_ref_measurable": int(measurable.sum()),
+        "n_detected_measurable": int((detected & measurable).sum()),
     }
+
+
+def _ball_diameters(voxels: np.ndarray, spacing: Spacing) -> np.ndarray:
+    """Diameters (mm) of the balls whose volumes are these voxel counts'."""
+    return np.cbrt(6 * voxels * float(np.prod(spacing)) / np.pi)
 
 
 # ---------------------------------------------------------------- per case
@@ -210,7 +231,7 @@ def case_metrics(pred_labels: np.ndarray, ref_labels: np.ndarray, spacing: Spaci
     return {
         "liver": structure_metrics(liver_mask(pred_labels), liver_mask(ref_labels), spacing),
         "tumour": structure_metrics(pred_tumour, ref_tumour, spacing),
-        "detection": lesion_detection(pred_tumour, ref_tumour),
+        "detection": lesion_detection(pred_tumour, ref_tumour, spacing),
         "burden": burden_metrics(pred_labels, ref_labels),
     }
 
@@ -256,6 +277,10 @@ def summarize(cases: list[dict]) -> dict:
     )
     tumour["detection_recall"] = _ratio(
         sum(d["n_detected"] for d in detection), sum(d["n_ref"] for d in detection)
+    )
+    tumour["detection_recall_measurable"] = _ratio(
+        sum(d["n_detected_measurable"] for d in detection),
+        sum(d["n_ref_measurable"] for d in detection),
     )
     tumour["burden_error"] = mean_defined([c["burden"]["error"] for c in cases])
     return {

@@ -6,7 +6,10 @@ its Dice. Against the truth a case is *bad*
 - for the liver: liver Dice below `LIVER_BAD_BELOW` (0.85);
 - for the tumours: tumour Dice below `TUMOUR_BAD_BELOW` (0.5), or a reference tumour
   missed (not detected; `ctseg.evaluation.metrics.lesion_detection`). A case whose
-  reference and prediction hold no tumour has Dice 1: good.
+  reference and prediction hold no tumour has Dice 1: good. Reported beside it
+  (`tumour_measurable`, never calibrated on): bad only where a *measurable* tumour
+  (from 10 mm across, `metrics.MEASURABLE_MM`) is missed, since a smaller one may
+  leave no trace in the scan for any score to find.
 
 `summarize` reports, for each, the AUROC of the structure's score (`auroc`: the chance
 that a bad case scores higher than a good one, ties counting half; the Mann–Whitney U
@@ -38,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from ctseg.errors import CtsegError
+from ctseg.evaluation.metrics import MEASURABLE_MM
 from ctseg.inference.quality import (
     OK,  # the one verdict that flags nothing
     REVIEW_AT,
@@ -87,7 +91,18 @@ def liver_bad(case: dict[str, Any]) -> bool | None:
 def tumour_bad(case: dict[str, Any]) -> bool | None:
     """Whether the case's tumours are bad: Dice below 0.5 or a reference tumour missed."""
     detection = case.get("detection") or {}
-    missed = detection.get("n_detected", 0) < detection.get("n_ref", 0)
+    return _tumours_bad(case, detection.get("n_detected", 0) < detection.get("n_ref", 0))
+
+
+def measurable_tumour_bad(case: dict[str, Any]) -> bool | None:
+    """Whether the case's tumours are bad counting only measurable ones missed: Dice
+    below 0.5 or a reference tumour of 10 mm or more missed."""
+    detection = case.get("detection") or {}
+    found, there = detection.get("n_detected_measurable", 0), detection.get("n_ref_measurable", 0)
+    return _tumours_bad(case, found < there)
+
+
+def _tumours_bad(case: dict[str, Any], missed: bool) -> bool | None:
     dice = case["tumour"]["dice"]
     if dice is None:
         return True if missed else None
@@ -98,15 +113,15 @@ def _share(numerator: int, denominator: int) -> float | None:
     return numerator / denominator if denominator else None
 
 
-def _structure(cases: list[dict[str, Any]], structure: str, bad_of: Any) -> dict[str, Any]:
+def _structure(
+    cases: list[dict[str, Any]], structure: str, bad_of: Any, bad_in_words: str
+) -> dict[str, Any]:
     pairs = [(c, bad_of(c)) for c in cases]
     pairs = [(c, b) for c, b in pairs if b is not None]
     bad = [b for _, b in pairs]
     flagged_bad = sum(c["quality"]["verdict"] != OK for c, b in pairs if b)
     return {
-        "bad": f"Dice < {LIVER_BAD_BELOW:g}"
-        if structure == "liver"
-        else f"Dice < {TUMOUR_BAD_BELOW:g} or a tumour missed",
+        "bad": bad_in_words,
         "n_bad": sum(bad),
         "n_good": len(bad) - sum(bad),
         "auroc": auroc([c["quality"][structure] for c, _ in pairs], bad),
@@ -136,8 +151,16 @@ def summarize(cases: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
         "thresholds": recorded.pop() if len(recorded) == 1 else "several",
         "n_cases": len(judged),
         "verdicts": verdicts,
-        "liver": _structure(judged, "liver", liver_bad),
-        "tumour": _structure(judged, "tumour", tumour_bad),
+        "liver": _structure(judged, "liver", liver_bad, f"Dice < {LIVER_BAD_BELOW:g}"),
+        "tumour": _structure(
+            judged, "tumour", tumour_bad, f"Dice < {TUMOUR_BAD_BELOW:g} or a tumour missed"
+        ),
+        "tumour_measurable": _structure(
+            judged,
+            "tumour",
+            measurable_tumour_bad,
+            f"Dice < {TUMOUR_BAD_BELOW:g} or a tumour of {MEASURABLE_MM:g} mm or more missed",
+        ),
         "good_flagged": _share(sum(c["quality"]["verdict"] != OK for c in good), len(good)),
         f"liver_below_{LIVER_FAILED_BELOW:g}_not_flagged": failed,
     }

@@ -181,7 +181,7 @@ def test_lesion_detection_on_a_constructed_case():
     # 6. a predicted piece overlapping lesion 2 too little to detect it (neither TP nor FP).
     pred[10, 2, 2] = True
 
-    result = metrics.lesion_detection(pred, ref)
+    result = metrics.lesion_detection(pred, ref, (1, 1, 1))
     assert result["n_ref"] == 5  # lesions 1, 2, 3, and the two merged ones
     # IoU of each merged lesion with the blob minus the other lesion: 48 / (48 + 32) = 0.6.
     assert result["n_detected"] == 4
@@ -195,43 +195,70 @@ def test_lesion_detection_on_a_constructed_case():
     assert summary["tumour"]["detection_precision"] == pytest.approx(4 / 6)
 
 
-def naive_lesion_detection(pred, ref):
+def test_measurable_lesions_are_counted_apart():
+    """Lesions from 10 mm across (the diameter of a ball of their volume) are measurable:
+    a missed lesion of 5 mm lowers the recall, not the measurable lesions' recall."""
+    shape = (40, 40, 40)
+    ref, pred = np.zeros(shape, bool), np.zeros(shape, bool)
+    ref[2:12, 2:12, 2:12] = pred[2:12, 2:12, 2:12] = True  # 1000 mm³: 12.4 mm, detected
+    ref[20:29, 2:11, 2:11] = True  # 729 mm³: 11.2 mm, missed
+    ref[2:6, 20:24, 20:24] = True  # 64 mm³: 5.0 mm, missed
+    ref[30:38, 30:38, 30:31] = True  # 64 mm³ too, however flat its 8 × 8 mm
+    result = metrics.lesion_detection(pred, ref, (1.0, 1.0, 1.0))
+    assert (result["n_ref"], result["n_detected"]) == (4, 1)
+    assert (result["n_ref_measurable"], result["n_detected_measurable"]) == (2, 1)
+    # The same voxels at 0.5 mm: 125 and 91 mm³, nothing measurable.
+    assert metrics.lesion_detection(pred, ref, (0.5, 0.5, 0.5))["n_ref_measurable"] == 0
+    cases = [metrics.case_metrics(pred.astype(np.uint8) * 2, ref * 2, (1, 1, 1))]
+    tumour = metrics.summarize(cases)["tumour"]
+    assert tumour["detection_recall"] == pytest.approx(1 / 4)
+    assert tumour["detection_recall_measurable"] == pytest.approx(1 / 2)
+
+
+def naive_lesion_detection(pred, ref, spacing):
     """The documented rule, one lesion and one component at a time."""
     full = np.ones((3, 3, 3), bool)
     ref_labels, n_ref = ndimage.label(ref, full)
     pred_labels, n_pred = ndimage.label(pred, full)
-    detected = []
+    detected, measurable = [], []
     for r in range(1, n_ref + 1):
         lesion = ref_labels == r
         touching = np.setdiff1d(pred_labels[lesion], [0])
         predicted = np.isin(pred_labels, touching) & ~(ref & ~lesion)
         detected.append((lesion & predicted).sum() / (lesion | predicted).sum() > 0.5)
+        diameter = np.cbrt(6 * lesion.sum() * np.prod(spacing) / np.pi)
+        measurable.append(diameter >= 10)
+    detected_measurable = sum(d and m for d, m in zip(detected, measurable, strict=True))
     tp = fp = 0
     for p in range(1, n_pred + 1):
         lesions = np.setdiff1d(ref_labels[pred_labels == p], [0])
         fp += lesions.size == 0
         tp += any(detected[r - 1] for r in lesions)
     return {"n_ref": n_ref, "n_detected": sum(detected), "n_pred": n_pred, "n_pred_tp": tp,
-            "n_pred_fp": fp}  # fmt: skip
+            "n_pred_fp": fp, "n_ref_measurable": sum(measurable),
+            "n_detected_measurable": detected_measurable}  # fmt: skip
 
 
 def test_lesion_detection_matches_the_naive_rule_on_random_cases():
     rng = np.random.default_rng(1)
     for _ in range(20):
         ref = ndimage.binary_opening(rng.random((14, 14, 10)) < 0.35)
-        pred = ref ^ (rng.random(ref.shape) < 0.1)
-        assert metrics.lesion_detection(pred, ref) == naive_lesion_detection(pred, ref)
+        pred = ref ^ (rng.random(ref.shape) < rng.choice([0.02, 0.1]))
+        spacing = rng.uniform(2.0, 6.0, 3)  # lesions either side of 10 mm (6 of 11 above)
+        found = metrics.lesion_detection(pred, ref, spacing)
+        assert found == naive_lesion_detection(pred, ref, spacing)
 
 
 def test_lesion_detection_iou_threshold_and_empty():
     ref = box_mask((10, 10, 10), (2, 6), (2, 6), (2, 6))  # 64 voxels
     half = box_mask((10, 10, 10), (2, 4), (2, 6), (2, 6))  # IoU exactly 0.5: not detected
-    assert metrics.lesion_detection(half, ref)["n_detected"] == 0
+    assert metrics.lesion_detection(half, ref, (1, 1, 1))["n_detected"] == 0
     more = box_mask((10, 10, 10), (2, 5), (2, 6), (2, 6))  # IoU 0.75
-    assert metrics.lesion_detection(more, ref)["n_detected"] == 1
+    assert metrics.lesion_detection(more, ref, (1, 1, 1))["n_detected"] == 1
     empty = np.zeros_like(ref)
-    assert metrics.lesion_detection(empty, empty) == {
+    assert metrics.lesion_detection(empty, empty, (1, 1, 1)) == {
         "n_ref": 0, "n_detected": 0, "n_pred": 0, "n_pred_tp": 0, "n_pred_fp": 0,
+        "n_ref_measurable": 0, "n_detected_measurable": 0,
     }  # fmt: skip
 
 

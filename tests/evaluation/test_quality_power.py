@@ -35,12 +35,18 @@ def test_auroc_is_the_mann_whitney_u_of_the_ranks():
     assert power.auroc(scores, bad) == pytest.approx(u / (n_bad * n_good))
 
 
-def _case(name, liver, tumour, verdict, score, n_ref=1, n_detected=1):
+def _case(name, liver, tumour, verdict, score, n_ref=1, n_detected=1, measurable=(1, 1)):
+    n_ref_measurable, n_detected_measurable = measurable
     return {
         "case": name,
         "liver": {"dice": liver},
         "tumour": {"dice": tumour},
-        "detection": {"n_ref": n_ref, "n_detected": n_detected},
+        "detection": {
+            "n_ref": n_ref,
+            "n_detected": n_detected,
+            "n_ref_measurable": n_ref_measurable,
+            "n_detected_measurable": n_detected_measurable,
+        },
         "quality": {"verdict": verdict, "score": score, "liver": score, "tumour": score},
     }
 
@@ -51,6 +57,13 @@ def test_bad_cases_and_the_summary():
     assert power.tumour_bad(_case("a", 0.9, 0.49, "ok", 0)) is True
     assert power.tumour_bad(_case("a", 0.9, 0.8, "ok", 0, n_ref=2, n_detected=1)) is True  # missed
     assert power.tumour_bad(_case("a", 0.9, None, "ok", 0, n_ref=0, n_detected=0)) is None
+    # Only a small tumour missed: bad, but not counting only the measurable ones.
+    small_missed = _case("a", 0.9, 0.8, "ok", 0, n_ref=2, n_detected=1, measurable=(1, 1))
+    assert power.tumour_bad(small_missed) is True
+    assert power.measurable_tumour_bad(small_missed) is False
+    large_missed = _case("a", 0.9, 0.8, "ok", 0, n_ref=2, n_detected=1, measurable=(1, 0))
+    assert power.measurable_tumour_bad(large_missed) is True
+    assert power.measurable_tumour_bad(_case("a", 0.9, 0.4, "ok", 0)) is True  # Dice < 0.5
     cases = [
         _case("good", 0.95, 0.8, "ok", 0.1),
         _case("flagged good", 0.93, 0.7, "review", 0.6),
@@ -66,6 +79,14 @@ def test_bad_cases_and_the_summary():
     # Bad {0.7, 0.2} against good {0.1, 0.6}: 0.7 beats both, 0.2 beats one.
     assert liver["auroc"] == 0.75 and liver["bad_flagged"] == 0.5
     assert summary["tumour"]["n_bad"] == 1  # the failed liver's tumour Dice of 0
+    cases.append(_case("small tumour missed", 0.95, 0.8, "ok", 0.05, 2, 1, (1, 1)))
+    summary = power.summarize(cases)
+    assert summary["tumour"]["n_bad"] == 2 and summary["tumour_measurable"]["n_bad"] == 1
+    assert summary["tumour_measurable"]["bad"] == "Dice < 0.5 or a tumour of 10 mm or more missed"
+    # Bad {0.2} against good {0.1, 0.6, 0.7, 0.05}: 2 of 4 (counting every miss: bad
+    # {0.2, 0.05} against good {0.1, 0.6, 0.7}, 1 of 6).
+    assert summary["tumour_measurable"]["auroc"] == 0.5
+    assert summary["tumour"]["auroc"] == pytest.approx(1 / 6)
     assert summary["good_flagged"] == 0.5
     assert summary["liver_below_0.5_not_flagged"] == ["failed liver"]
     assert power.summarize([{"case": "x", "liver": {}, "tumour": {}}]) is None
