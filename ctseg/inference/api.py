@@ -52,7 +52,14 @@ from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Prediction, Predictor, 
 from ctseg.inference.quality import Quality
 from ctseg.inference.region import check_margin
 from ctseg.inference.scan_checks import volume_warnings
-from ctseg.io.scans import Scan, nifti_image, read_scan, scan_from_image, to_original_order
+from ctseg.io.scans import (
+    Scan,
+    nifti_geometry,
+    nifti_image,
+    read_scan,
+    scan_from_image,
+    to_original_order,
+)
 from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_cache_dir, use_compile_cache
 from ctseg.run.rundir import load_config, member_runs
@@ -209,6 +216,7 @@ class Segmenter:
         that cannot be read or segmented raises its error when its turn comes, after the
         results before it."""
         paths = [Path(path) for path in paths]
+        self.predictor.expect(g for g in map(nifti_geometry, paths) if g is not None)
 
         def prepare(path: Path) -> tuple[Scan, list[OnGrid], Seconds]:
             scan, seconds = read_scan(path, allow_non_ct), {}

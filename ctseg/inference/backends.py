@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ctseg.config import Config
+    from ctseg.inference.canvas import Canvas
     from ctseg.inference.scan_space import Space
     from ctseg.inference.tiling import Shape, Span, Stage, TileProgress
     from ctseg.run.trained import TrainedModel
@@ -93,6 +94,9 @@ class Backend(ABC):
     # depend on the box (`tiling.fixed_stages`, `window_plan`): where a compiled program per
     # box shape costs more than the windows' overlap (JAX on one accelerator).
     fixed_windows: bool = False
+    # Where every scan is held in one canvas on the devices (`ctseg.inference.canvas`):
+    # with fixed windows, whose programs already serve every box; None elsewhere.
+    scan_canvas: Canvas | None = None
 
     def window_core(self, model: TrainedModel, memory: int) -> int:
         """Fixed windows' core for `memory` bytes (a backend with `fixed_windows`)."""

@@ -54,6 +54,7 @@ from ctseg.io import dicom_seg, pictures
 from ctseg.io.readers import one_line
 from ctseg.io.scans import (
     Scan,
+    nifti_geometry,
     read_scan,
     scan_name,
     write_labels,
@@ -114,6 +115,9 @@ def predict_files(
     reference = quality.Reference.of_run(
         predictor.members[0].run_dir, ensemble=len(predictor.members) > 1
     )
+    # The batch's extents from the NIfTI headers, before its first scan: where the backend
+    # holds scans in canvases, nothing compiles after the first scan's programs.
+    predictor.expect(g for g in map(nifti_geometry, sources) if g is not None)
     with (
         ThreadPoolExecutor(1, thread_name_prefix="ctseg-read") as reader,
         ThreadPoolExecutor(1, thread_name_prefix="ctseg-write") as writer,

@@ -21,6 +21,7 @@ import numpy as np
 from ctseg.config import Config
 from ctseg.inference import scan_space, tile_memory, tiling
 from ctseg.inference.backends import Backend
+from ctseg.inference.canvas import Canvas
 from ctseg.inference.jax_plans import JaxPlan
 from ctseg.inference.jax_windows import (
     MAX_WINDOW_BATCH,
@@ -64,6 +65,11 @@ class JaxBackend(Backend):
         if fixed_windows is None:
             fixed_windows = dev.is_accelerator(self.devices)
         self.fixed_windows = fixed_windows
+        if fixed_windows:
+            # Every scan in one canvas, every box of a grid in another (`Member`), so that a
+            # batch compiles nothing after its first scan; the way back in one order of axes.
+            self.scan_canvas = Canvas()
+            self.space = scan_space.CANVAS_SPACE
         self.most_batched = most_batched
         # Window programs by model, stage and device: every box shape reuses them.
         self.window_programs = WindowPrograms()

@@ -9,6 +9,7 @@ with smaller tiles when an accelerator runs out of memory.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from ctseg.data.grids import GridSpec
 from ctseg.errors import CtsegError
 from ctseg.inference import tiling, to_grid
 from ctseg.inference.backends import Backend
+from ctseg.inference.canvas import Canvas
 from ctseg.inference.engine import Engine, class_probabilities, fixed_window_core
 from ctseg.inference.jax_plans import is_out_of_memory
 from ctseg.inference.region import GridWindow, Region, window_of
@@ -52,6 +54,11 @@ class OnGrid:
     grid: Shape  # the scan's grid, the box's first voxels
     window: GridWindow | None = None  # a region's box of the grid; None: the whole grid
     located: dict[str, Any] | None = None  # how the region was found, for the stats file
+    # The box's voxels the network must compute exactly, per axis [lo, hi) (a region's, or
+    # the grid within a canvas); None: all of them.
+    need: Span | None = None
+    # The shape the scan is held in on the devices, both ways (None: its rung of the ladder).
+    scan_box: Shape | None = None
 
 
 class Member:
@@ -82,6 +89,11 @@ class Member:
             # is read and brought to the grid.
             backend.prepare_windows(model, self.windows)
         self.engine: Engine | None = None  # the one that ran (or will run) the latest scan
+        # Where the backend holds scans in a canvas, this grid's boxes share one too: the
+        # largest asked for, reaching the receptive field beyond each grid.
+        spacing_windows = self.grid.kind == "spacing" and self.windows is not None
+        self.canvas = Canvas() if spacing_windows and backend.scan_canvas is not None else None
+        self._radius = unet.receptive_field_radius(self.config.model)
         if self.grid.kind == "cube":
             self.engine_for(tiling.grid_shape(self.config))
 
@@ -124,33 +136,62 @@ class Member:
             return self.engine.description
         return f"the scan at {self.grid.voxel_size}, boxes of its extent"
 
-    def to_grid(self, scan: Scan, region: Region | None = None) -> OnGrid:
+    def to_grid(
+        self, scan: Scan, region: Region | None = None, scan_box: Shape | None = None
+    ) -> OnGrid:
         """The scan on the run's grid, HU-windowed: the training preprocessing, on the
-        backend's grid device (`to_grid.unit_box`), then as the backend reads it. On the
-        spacing grid the box holds the scan's whole grid, padded with air: to multiples of
-        the fixed windows' core where they run (`tiling.windows_box`), else to a rung of
-        the ladder where the backend compiles programs (`Backend.ladder`, JAX:
+        backend's grid device (`to_grid.unit_box`; the scan held in `scan_box`, default
+        its rung), then as the backend reads it. On the spacing grid the box holds the
+        scan's whole grid, padded with air: within the member's canvas where it has one
+        (`canvas_box`, the network exact on the grid's voxels), else to multiples of the
+        fixed windows' core where they run (`tiling.windows_box`), else to a rung of the
+        ladder where the backend compiles programs (`Backend.ladder`, JAX:
         `grids.inference_box`'s programs serve scans of other extents), else to the next
         multiple of `BOX_MULTIPLE`; with a `region`, only the box of the grid that gives
         its labels exactly (`ctseg.inference.region`)."""
         grid = self.grid.grid_of(scan.array.shape, scan.spacing)
-        box, offset, window = grid, (0, 0, 0), None
+        box, offset, window, need = grid, (0, 0, 0), None, None
         multiple = max(self.config.alignment, BOX_MULTIPLE)
-        if self.grid.kind == "spacing" and self.windows is not None:
+        if self.canvas is not None:
+            box = self.canvas.holding(self.canvas_box(grid))
+            need = tuple((0, n) for n in grid)
+        elif self.grid.kind == "spacing" and self.windows is not None:
             box = tiling.windows_box(self.config, self.windows, grid)
         elif self.grid.kind == "spacing":
             box = grids.inference_box(grid, multiple, ladder=self.backend.ladder)
         if region is not None:
-            radius = unet.receptive_field_radius(self.config.model)
-            window = window_of(region, scan.array.shape, grid, box, radius, multiple)
-            box, offset = window.box, window.offset
+            window = window_of(region, scan.array.shape, grid, box, self._radius, multiple)
+            box, offset, need = window.box, window.offset, window.need
         unit = to_grid.unit_box(
-            scan.array, grid, offset, box, self.config.data.hu_window, self.backend.grid_device
+            scan.array,
+            grid,
+            offset,
+            box,
+            self.config.data.hu_window,
+            self.backend.grid_device,
+            scan_box,
+            to_grid.SLICES_LAST if self.backend.scan_canvas is not None else None,
         )
         # Waited for here, off the network's thread: a failure is this scan's reading
         # failure, and its seconds are the resampling's, not the next program's.
         unit = jax.block_until_ready(unit)
-        return OnGrid(self.backend.adopt(unit), grid, window)
+        return OnGrid(self.backend.adopt(unit), grid, window, need=need, scan_box=scan_box)
+
+    def canvas_box(self, grid: Shape) -> Shape:
+        """The smallest box of fixed windows (`tiling.windows_box`) that reaches the
+        network's receptive field beyond `grid`: every voxel of the grid then sees air
+        wherever the grid ends, however large the canvas around it, so its probabilities
+        do not depend on the canvas (the grid starts at the box's first voxel, on the
+        pooling's lattice, in every box)."""
+        assert self.windows is not None
+        reach = tuple(n + self._radius for n in grid)
+        return tiling.windows_box(self.config, self.windows, reach)
+
+    def expect(self, shape: Sequence[int], spacing: Sequence[float]) -> None:
+        """Grow the canvas, if the member has one, to hold a scan of `shape` voxels of
+        `spacing` mm before it comes (`Predictor.expect`)."""
+        if self.canvas is not None:
+            self.canvas.holding(self.canvas_box(self.grid.grid_of(shape, spacing)))
 
     def infer(
         self,
@@ -167,8 +208,7 @@ class Member:
         (the engine is replaced for the scans after too), which `warnings` records;
         a second failure is this scan's `CtsegError`.
         """
-        unit, box = on_grid.unit, tuple(on_grid.unit.shape)
-        need = None if on_grid.window is None else on_grid.window.need
+        unit, box, need = on_grid.unit, tuple(on_grid.unit.shape), on_grid.need
         try:
             return self._probabilities(self.engine_for(box), unit, tta, progress, need)
         except Exception as exc:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ import numpy as np
 
 from ctseg.config import Config, InferenceOptions, TileRequest
 from ctseg.errors import CtsegError
-from ctseg.inference import postprocess, scan_checks, scan_space
+from ctseg.inference import postprocess, scan_checks, scan_space, to_grid
 from ctseg.inference.backends import choose_backend, onnx_available
 from ctseg.inference.engine import Engine, backend_named
 from ctseg.inference.inputs import mask_candidates
@@ -306,9 +306,32 @@ class Predictor:
         """The scan on each member's grid, HU-windowed: exactly its training preprocessing;
         with a locator or a region mask, only the box of each grid the region needs."""
         region, located = self.locate(scan, seconds)
+        scan_box = self._scan_box(scan.array.shape)
         with timed(seconds, "resample"):
-            on_grids = [member.to_grid(scan, region) for member in self.members]
+            on_grids = [member.to_grid(scan, region, scan_box) for member in self.members]
         return [dataclasses.replace(g, located=located) for g in on_grids]
+
+    def _scan_box(self, shape: Sequence[int]) -> Shape:
+        """The shape the devices hold a scan of `shape` in, both ways: its rung of the
+        ladder (`to_grid.padded`), within the backend's scan canvas where it has one."""
+        padded = to_grid.padded(shape)
+        canvas = self.inference_backend.scan_canvas
+        return padded if canvas is None else canvas.holding(padded)
+
+    def expect(self, geometries: Iterable[tuple[Shape, Sequence[float]]]) -> None:
+        """Size the canvases, where the backend has them (`ctseg.inference.canvas`), for
+        scans of these canonical shapes and spacings before they come: a batch then
+        compiles nothing after its first scan's programs. Elsewhere nothing to do. A
+        locator predicts the same scans: its canvases too."""
+        geometries = list(geometries)
+        if self.locator is not None:
+            self.locator.expect(geometries)
+        if self.inference_backend.scan_canvas is None:
+            return
+        for shape, spacing in geometries:
+            self._scan_box(shape)
+            for member in self.members:
+                member.expect(shape, spacing)
 
     def locate(self, scan: Scan, seconds: Seconds) -> tuple[Region | None, dict | None]:
         """The region to predict at full resolution, and its record: the liver's box of the
@@ -375,15 +398,17 @@ class Predictor:
             # Where the backend runs: from the devices only the labels, the uncertainty's
             # sums (and asked-for probabilities) come back.
             shape, space = scan.array.shape, self.inference_backend.space
+            scan_box = on_grids[0].scan_box
             if on_grids[0].window is not None:
                 on_scan = space.window_labels(probabilities, on_grids, shape, with_probabilities)
             elif len(probabilities) == 1:
                 on_scan = space.scan_labels(
-                    probabilities[0], shape, with_probabilities, on_grids[0].grid
+                    probabilities[0], shape, with_probabilities, on_grids[0].grid, scan_box
                 )
             else:
+                grids_of = [g.grid for g in on_grids]
                 on_scan = space.mean_scan_labels(
-                    probabilities, shape, with_probabilities, [g.grid for g in on_grids]
+                    probabilities, shape, with_probabilities, grids_of, scan_box
                 )
         with timed(seconds, "postprocess"):
             labels = postprocess.clean_labels(

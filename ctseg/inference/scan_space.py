@@ -7,10 +7,11 @@ JAX device that holds the probabilities (`Space`, `ON_DEVICES`: the accelerators
 JAX backend, the host CPU's device for ONNX Runtime's). What comes back to the host is the
 uint8 label map, the uncertainty's sums, and probabilities only where a caller asks.
 
-On the devices a scan is padded to a rung of a ladder of sizes (`to_grid.padded`) and the
-resampling reads tables of source voxels and weights as arguments, so every program
-depends on the rungs and the box, not on the scan's extent: scans of other extents reuse
-the programs the first one compiled. The crop is the host's view.
+On the devices a scan is padded to a rung of a ladder of sizes (`to_grid.padded`), or held
+in the backend's canvas (`ctseg.inference.canvas`), and the resampling reads tables of
+source voxels and weights as arguments, so every program depends on the padded shapes and
+the box, not on the scan's extent: scans of other extents reuse the programs the first
+one compiled. The crop is the host's view.
 """
 
 from __future__ import annotations
@@ -40,11 +41,18 @@ def axis_order(scan_shape: Sequence[int], grid: Sequence[int]) -> tuple[int, ...
     return tuple(sorted(range(3), key=lambda a: scan[a] / box[a]))
 
 
-def _back_tables(grid: Sequence[int], shape: Sequence[int]) -> Tables:
-    """From a box whose first voxels are the grid onto the padded scan: the crop is the
-    tables' (they read grid voxels only), and the padding reads voxel 0."""
+# The order of axes of the way back where scans are held in a canvas: one order for every
+# scan (`axis_order`'s would follow the scan and compile a program per order), the slices
+# first, since their count changes the most from grid to scan (a 512×512×63 scan from a
+# 560×560×320 grid). The way there's is `to_grid.SLICES_LAST`.
+SLICES_FIRST = (2, 0, 1)
+
+
+def _back_tables(grid: Sequence[int], shape: Sequence[int], scan_box: Sequence[int]) -> Tables:
+    """From a box whose first voxels are the grid onto the scan held in `scan_box`: the
+    crop is the tables' (they read grid voxels only), and the padding reads voxel 0."""
     return tables_of(
-        grids.axis_table(g, n, 0, p) for g, n, p in zip(grid, shape, padded(shape), strict=True)
+        grids.axis_table(g, n, 0, p) for g, n, p in zip(grid, shape, scan_box, strict=True)
     )
 
 
@@ -104,20 +112,31 @@ class Space:
     only; a backend holds it (`ctseg.inference.backends.Backend.space`). Each way back
     measures the model's uncertainty there (`ctseg.inference.uncertainty`)."""
 
+    def __init__(self, order: tuple[int, ...] | None = None):
+        """`order`: the axes every way back resamples in (`SLICES_FIRST`); None: each
+        scan's own (`axis_order`). The whole scan's way and a window's take the same."""
+        self.order = order
+
+    def _order(self, scan_shape: Sequence[int], grid: Sequence[int]) -> tuple[int, ...]:
+        return self.order or axis_order(scan_shape, grid)
+
     def scan_labels(
         self,
         probabilities: Any,
         shape: Sequence[int],
         with_probabilities: bool = False,
         grid: Sequence[int] | None = None,
+        scan_box: Sequence[int] | None = None,
     ) -> OnScan:
         """Labels (uint8) on the scan's canonical voxels from probabilities [x, y, z, 3] of
         a box whose first voxels are the `grid` (default: the box is the grid): linear on
         the probabilities, then the argmax (smoother borders than resampling labels). With
-        `with_probabilities`, the resampled probabilities too."""
+        `with_probabilities`, the resampled probabilities too. `scan_box`: the shape the
+        scan is held in on the devices (default its rung, `to_grid.padded`)."""
         shape = tuple(int(n) for n in shape)
         grid = tuple(probabilities.shape[:3]) if grid is None else tuple(int(n) for n in grid)
-        tables, order = _back_tables(grid, shape), axis_order(shape, grid)
+        scan_box = padded(shape) if scan_box is None else scan_box
+        tables, order = _back_tables(grid, shape, scan_box), self._order(shape, grid)
         found = _on_scan(probabilities, tables, _shape_array(shape), order, with_probabilities)
         labels, on_scan, sums = jax.device_get(found)
         uncertainty = Uncertainty.of(sums, unc.smoothing(shape, grid))
@@ -129,11 +148,13 @@ class Space:
         shape: Sequence[int],
         with_probabilities: bool = False,
         grids_of: Sequence[Sequence[int]] | None = None,
+        scan_box: Sequence[int] | None = None,
     ) -> OnScan:
         """`scan_labels` of the mean of several boxes' probabilities (an ensemble's members,
         each on its own grid, `grids_of`: default the boxes), averaged on the scan's voxels;
         the members' agreement measured there too."""
         shape = tuple(int(n) for n in shape)
+        scan_box = padded(shape) if scan_box is None else scan_box
         if grids_of is None:
             grids_of = [p.shape[:3] for p in probabilities]
         grids_of = [tuple(int(n) for n in g) for g in grids_of]
@@ -141,7 +162,7 @@ class Space:
         device = min(probabilities[0].devices(), key=lambda d: d.id)
         members = None
         for member, grid in zip(probabilities, grids_of, strict=True):
-            tables, order = _back_tables(grid, shape), axis_order(shape, grid)
+            tables, order = _back_tables(grid, shape, scan_box), self._order(shape, grid)
             on_scan = resampled(jax.device_put(member, device), tables, order)
             members = _device_members(members, on_scan)
         scan = jax.device_put(_shape_array(shape), device)
@@ -175,7 +196,7 @@ class Space:
         scan_shape = tuple(int(n) for n in scan_shape)
         grid = tuple(int(n) for n in grid)
         x = probabilities
-        for axis in axis_order(scan_shape, grid):
+        for axis in self._order(scan_shape, grid):
             if scan_shape[axis] == grid[axis]:  # the whole pass's weights are 0 there: as it is
                 x = _take_slice(x, int(lo[axis] - offset[axis]), int(hi[axis] - lo[axis]), axis)
                 continue
@@ -218,6 +239,7 @@ class Space:
 
 
 ON_DEVICES = Space()
+CANVAS_SPACE = Space(SLICES_FIRST)  # where a backend holds its scans in a canvas
 
 
 def _measured_mean(

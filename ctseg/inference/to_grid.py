@@ -5,10 +5,11 @@ linearly onto a box of the grid, rounded to int16 HU and HU-windowed, as trainin
 preprocessing does on the host (`ctseg.data.grids`). The way back is
 `ctseg.inference.scan_space`'s.
 
-On the devices a scan is padded to a rung of a ladder of sizes (`padded`) and the
-resampling (`resampled`) reads tables of source voxels and weights (`grids.axis_table`)
-as arguments, so every program depends on the rungs and the box, not on the scan's
-extent: scans of other extents reuse the programs the first one compiled.
+On the devices a scan is padded to a rung of a ladder of sizes (`padded`), or held in the
+backend's canvas (`ctseg.inference.canvas`), and the resampling (`resampled`) reads
+tables of source voxels and weights (`grids.axis_table`) as arguments, so every program
+depends on the padded shapes and the box, not on the scan's extent: scans of other
+extents reuse the programs the first one compiled.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ _INT16 = np.iinfo(np.int16)
 # so that the programs between a scan and a grid depend on the rungs, not on the extents.
 SCAN_MULTIPLE = 16
 Tables = tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]  # per axis: first, second, weight
+# The order of axes of the way there where scans are held in a canvas: one for every scan,
+# since an order from the padded shapes would change as the canvas grows and round a voxel's
+# HU the other way now and then; the slices last, their count grows the most.
+SLICES_LAST = (0, 1, 2)
 
 
 def padded(shape: Sequence[int]) -> Shape:
@@ -66,22 +71,26 @@ def unit_box(
     box: Sequence[int],
     window: Sequence[float],
     device: Any,
+    scan_box: Sequence[int] | None = None,
+    order: tuple[int, ...] | None = None,
 ) -> jax.Array:
     """`grids.hu_to_unit(grids.to_box(hu, grid, offset, box, order=1), window)` on `device`:
-    the scan's HU sent once (int16 where they fit, padded to the ladder), resampled
-    linearly there in float32, rounded to int16 HU as training's store holds them, and
-    HU-windowed.
+    the scan's HU sent once (int16 where they fit, padded to `scan_box`: default the
+    ladder's rung, `padded`), resampled linearly there in float32, rounded to int16 HU as
+    training's store holds them, and HU-windowed. `order`: the axes resampled in (default
+    the most shrinking first, from the padded shapes).
 
     scipy's resampling runs in float64: a voxel whose value lies within ~1e-4 HU of a
     rounding boundary may round the other way (1 HU apart). The program depends on the
     padded scan's shape, the box's and the window only."""
-    scan = aligned_zeros(padded(hu.shape), _sent_dtype(hu))  # sent to the CPU without a copy
+    scan_box = padded(hu.shape) if scan_box is None else tuple(scan_box)
+    scan = aligned_zeros(scan_box, _sent_dtype(hu))  # sent to the CPU without a copy
     scan[: hu.shape[0], : hu.shape[1], : hu.shape[2]] = hu
     axes = [
         grids.axis_table(n, g, o, b) for n, g, o, b in zip(hu.shape, grid, offset, box, strict=True)
     ]
     inside = tuple(t.inside for t in axes)
-    order = tuple(sorted(range(3), key=lambda a: box[a] / scan.shape[a]))
+    order = order or tuple(sorted(range(3), key=lambda a: box[a] / scan.shape[a]))
     window = (float(window[0]), float(window[1]))
     return _unit_box(jax.device_put(scan, device), tables_of(axes), inside, order, window)
 

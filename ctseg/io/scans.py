@@ -123,6 +123,31 @@ def read_scan(path: str | Path, allow_non_ct: bool = False) -> Scan:
     return _canonical_scan(array, affine, header, path)
 
 
+def nifti_geometry(path: str | Path) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+    """A NIfTI file's canonical shape and spacing, those of `read_scan`'s Scan, from its
+    header alone (no voxels read); None where `path` is not a readable 3-D NIfTI file:
+    reading it says why, in its turn."""
+    path = Path(path)
+    if not (path.is_file() and _has_suffix(path, NIFTI_SUFFIXES)):
+        return None
+    try:
+        image = nib.load(path)
+        affine = nifti_affine(image.header, path)
+    except Exception:  # nibabel raises many types for corrupt files; read_scan reports them
+        return None
+    shape = tuple(int(n) for n in image.shape)
+    if len(shape) > 3 and all(n == 1 for n in shape[3:]):
+        shape = shape[:3]
+    if len(shape) != 3:
+        return None
+    ornt = ornt_lib.io_orientation(affine)
+    canonical = [0, 0, 0]
+    for axis, (to, _) in enumerate(ornt):
+        canonical[int(to)] = shape[axis]
+    oriented = affine @ ornt_lib.inv_ornt_aff(ornt, shape)
+    return tuple(canonical), tuple(float(s) for s in np.sqrt((oriented[:3, :3] ** 2).sum(axis=0)))
+
+
 def scan_from_image(
     image: nib.spatialimages.SpatialImage | sitk.Image | np.ndarray,
     affine: np.ndarray | None = None,

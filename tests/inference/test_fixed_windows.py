@@ -228,37 +228,47 @@ def _spacing_model() -> TrainedModel:
     return TrainedModel(config, graphdef, params, stats, step=0)
 
 
-def test_a_member_pads_spacing_grid_boxes_to_a_window_and_predicts_exactly():
-    """A member on the spacing grid with fixed windows: every box at least the windows'
-    floor a side and a multiple of their core, its probabilities those of the whole pass
-    over the same box, and the window programs compiled once, begun when the member was
-    made (before its first scan is read), none with a later scan."""
+def test_a_member_holds_spacing_grid_boxes_in_a_canvas_and_predicts_exactly():
+    """A member on the spacing grid with fixed windows holds its boxes in a canvas: the
+    largest box so far, each reaching the receptive field beyond its grid, at least the
+    windows' floor a side and a multiple of their core. Its probabilities on the grid
+    are those of the whole pass over the same box, and the window programs compiled
+    once, begun when the member was made (before its first scan is read), none with a
+    later scan."""
     model = _spacing_model()
     core = 8
     clock = compile_clock()
     made = clock.by_name["jit(window_program)"]
     member = Member(model, TileRequest.size(core), _windows_backend())
-    assert member.windows == core
+    assert member.windows == core and member.canvas is not None
+    radius = unet.receptive_field_radius(model.config.model)
     stages = tiling.fixed_stages(model.config, core, (64, 64, 64))
     assert len(member.backend.window_programs._compiled) == len(stages)  # compiling already
     floor = tiling.window_floor(model.config, core)
     rng = np.random.default_rng(0)
-    window_programs = []
+    window_programs, boxes = [], []
     for shape in [(70, 79, 34), (90, 60, 40), (40, 100, 50)]:
         before = made if not window_programs else clock.by_name["jit(window_program)"]
         hu = rng.normal(0, 300, shape).astype(np.int16)
         affine = np.diag([2.0, 2.0, 4.0, 1.0])
         scan = Scan(hu, affine, shape, affine, None, Path("scan.nii.gz"), "scan")
         on_grid = member.to_grid(scan)
-        box = tuple(on_grid.unit.shape)
+        box, grid = tuple(on_grid.unit.shape), on_grid.grid
         assert min(box) >= floor and all(n % core == 0 for n in box)  # `tiling.windows_box`
+        assert all(b >= n + radius for b, n in zip(box, grid, strict=True))
+        assert on_grid.need == tuple((0, n) for n in grid)
+        boxes.append(box)
         probabilities = member.infer(on_grid, False, lambda *c: None, None)
         window_programs.append(clock.by_name["jit(window_program)"] - before)
         assert member.engine.windows == core and member.engine.shape == box
         whole = Engine(model, tile=0, shape=box, backend=member.backend)
         expected = jax.nn.softmax(whole.logits(on_grid.unit), axis=-1)
-        np.testing.assert_allclose(np.asarray(probabilities), expected, rtol=0, atol=1e-5)
-    assert len({e.shape for e in member._engines.values()}) == 2  # two box shapes of three
+        inside = tuple(slice(0, n) for n in grid)  # the rest of the canvas is not computed
+        np.testing.assert_allclose(
+            np.asarray(probabilities)[inside], np.asarray(expected)[inside], rtol=0, atol=1e-5
+        )
+    assert all(min(np.subtract(b, a)) >= 0 for a, b in zip(boxes, boxes[1:], strict=False))
+    assert boxes[-1] == member.canvas.shape and len(member._engines) == len(set(boxes))
     assert window_programs == [len(stages), 0, 0]  # compiled once
 
 

@@ -10,7 +10,7 @@ from dicom_series import write_dicom_series
 from helpers import itk_image, rotation_z
 
 from ctseg.errors import CtsegError
-from ctseg.io.scans import find_scans, read_scan, write_labels, write_volume
+from ctseg.io.scans import find_scans, nifti_geometry, read_scan, write_labels, write_volume
 
 SHAPE = (6, 7, 5)
 
@@ -70,6 +70,25 @@ def test_nifti_labels_overlay_exactly(tmp_path, orientation, sform):
     world_written = written.affine @ np.append(voxel[0], 1)
     world_marked = scan.affine @ np.append(marked, 1)
     np.testing.assert_allclose(world_written, world_marked, atol=1e-4)
+
+
+@pytest.mark.parametrize("orientation", sorted(AFFINES))
+def test_a_nifti_header_gives_the_scan_s_canonical_shape_and_spacing(tmp_path, orientation):
+    """`nifti_geometry` (the header alone, for sizing a batch's canvases) against the Scan
+    `read_scan` makes; None for what is no readable 3-D NIfTI file."""
+    for sform in (True, False):
+        path = _write_nifti(tmp_path / "scan.nii.gz", _volume(), AFFINES[orientation], sform)
+        scan = read_scan(path)
+        shape, spacing = nifti_geometry(path)
+        assert shape == scan.array.shape and spacing == pytest.approx(scan.spacing, abs=1e-9)
+    squeezable = np.zeros((*SHAPE, 1), np.int16)
+    assert nifti_geometry(_write_nifti(tmp_path / "1.nii", squeezable, np.eye(4)))[0] == SHAPE
+    four_d = _write_nifti(tmp_path / "4d.nii", np.zeros((*SHAPE, 2), np.int16), np.eye(4))
+    (tmp_path / "junk.nii.gz").write_bytes(np.random.default_rng(0).bytes(2000))
+    itk = tmp_path / "scan.nrrd"
+    sitk.WriteImage(sitk.GetImageFromArray(_volume()), str(itk))
+    for unusable in (four_d, tmp_path / "junk.nii.gz", itk, tmp_path / "missing.nii", tmp_path):
+        assert nifti_geometry(unusable) is None
 
 
 def test_write_volume_keeps_channels(tmp_path):
