@@ -321,17 +321,22 @@ class Predictor:
     def expect(self, geometries: Iterable[tuple[Shape, Sequence[float]]]) -> None:
         """Size the canvases, where the backend has them (`ctseg.inference.canvas`), for
         scans of these canonical shapes and spacings before they come: a batch then
-        compiles nothing after its first scan's programs. Elsewhere nothing to do. A
-        locator predicts the same scans: its canvases too."""
-        geometries = list(geometries)
-        if self.locator is not None:
-            self.locator.expect(geometries)
-        if self.inference_backend.scan_canvas is None:
+        compiles nothing after its first scan's programs. A locator predicts the same
+        scans: its canvases too. Without canvases, `geometries` is never iterated (no
+        header read for nothing)."""
+        holders = [
+            p
+            for p in (self, self.locator)
+            if p is not None and p.inference_backend.scan_canvas is not None
+        ]
+        if not holders:
             return
-        for shape, spacing in geometries:
-            self._scan_box(shape)
-            for member in self.members:
-                member.expect(shape, spacing)
+        geometries = list(geometries)
+        for holder in holders:
+            for shape, spacing in geometries:
+                holder._scan_box(shape)
+                for member in holder.members:
+                    member.expect(shape, spacing)
 
     def locate(self, scan: Scan, seconds: Seconds) -> tuple[Region | None, dict | None]:
         """The region to predict at full resolution, and its record: the liver's box of the

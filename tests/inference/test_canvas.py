@@ -150,3 +150,15 @@ def test_a_locator_s_canvases_are_sized_with_its_predictor_s(windows_on_the_cpu)
         boxes = [member.canvas_box(member.grid.grid_of(*geometry)) for geometry in batch]
         assert each.inference_backend.scan_canvas.shape == tuple(np.max(scans, axis=0))
         assert member.canvas.shape == tuple(np.max(boxes, axis=0))
+
+
+def test_without_canvases_no_header_is_read():
+    """On the CPU's own plans (no fixed windows) the batch's headers are not even read."""
+
+    def headers():
+        raise AssertionError("a header read for nothing")
+        yield
+
+    predictor = Predictor(_model(), InferenceOptions(backend="jax", tile=CORE, tta=False))
+    assert predictor.inference_backend.scan_canvas is None
+    predictor.expect(headers())
