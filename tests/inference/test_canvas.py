@@ -9,10 +9,10 @@ import jax
 import nibabel as nib
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import fixed_windows_everywhere, tiny_config
 
 from ctseg.config import InferenceOptions
-from ctseg.inference import files, jax_backend, tiling, to_grid
+from ctseg.inference import files, tiling, to_grid
 from ctseg.inference.api import Segmenter
 from ctseg.inference.canvas import Canvas
 from ctseg.inference.engine import Engine
@@ -32,13 +32,7 @@ SHAPES = [(40 + 16 * i, 180 - 14 * i, 12 + 3 * i) for i in range(10)]
 
 @pytest.fixture
 def windows_on_the_cpu(monkeypatch):
-    """Every JAX backend made runs fixed windows, as on an accelerator."""
-    made = jax_backend.JaxBackend.__init__
-
-    def with_windows(self, devices=None, one_cpu_device=False, fixed_windows=None, **kwargs):
-        made(self, devices, one_cpu_device, True, **kwargs)
-
-    monkeypatch.setattr(jax_backend.JaxBackend, "__init__", with_windows)
+    fixed_windows_everywhere(monkeypatch)
 
 
 def _model() -> TrainedModel:

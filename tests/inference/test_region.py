@@ -6,7 +6,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from helpers import random_model
+from helpers import fixed_windows_everywhere, random_model
 
 from ctseg import config as cfg
 from ctseg.config import InferenceOptions
@@ -42,15 +42,28 @@ def _raw(monkeypatch):
 
 @pytest.mark.parametrize(
     "backend, tile, devices",
-    [("jax", 0, 1), ("jax", 0, 4), ("jax", 8, 1), ("jax", 8, 4), ("onnx", 0, 1), ("onnx", 8, 1)],
+    [
+        ("jax", 0, 1),
+        ("jax", 0, 4),
+        ("jax", 8, 1),
+        ("jax", 8, 4),
+        ("jax windows", 8, 1),  # fixed windows, as on accelerators: the whole scan in canvases
+        ("onnx", 0, 1),
+        ("onnx", 8, 1),
+    ],
 )
 def test_inside_the_region_the_labels_are_the_whole_scan_s(
     scan, model, backend, tile, devices, monkeypatch, tmp_path
 ):
     _raw(monkeypatch)
+    windows = backend == "jax windows"
+    if windows:
+        fixed_windows_everywhere(monkeypatch)
+        backend = "jax"
     options = InferenceOptions(tile=tile, backend=backend)
     predictor = Predictor(model, options, jax.devices()[:devices])
     whole = predictor.predict(scan).labels
+    assert (predictor.members[0].canvas is not None) == windows  # the whole scan's in one
     mask = np.zeros(SHAPE, np.uint8)
     mask[200:240, 40:70, 20:40] = 1
     path = tmp_path / "roi.nii.gz"

@@ -101,6 +101,19 @@ def save(path: Path, volume: np.ndarray, spacing=SPACING, origin=(0.0, 0.0, 0.0)
     return path
 
 
+def fixed_windows_everywhere(monkeypatch) -> None:
+    """Every JAX backend made from now on runs fixed windows, as on an accelerator (and so
+    holds its scans in canvases), here on the CPU's devices."""
+    from ctseg.inference import jax_backend
+
+    made = jax_backend.JaxBackend.__init__
+
+    def with_windows(self, devices=None, one_cpu_device=False, fixed_windows=None, **kwargs):
+        made(self, devices, one_cpu_device, True, **kwargs)
+
+    monkeypatch.setattr(jax_backend.JaxBackend, "__init__", with_windows)
+
+
 def rotation_z(degrees: float) -> np.ndarray:
     t = np.deg2rad(degrees)
     return np.array([[np.cos(t), -np.sin(t), 0], [np.sin(t), np.cos(t), 0], [0, 0, 1]])
