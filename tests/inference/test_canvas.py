@@ -35,7 +35,9 @@ def windows_on_the_cpu(monkeypatch):
     fixed_windows_everywhere(monkeypatch)
 
 
-def _model() -> TrainedModel:
+@pytest.fixture(scope="module")
+def model() -> TrainedModel:
+    """An untrained tiny model on an 8 mm grid (compiles do not depend on the weights)."""
     config = tiny_config("data.grid=spacing", "data.spacing=[8.0,8.0,8.0]", "model.depth=3")
     graphdef, params, stats = unet.create(config.model, seed=1)
     return TrainedModel(config, graphdef, params, stats, step=0)
@@ -59,13 +61,14 @@ def test_a_canvas_grows_to_hold_every_shape_asked():
     assert canvas.holding((1, 1, 1)) == (6, 9, 2) == canvas.shape
 
 
-def test_a_batch_of_ten_extents_compiles_nothing_after_its_first_scan(tmp_path, windows_on_the_cpu):
+def test_a_batch_of_ten_extents_compiles_nothing_after_its_first_scan(
+    tmp_path, windows_on_the_cpu, model
+):
     """The canvases sized from the batch's headers (`Predictor.expect`): the first scan
     compiles its programs, the nine others none, though their rungs and boxes differ;
     and a scan's probabilities on its grid are those of the whole pass over a box of
     its own that reaches the receptive field beyond the grid, brought to the grid in the
     canvas's order of axes (to 1e-6: windows sum in another order)."""
-    model = _model()
     paths = _scans(tmp_path / "scans")
     predictor = Predictor(model, InferenceOptions(backend="jax", tile=CORE, tta=False))
     member = predictor.members[0]
@@ -97,7 +100,7 @@ def test_a_batch_of_ten_extents_compiles_nothing_after_its_first_scan(tmp_path, 
 
 
 def test_a_batch_sizes_the_canvases_from_its_headers_before_its_first_scan(
-    tmp_path, windows_on_the_cpu, monkeypatch, trained
+    tmp_path, windows_on_the_cpu, monkeypatch, trained, model
 ):
     """`ctseg predict`'s batches (`files.predict_files`) and the API's (`Segmenter.map`)
     tell the predictor every NIfTI scan's canonical shape and spacing, as `read_scan`
@@ -119,7 +122,7 @@ def test_a_batch_sizes_the_canvases_from_its_headers_before_its_first_scan(
         raise Told
 
     monkeypatch.setattr(Predictor, "expect", expect)
-    predictor = Predictor(_model(), InferenceOptions(backend="jax", tile=CORE, tta=False))
+    predictor = Predictor(model, InferenceOptions(backend="jax", tile=CORE, tta=False))
     sources = [*paths, tmp_path / "scans" / "notes.nii"]
     with pytest.raises(Told):
         list(files.predict_files(predictor, sources, tmp_path / "out"))
@@ -130,12 +133,12 @@ def test_a_batch_sizes_the_canvases_from_its_headers_before_its_first_scan(
     assert told == expected
 
 
-def test_a_locator_s_canvases_are_sized_with_its_predictor_s(windows_on_the_cpu):
+def test_a_locator_s_canvases_are_sized_with_its_predictor_s(windows_on_the_cpu, model):
     """`--locate`'s coarse run predicts the same scans: `expect` sizes its canvases too,
     each the largest of the batch's on every axis."""
     options = InferenceOptions(backend="jax", tile=CORE, tta=False)
-    predictor = Predictor(_model(), options)
-    predictor.locator = Predictor(_model(), options)
+    predictor = Predictor(model, options)
+    predictor.locator = Predictor(model, options)
     batch = [((40, 180, 12), SPACING), ((184, 54, 39), SPACING)]
     predictor.expect(iter(batch))
     for each in (predictor, predictor.locator):
@@ -146,13 +149,13 @@ def test_a_locator_s_canvases_are_sized_with_its_predictor_s(windows_on_the_cpu)
         assert member.canvas.shape == tuple(np.max(boxes, axis=0))
 
 
-def test_without_canvases_no_header_is_read():
+def test_without_canvases_no_header_is_read(model):
     """On the CPU's own plans (no fixed windows) the batch's headers are not even read."""
 
     def headers():
         raise AssertionError("a header read for nothing")
         yield
 
-    predictor = Predictor(_model(), InferenceOptions(backend="jax", tile=CORE, tta=False))
+    predictor = Predictor(model, InferenceOptions(backend="jax", tile=CORE, tta=False))
     assert predictor.inference_backend.scan_canvas is None
     predictor.expect(headers())
