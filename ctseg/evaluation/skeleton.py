@@ -183,6 +183,11 @@ def score_run(
         predictor.members[0].run_dir, ensemble=len(predictor.members) > 1
     )
     after = {case.id: following for case, following in zip(cases, cases[1:], strict=False)}
+    # The cases' extents, from the store's manifest: where the backend holds scans in
+    # canvases, nothing compiles after the first case's programs.
+    predictor.expect(
+        scans.canonical_geometry(case.original_shape, case.original_affine) for case in cases
+    )
     with ThreadPoolExecutor(1, thread_name_prefix="ctseg-read") as reader:
         reading: dict[str, Future[tuple[Scan, Scan]]] = {}
 

@@ -138,13 +138,20 @@ def nifti_geometry(path: str | Path) -> tuple[tuple[int, ...], tuple[float, ...]
     shape = tuple(int(n) for n in image.shape)
     if len(shape) > 3 and all(n == 1 for n in shape[3:]):
         shape = shape[:3]
-    if len(shape) != 3:
-        return None
+    return canonical_geometry(shape, affine) if len(shape) == 3 else None
+
+
+def canonical_geometry(
+    shape: Sequence[int], affine: np.ndarray | Sequence[Sequence[float]]
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The canonical (RAS) shape and spacing of a volume of `shape` voxels at `affine`
+    (voxel → RAS mm): those of the Scan `read_scan` makes of it."""
+    affine = np.asarray(affine, dtype=np.float64)
     ornt = ornt_lib.io_orientation(affine)
     canonical = [0, 0, 0]
     for axis, (to, _) in enumerate(ornt):
-        canonical[int(to)] = shape[axis]
-    oriented = affine @ ornt_lib.inv_ornt_aff(ornt, shape)
+        canonical[int(to)] = int(shape[axis])
+    oriented = affine @ ornt_lib.inv_ornt_aff(ornt, tuple(shape))
     return tuple(canonical), tuple(float(s) for s in np.sqrt((oriented[:3, :3] ** 2).sum(axis=0)))
 
 

@@ -99,38 +99,60 @@ def test_a_batch_of_ten_extents_compiles_nothing_after_its_first_scan(
         np.testing.assert_allclose(on_grids[index], expected, rtol=0, atol=1e-6)
 
 
-def test_a_batch_sizes_the_canvases_from_its_headers_before_its_first_scan(
-    tmp_path, windows_on_the_cpu, monkeypatch, trained, model
-):
-    """`ctseg predict`'s batches (`files.predict_files`) and the API's (`Segmenter.map`)
-    tell the predictor every NIfTI scan's canonical shape and spacing, as `read_scan`
-    reads them, before the first scan is read; a file that is no NIfTI is left to its
-    turn."""
-    paths = _scans(tmp_path / "scans")
-    (tmp_path / "scans" / "notes.nii").write_text("not a scan")
-    expected = []
-    for path in paths:
-        scan = read_scan(path)
-        expected.append((scan.array.shape, pytest.approx(scan.spacing)))
-    told = []
+class Told(Exception):
+    """Raised once the predictor was told what scans come: nothing was read before."""
 
-    class Told(Exception):
-        """Raised once the predictor was told: nothing was read before."""
+
+@pytest.fixture
+def told(monkeypatch) -> list:
+    """What `Predictor.expect` is told, before `Told` stops the batch."""
+    heard = []
 
     def expect(self, geometries):
-        told.extend(geometries)
+        heard.extend(geometries)
         raise Told
 
     monkeypatch.setattr(Predictor, "expect", expect)
+    return heard
+
+
+def _as_read(paths) -> list:
+    """Each scan's canonical shape and spacing, as `read_scan` reads them."""
+    return [(s.array.shape, pytest.approx(s.spacing)) for s in map(read_scan, paths)]
+
+
+def test_a_batch_sizes_the_canvases_from_its_headers_before_its_first_scan(
+    tmp_path, windows_on_the_cpu, told, trained, model
+):
+    """`ctseg predict`'s batches (`files.predict_files`) and the API's (`Segmenter.map`)
+    tell the predictor every NIfTI scan's canonical shape and spacing before the first
+    scan is read; a file that is no NIfTI is left to its turn."""
+    paths = _scans(tmp_path / "scans")
+    (tmp_path / "scans" / "notes.nii").write_text("not a scan")
     predictor = Predictor(model, InferenceOptions(backend="jax", tile=CORE, tta=False))
     sources = [*paths, tmp_path / "scans" / "notes.nii"]
     with pytest.raises(Told):
         list(files.predict_files(predictor, sources, tmp_path / "out"))
-    assert told == expected
+    assert told == _as_read(paths)
     told.clear()
     with pytest.raises(Told):
         list(Segmenter(trained[0], backend="jax", device="cpu").map(sources))
-    assert told == expected
+    assert told == _as_read(paths)
+
+
+def test_evaluate_sizes_the_canvases_from_the_store_s_manifest(
+    tmp_path, windows_on_the_cpu, told, trained
+):
+    """`ctseg evaluate RUN --data STORE` tells the predictor its cases' extents from the
+    manifest (no file read) before the first case."""
+    from ctseg.data.store import Store
+    from ctseg.evaluation.runs import evaluate_run
+
+    run_dir, store_dir, _ = trained
+    with pytest.raises(Told):
+        evaluate_run(run_dir, store_dir, split="train", out_dir=tmp_path / "eval")
+    cases = [case for case in Store.open(store_dir).split("train") if case.labelled]
+    assert told == _as_read([case.image_source for case in cases]) and told
 
 
 def test_a_locator_s_canvases_are_sized_with_its_predictor_s(windows_on_the_cpu, model):
