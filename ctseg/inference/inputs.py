@@ -1,7 +1,8 @@
 """`ctseg predict`'s inputs and where their outputs go: files, folders and DICOM series
 folders expanded into scans (each failure and each file skipped named), the output names
 of a scan, and the folders predictions must not be written into; each scan's region mask
-(`scan_masks`: never the scan itself, never one of two candidates picked without a word);
+(`scan_masks`: never the scan itself, never one of two candidates picked without a word;
+`read_roi`: on the scan's voxels, labels not HU);
 and what a command or the API asks of a run's model, checked before anything runs
 (`inference_options`).
 """
@@ -17,13 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ctseg import atomic
 from ctseg import config as cfg
 from ctseg.config import InferenceOptions, TileRequest
 from ctseg.data.manifest import MANIFEST
 from ctseg.errors import CtsegError
 from ctseg.inference.backends import BACKENDS
-from ctseg.io.scans import Skipped, find_scans, scan_name
+from ctseg.io.scans import Scan, Skipped, find_scans, geometry_difference, read_scan, scan_name
 from ctseg.parallel.devices import DEVICE_CHOICES
 from ctseg.run import evaluations, rundir
 
@@ -248,9 +251,48 @@ def inference_options(
 # ---------------------------------------------------------------- region masks
 
 
+def roi_mask(roi: Path, source: Path) -> Path:
+    """The region mask of the scan read from `source`: `roi` itself, or in a folder `roi`
+    the mask named as the scan (`inputs.mask_candidates`: its file name, `<name>.nii.gz`,
+    or `<name>_seg.nii.gz`, as `ctseg predict` and TotalSegmentator-style tools name
+    per-scan outputs)."""
+    if not roi.is_dir():
+        return roi
+    name = scan_name(source)
+    if candidates := mask_candidates(roi, source):
+        return candidates[0]
+    raise CtsegError(
+        f"--roi {roi}: no mask for the scan {source.name} (looked for {name}.nii.gz, "
+        f"{name}.nii and {name}_seg.nii.gz)"
+    )
+
+
+# A mask holds labels: a file with values below 0 or above this is a scan, not a mask.
+_MASK_LABELS_UP_TO = 255
+
+
+def read_roi(path: Path, scan: Scan) -> np.ndarray:
+    """A region mask of `scan`'s voxels (any label > 0 is the region), canonical. Its
+    voxels may be stored in another order (mirrored, transposed, with the affine to
+    match): in canonical order they are the scan's."""
+    mask = read_scan(path)
+    difference = geometry_difference(mask.array.shape, mask.affine, scan.array.shape, scan.affine)
+    if difference:
+        raise CtsegError(
+            f"the region mask {path} is not on the scan's voxels in RAS order: {difference}"
+        )
+    low, high = float(np.min(mask.array)), float(np.max(mask.array))
+    if low < 0 or high > _MASK_LABELS_UP_TO:
+        raise CtsegError(
+            f"the region mask {path} holds values from {low:g} to {high:g}: a scan, not a "
+            f"mask of labels (0 outside, 1–{_MASK_LABELS_UP_TO} inside)"
+        )
+    return (mask.array > 0).astype(np.uint8)
+
+
 def mask_candidates(roi: Path, source: Path) -> list[Path]:
     """The files of mask folder `roi` named as the scan read from `source`, in the order
-    `ctseg.inference.predictor.roi_mask` takes them: its file name, `<name>.nii.gz`,
+    `roi_mask` takes them: its file name, `<name>.nii.gz`,
     `<name>.nii`, `<name>_seg.nii.gz`."""
     name = scan_name(source)
     names = (source.name, f"{name}.nii.gz", f"{name}.nii", f"{name}_seg.nii.gz")

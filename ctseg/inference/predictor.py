@@ -27,12 +27,12 @@ from ctseg.errors import CtsegError
 from ctseg.inference import postprocess, scan_checks, scan_space, to_grid
 from ctseg.inference.backends import choose_backend, onnx_available
 from ctseg.inference.engine import Engine, backend_named
-from ctseg.inference.inputs import mask_candidates
+from ctseg.inference.inputs import read_roi, roi_mask
 from ctseg.inference.member import Member, OnGrid
 from ctseg.inference.region import Region, region_of
 from ctseg.inference.tiling import Shape
 from ctseg.inference.uncertainty import Uncertainty
-from ctseg.io.scans import Scan, geometry_difference, read_scan, scan_name
+from ctseg.io.scans import Scan
 from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_clock
 from ctseg.progress import StageProgress
@@ -94,45 +94,6 @@ def _fallback_warning(located: dict | None) -> list[str]:
     if located is None or located["fallback"] is None:
         return []
     return [f"{located['fallback']}: predicted the whole scan ({located['source']})"]
-
-
-def roi_mask(roi: Path, source: Path) -> Path:
-    """The region mask of the scan read from `source`: `roi` itself, or in a folder `roi`
-    the mask named as the scan (`inputs.mask_candidates`: its file name, `<name>.nii.gz`,
-    or `<name>_seg.nii.gz`, as `ctseg predict` and TotalSegmentator-style tools name
-    per-scan outputs)."""
-    if not roi.is_dir():
-        return roi
-    name = scan_name(source)
-    if candidates := mask_candidates(roi, source):
-        return candidates[0]
-    raise CtsegError(
-        f"--roi {roi}: no mask for the scan {source.name} (looked for {name}.nii.gz, "
-        f"{name}.nii and {name}_seg.nii.gz)"
-    )
-
-
-# A mask holds labels: a file with values below 0 or above this is a scan, not a mask.
-_MASK_LABELS_UP_TO = 255
-
-
-def read_roi(path: Path, scan: Scan) -> np.ndarray:
-    """A region mask of `scan`'s voxels (any label > 0 is the region), canonical. Its
-    voxels may be stored in another order (mirrored, transposed, with the affine to
-    match): in canonical order they are the scan's."""
-    mask = read_scan(path)
-    difference = geometry_difference(mask.array.shape, mask.affine, scan.array.shape, scan.affine)
-    if difference:
-        raise CtsegError(
-            f"the region mask {path} is not on the scan's voxels in RAS order: {difference}"
-        )
-    low, high = float(np.min(mask.array)), float(np.max(mask.array))
-    if low < 0 or high > _MASK_LABELS_UP_TO:
-        raise CtsegError(
-            f"the region mask {path} holds values from {low:g} to {high:g}: a scan, not a "
-            f"mask of labels (0 outside, 1–{_MASK_LABELS_UP_TO} inside)"
-        )
-    return (mask.array > 0).astype(np.uint8)
 
 
 class Predictor:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ctseg.errors import CtsegError
-from ctseg.inference.predictor import Predictor, roi_mask
+from ctseg.inference.inputs import roi_mask
+from ctseg.inference.predictor import Predictor
 
 
 def model_of(predictor: Predictor) -> dict[str, Any]:
