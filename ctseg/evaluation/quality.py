@@ -96,10 +96,12 @@ def tumour_bad(case: dict[str, Any]) -> bool | None:
 
 def measurable_tumour_bad(case: dict[str, Any]) -> bool | None:
     """Whether the case's tumours are bad counting only measurable ones missed: Dice
-    below 0.5 or a reference tumour of 10 mm or more missed."""
+    below 0.5 or a reference tumour of 10 mm or more missed. None for a case scored
+    before measurable lesions were counted (a report read back): not known."""
     detection = case.get("detection") or {}
-    found, there = detection.get("n_detected_measurable", 0), detection.get("n_ref_measurable", 0)
-    return _tumours_bad(case, found < there)
+    if "n_ref_measurable" not in detection:
+        return None
+    return _tumours_bad(case, detection["n_detected_measurable"] < detection["n_ref_measurable"])
 
 
 def _tumours_bad(case: dict[str, Any], missed: bool) -> bool | None:

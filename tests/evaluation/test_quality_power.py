@@ -64,6 +64,8 @@ def test_bad_cases_and_the_summary():
     large_missed = _case("a", 0.9, 0.8, "ok", 0, n_ref=2, n_detected=1, measurable=(1, 0))
     assert power.measurable_tumour_bad(large_missed) is True
     assert power.measurable_tumour_bad(_case("a", 0.9, 0.4, "ok", 0)) is True  # Dice < 0.5
+    earlier = {**small_missed, "detection": {"n_ref": 2, "n_detected": 1}}  # an older report's
+    assert power.tumour_bad(earlier) is True and power.measurable_tumour_bad(earlier) is None
     cases = [
         _case("good", 0.95, 0.8, "ok", 0.1),
         _case("flagged good", 0.93, 0.7, "review", 0.6),
