@@ -23,14 +23,14 @@ from ctseg.inference import scan_space, tile_memory, tiling
 from ctseg.inference.backends import Backend
 from ctseg.inference.canvas import Canvas
 from ctseg.inference.jax_plans import JaxPlan
-from ctseg.inference.jax_windows import (
+from ctseg.inference.jax_windows import WindowPlan
+from ctseg.inference.tiling import Shape, Stage
+from ctseg.inference.window_programs import (
     MAX_WINDOW_BATCH,
     WINDOW_CORES,
-    WindowPlan,
     WindowPrograms,
     window_batch,
 )
-from ctseg.inference.tiling import Shape, Stage
 from ctseg.model.unet import UP
 from ctseg.parallel import devices as dev
 from ctseg.run.trained import TrainedModel
@@ -56,7 +56,7 @@ class JaxBackend(Backend):
         device; on several devices the windows are dealt out over them and run side by
         side, at the cost of each stage's level(s) copied to every device and the devices'
         partial levels summed onto the first. `most_batched`: the most windows one dispatch
-        runs (`jax_windows.window_batch`)."""
+        runs (`window_programs.window_batch`)."""
         self.devices = list(devices or jax.local_devices()[:1])
         if one_cpu_device and not dev.is_accelerator(self.devices):
             # Simulated CPU devices share the host's cores: one window at a time, with all

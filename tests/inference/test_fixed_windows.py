@@ -16,7 +16,7 @@ from helpers import REPO, no_host_transfers, random_model, tiny_config
 
 from ctseg import config as cfg
 from ctseg.config import TileRequest
-from ctseg.inference import jax_windows, tiling
+from ctseg.inference import jax_windows, tiling, window_programs
 from ctseg.inference.engine import Engine, class_probabilities, fixed_window_core
 from ctseg.inference.jax_backend import JaxBackend
 from ctseg.inference.member import Member
@@ -26,7 +26,7 @@ from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_clock
 from ctseg.run.trained import TrainedModel
 
-SHIPPED_SHARE = jax_windows.BATCHED_SHARE  # before `batched_windows` changes it
+SHIPPED_SHARE = window_programs.BATCHED_SHARE  # before `batched_windows` changes it
 
 # The driver's programs: they depend on a box's level shapes, not on the network.
 DRIVER = {"jit(_begin)", "jit(_add_then_cut)", "jit(_add)", "jit(as_batch)", "jit(only_item)"}
@@ -44,7 +44,7 @@ def batched_windows(monkeypatch):
     """Every stage whose windows are smaller than the largest runs them several to a
     dispatch: at these tests' small extents (a GPU batches only the deep stages'
     windows, `BATCHED_SHARE`), so that the exact results hold for batches too."""
-    monkeypatch.setattr(jax_windows, "BATCHED_SHARE", 1.0)
+    monkeypatch.setattr(window_programs, "BATCHED_SHARE", 1.0)
 
 
 def _windows_backend(devices: int = 1) -> JaxBackend:
@@ -90,11 +90,11 @@ def test_fixed_windows_equal_the_whole_pass_on_boxes_of_several_shapes(depth, co
 def test_lits512_runs_its_deep_stages_windows_eight_to_a_dispatch(monkeypatch):
     """Cores of 128 on a 640×640×320 box: levels 2 and 3 (windows of 34³ and 16³) batched,
     the others one window to a dispatch."""
-    monkeypatch.setattr(jax_windows, "BATCHED_SHARE", SHIPPED_SHARE)
+    monkeypatch.setattr(window_programs, "BATCHED_SHARE", SHIPPED_SHARE)
     config = cfg.load(REPO / "configs" / "lits512_16way.toml", [])
     stages = tiling.fixed_stages(config, 128, (640, 640, 320))
-    assert [jax_windows.window_batch(s, stages) for s in stages] == [1, 1, 8, 8, 8, 1, 1]
-    assert {jax_windows.window_batch(s, stages, most=1) for s in stages} == {1}
+    assert [window_programs.window_batch(s, stages) for s in stages] == [1, 1, 8, 8, 8, 1, 1]
+    assert {window_programs.window_batch(s, stages, most=1) for s in stages} == {1}
 
 
 def test_a_batch_of_windows_is_filled_with_windows_that_own_nothing():
@@ -246,9 +246,9 @@ def test_a_member_holds_spacing_grid_boxes_in_a_canvas_and_predicts_exactly():
     assert len(member.backend.window_programs._compiled) == len(stages)  # compiling already
     floor = tiling.window_floor(model.config, core)
     rng = np.random.default_rng(0)
-    window_programs, boxes = [], []
+    compiled, boxes = [], []
     for shape in [(70, 79, 34), (90, 60, 40), (40, 100, 50)]:
-        before = made if not window_programs else clock.by_name["jit(window_program)"]
+        before = made if not compiled else clock.by_name["jit(window_program)"]
         hu = rng.normal(0, 300, shape).astype(np.int16)
         affine = np.diag([2.0, 2.0, 4.0, 1.0])
         scan = Scan(hu, affine, shape, affine, None, Path("scan.nii.gz"), "scan")
@@ -259,7 +259,7 @@ def test_a_member_holds_spacing_grid_boxes_in_a_canvas_and_predicts_exactly():
         assert on_grid.need == tuple((0, n) for n in grid)
         boxes.append(box)
         probabilities = member.infer(on_grid, False, lambda *c: None, None)
-        window_programs.append(clock.by_name["jit(window_program)"] - before)
+        compiled.append(clock.by_name["jit(window_program)"] - before)
         assert member.engine.windows == core and member.engine.shape == box
         whole = Engine(model, tile=0, shape=box, backend=member.backend)
         expected = jax.nn.softmax(whole.logits(on_grid.unit), axis=-1)
@@ -269,7 +269,7 @@ def test_a_member_holds_spacing_grid_boxes_in_a_canvas_and_predicts_exactly():
         )
     assert all(min(np.subtract(b, a)) >= 0 for a, b in zip(boxes, boxes[1:], strict=False))
     assert boxes[-1] == member.canvas.shape and len(member._engines) == len(set(boxes))
-    assert window_programs == [len(stages), 0, 0]  # compiled once
+    assert compiled == [len(stages), 0, 0]  # compiled once
 
 
 def test_a_cube_member_runs_fixed_windows_for_region_boxes_only():
@@ -288,9 +288,9 @@ def test_a_window_program_whose_compile_failed_is_compiled_again_when_asked(monk
     next box asks again, as when the programs compiled in the plan's own thread."""
     model = random_model(2)
     stages = tiling.fixed_stages(model.config, 8, (32, 32, 32))
-    batches = [jax_windows.window_batch(s, stages) for s in stages]
+    batches = [window_programs.window_batch(s, stages) for s in stages]
     devices = jax.devices()[:1]
-    real, calls = jax_windows.window_program, []
+    real, calls = window_programs.window_program, []
 
     def failing_once(*args):
         calls.append(args)
@@ -298,8 +298,8 @@ def test_a_window_program_whose_compile_failed_is_compiled_again_when_asked(monk
             raise RuntimeError("RESOURCE_EXHAUSTED while autotuning")
         return real(*args)
 
-    monkeypatch.setattr(jax_windows, "window_program", failing_once)
-    programs = jax_windows.WindowPrograms()
+    monkeypatch.setattr(window_programs, "window_program", failing_once)
+    programs = window_programs.WindowPrograms()
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
         programs.of(model, stages[:1], batches[:1], devices)
     compiled = programs.of(model, stages[:1], batches[:1], devices)
