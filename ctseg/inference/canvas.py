@@ -8,7 +8,8 @@ softmax, the way back. On an accelerator each new shape compiles them anew. A ca
 holds every scan, and every box of a member's grid, in the largest shape asked of it
 so far, axis by axis. A scan no larger than an earlier one then reuses every program. A
 larger one grows the canvas once. `Predictor.expect` sizes the canvases from a batch's
-headers before its first scan, so that nothing compiles after the first scan's programs.
+headers (or a store's manifest) before its first scan, so that nothing compiles after
+the first scan's programs.
 
 What it costs: the programs around the network run over the canvas, not the scan. They
 are memory-bound resampling and a softmax, milliseconds on an accelerator. The network's

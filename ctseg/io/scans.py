@@ -65,7 +65,7 @@ class Scan:
     @property
     def spacing(self) -> tuple[float, float, float]:
         """Voxel size in mm along the canonical x, y and z axes."""
-        return tuple(float(s) for s in np.sqrt((self.affine[:3, :3] ** 2).sum(axis=0)))
+        return voxel_size(self.affine)
 
 
 def geometry_difference(
@@ -151,8 +151,12 @@ def canonical_geometry(
     canonical = [0, 0, 0]
     for axis, (to, _) in enumerate(ornt):
         canonical[int(to)] = int(shape[axis])
-    oriented = affine @ ornt_lib.inv_ornt_aff(ornt, tuple(shape))
-    return tuple(canonical), tuple(float(s) for s in np.sqrt((oriented[:3, :3] ** 2).sum(axis=0)))
+    return tuple(canonical), voxel_size(affine @ ornt_lib.inv_ornt_aff(ornt, tuple(shape)))
+
+
+def voxel_size(affine: np.ndarray) -> tuple[float, float, float]:
+    """Voxel size in mm along each voxel axis of `affine` (the lengths of its columns)."""
+    return tuple(float(s) for s in np.sqrt((affine[:3, :3] ** 2).sum(axis=0)))
 
 
 def scan_from_image(
