@@ -9,6 +9,7 @@ loop (`ctseg.training`), the inference engine (`ctseg.inference`), `ctseg plan` 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -19,10 +20,11 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ctseg.config import Config, TrainConfig
+from ctseg.config import Config, ModelConfig, TrainConfig
 from ctseg.model import unet
 from ctseg.model.losses import segmentation_loss
 from ctseg.parallel.partition import ACTIVATION_SPEC, REPLICATED, Comm, partitioned
+from ctseg.parallel.xla_options import compile_unoptimised
 
 LABEL_SPEC = P("data", "x", "y", "z")
 
@@ -57,11 +59,23 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def init_state(config: Config) -> tuple[nnx.GraphDef, TrainState]:
-    graphdef, params, stats = unet.create(config.model, config.train.seed)
-    opt_state = make_optimizer(config.train).init(params)
-    average = jax.tree.map(jnp.copy, params) if config.train.ema_decay > 0 else None
-    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, stats, opt_state, average)
+def init_state(config: Config, sharding: Any = None) -> tuple[nnx.GraphDef, TrainState]:
+    """The model's graphdef and a fresh train state made by one program, placed by
+    `sharding` (replicated over a mesh, say; JAX's default device without one)."""
+    graphdef, _ = abstract_state(config)
+    return graphdef, _fresh_state(config.model, config.train, sharding)()
+
+
+@functools.cache
+def _fresh_state(model: ModelConfig, tc: TrainConfig, sharding: Any) -> Any:
+    def fresh() -> TrainState:
+        _, params, stats = unet.build(model, tc.seed)
+        opt_state = make_optimizer(tc).init(params)
+        average = jax.tree.map(jnp.copy, params) if tc.ema_decay > 0 else None
+        return TrainState(jnp.zeros((), jnp.int32), params, stats, opt_state, average)
+
+    placed = {} if sharding is None else {"out_shardings": sharding}
+    return compile_unoptimised(jax.jit(fresh, **placed).lower())
 
 
 def abstract_state(config: Config) -> tuple[nnx.GraphDef, TrainState]:

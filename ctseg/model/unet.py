@@ -14,6 +14,7 @@ size at every level (the config checks the alignment).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from ctseg.config import ModelConfig
 from ctseg.labels import NUM_CLASSES
 from ctseg.model.image_conv import image_conv
 from ctseg.parallel.partition import Comm
+from ctseg.parallel.xla_options import compile_unoptimised
 
 # The stages of level-wise tiled inference (`ctseg.inference`): an encoder level with its
 # pooling, the bottom level, a decoder level.
@@ -234,23 +236,38 @@ class UNet(nnx.Module):
 # --------------------------------------------------------------------------- functional form
 
 
-def create(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    """A new model split into (graphdef, params, batch_stats)."""
+def build(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """A new model split into (graphdef, params, batch_stats), made op by op: to be traced
+    into a program (`create`, `ctseg.model.step.init_state`), as each op run alone
+    compiles a program of its own."""
     model = UNet(cfg, nnx.Rngs(params=seed))
     graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
     return graphdef, params, stats
+
+
+def create(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """A new model split into (graphdef, params, batch_stats), its values made by one
+    program."""
+    graphdef, _, _ = abstract(cfg)
+    params, stats = _initial_weights(cfg, seed)()
+    return graphdef, params, stats
+
+
+@functools.cache
+def _initial_weights(cfg: ModelConfig, seed: int) -> Any:
+    return compile_unoptimised(jax.jit(lambda: build(cfg, seed)[1:]).lower())
 
 
 def abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """(graphdef, params, batch_stats) of the model with shapes only: nothing is allocated."""
     captured: dict[str, nnx.GraphDef] = {}
 
-    def build() -> tuple[nnx.State, nnx.State]:
+    def shapes() -> tuple[nnx.State, nnx.State]:
         # The graphdef is static structure: safe to keep from inside the trace.
-        captured["graphdef"], params, stats = create(cfg, seed=0)
+        captured["graphdef"], params, stats = build(cfg, seed=0)
         return params, stats
 
-    params, stats = jax.eval_shape(build)
+    params, stats = jax.eval_shape(shapes)
     return captured["graphdef"], params, stats
 
 

@@ -1,8 +1,9 @@
 """The XLA options ctseg sets: for every program before JAX starts its backends, and for
 some programs as they compile.
 
-They change GPU programs only (the CPU and TPU compilers ignore them), and an option the
-user set in XLA_FLAGS stands. Measured on an H100 on 2026-11-26 (docs/experiments/gpu.md):
+An option the user set in XLA_FLAGS stands. All but the last change GPU programs only
+(the CPU and TPU compilers ignore them). Measured on an H100 on 2026-11-26
+(docs/experiments/gpu.md):
 
 - **channels-last convolutions.** cuDNN runs 3-D convolutions fastest channels-last (NDHWC,
   PyTorch's `channels_last_3d`), but XLA lays out only 2-D convolutions that way and keeps
@@ -20,6 +21,15 @@ user set in XLA_FLAGS stands. Measured on an H100 on 2026-11-26 (docs/experiment
   JAX projects turn this tuning off for the same reason. Set per program, not in
   XLA_FLAGS: the option is experimental, and XLA stops the process at a flag its version
   does not know, where a program's compile options raise an error ctseg can pass over.
+
+And on every platform:
+
+- **No optimisation of the model's initial weights** (`compile_unoptimised`). They are
+  random numbers made once; made op by op, the tiny test model's took 59 programs and
+  4.5 s on a 2-core CPU (lits256's 60 programs, 8 s, on the H100). As one program they
+  take 3 s with XLA's optimisations and 0.6 s without (compiled for an H100 without one:
+  2.5 s). Unoptimised, 4 % of the weights differ from the optimised program's in the last
+  bit, which no run depends on: a run's weights are made once and checkpointed.
 """
 
 from __future__ import annotations
@@ -60,3 +70,11 @@ def compile_untuned(lowered: Any) -> Any:
         if "No such compile option" not in str(error):
             raise
         return lowered.compile()
+
+
+UNOPTIMISED = {"xla_backend_optimization_level": 0}
+
+
+def compile_unoptimised(lowered: Any) -> Any:
+    """`lowered` compiled without XLA's optimisations: for programs run once."""
+    return lowered.compile(compiler_options=UNOPTIMISED)

@@ -33,10 +33,7 @@ from ctseg.data.store import Store
 from ctseg.errors import CtsegError
 from ctseg.io import pictures
 from ctseg.labels import TUMOUR
-from ctseg.model.step import (
-    TrainState,
-    init_state,
-)
+from ctseg.model.step import TrainState, abstract_state, init_state
 from ctseg.parallel import devices as dev
 from ctseg.parallel.partition import REPLICATED, make_mesh, replicated_shapes
 from ctseg.progress import StepProgress, TrainingProgress
@@ -225,12 +222,12 @@ class _Run:
         """The run restored from its latest checkpoint (or initialised), its start recorded,
         its programs compiling from the start (they need only the state's shapes)."""
         programs = Programs(config, mesh, store, _hold_from(config))
-        _, state = init_state(config)
-        state = jax.device_put(state, NamedSharding(mesh, REPLICATED))
         checkpoints = Checkpoints(run_dir, keep=config.train.keep_checkpoints)
         latest = checkpoints.latest_step()
-        if latest is not None:
-            state = checkpoints.restore(latest, replicated_shapes(state, mesh))
+        if latest is None:
+            _, state = init_state(config, NamedSharding(mesh, REPLICATED))
+        else:
+            state = checkpoints.restore(latest, replicated_shapes(abstract_state(config)[1], mesh))
         start = int(state.step)
         if start and say is not None:
             say(_resuming(run_dir, start, config.train.steps))
