@@ -28,8 +28,10 @@ from ctseg.errors import CtsegError  # noqa: E402
 
 def main() -> None:
     # Libraries log what is theirs to know (orbax: "Given directory is read only" on every
-    # prediction); the user sees ctseg's own lines, and errors.
-    logging.getLogger("absl").setLevel(logging.ERROR)
+    # prediction; matplotlib, imported with the first picture: "building the font cache"
+    # on a new machine); the user sees ctseg's own lines, and errors.
+    for library in ("absl", "matplotlib"):
+        logging.getLogger(library).setLevel(logging.ERROR)
     # ctseg's own warnings (a checkpoint skipped as unreadable, say) read as its other lines.
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("warning: %(message)s"))

@@ -6,20 +6,27 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import numpy as np
 from scipy import ndimage
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib import font_manager  # noqa: E402
+from ctseg import atomic
+from ctseg.labels import LIVER, TUMOUR, liver_mask
 
-from ctseg import atomic  # noqa: E402
-from ctseg.labels import LIVER, TUMOUR, liver_mask  # noqa: E402
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files, imported with the first picture: 0.3 s of
+    every command's start on 2 cores, and a prediction draws on its writer's thread."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def plot_curves(entries: Sequence[dict[str, Any]], path: Path) -> None:
     """Loss over steps (left) and validation Dice of liver and tumour (right)."""
+    plt = _pyplot()
     fig, (ax_loss, ax_dice) = plt.subplots(1, 2, figsize=(10, 3.6), constrained_layout=True)
     steps = [e["step"] for e in entries]
     ax_loss.plot(steps, [e["loss"] for e in entries], color="tab:blue")
@@ -66,6 +73,8 @@ def preview_centre(labels: np.ndarray) -> tuple[int, int, int]:
 def _drawable(text: str) -> str:
     """`text` with each character the default font has no glyph for (CJK, emoji) written
     as its escape, \\u809d: matplotlib would draw a box and warn for each."""
+    from matplotlib import font_manager
+
     font = font_manager.get_font(font_manager.findfont(font_manager.FontProperties()))
     drawable = font.get_charmap()
     return "".join(c if ord(c) in drawable else ascii(c)[1:-1] for c in text)
@@ -84,6 +93,7 @@ def plot_preview(
     `hu` and `labels` are canonical (RAS) arrays of one shape; `spacing` their
     voxel size in mm, which sets each panel's aspect ratio.
     """
+    plt = _pyplot()
     cx, cy, cz = preview_centre(labels)
     sx, sy, sz = (float(s) for s in spacing)
     # (image slice, label slice, row spacing, column spacing, name); rows are drawn

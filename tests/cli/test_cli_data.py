@@ -200,6 +200,14 @@ def test_library_log_lines_are_kept_off_the_terminal(monkeypatch):
     with pytest.raises(SystemExit):
         main()
     assert logging.getLogger("absl").getEffectiveLevel() == logging.ERROR
+    assert logging.getLogger("matplotlib").getEffectiveLevel() == logging.ERROR
+
+
+def test_matplotlib_waits_for_the_first_picture():
+    """0.3 s of every command's start: a command draws with it on its first picture."""
+    code = "import sys, ctseg.cli.main; sys.exit('matplotlib' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_an_error_line_keeps_the_brackets_of_a_path(tmp_path):
