@@ -25,11 +25,12 @@ An option the user set in XLA_FLAGS stands. All but the last change GPU programs
 And on every platform:
 
 - **No optimisation of the model's initial weights** (`compile_unoptimised`). They are
-  random numbers made once; made op by op, the tiny test model's took 59 programs and
+  random numbers made once; made op by op, the tiny test model's took 33 programs and
   4.5 s on a 2-core CPU (lits256's 60 programs, 8 s, on the H100). As one program they
-  take 3 s with XLA's optimisations and 0.6 s without (compiled for an H100 without one:
-  2.5 s). Unoptimised, 4 % of the weights differ from the optimised program's in the last
-  bit, which no run depends on: a run's weights are made once and checkpointed.
+  take 3 s with XLA's optimisations and 0.6 s without (lits256's compiled for an H100
+  without one: 2.5 s). Unoptimised, 4 % of the weights differ from the optimised
+  program's in the last bit, which no run depends on: a run's weights are made once and
+  checkpointed.
 """
 
 from __future__ import annotations
