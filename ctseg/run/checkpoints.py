@@ -157,9 +157,13 @@ def _save_from_one_replica() -> None:
     each: slicing compiled a program per slice (160 for the demo's state on 16 devices:
     4.3 s of 2 cores at the first checkpoint, and each a compile on a GPU) to split a
     state of megabytes. Orbax decides this for the process (its type registry), as it
-    does itself where JAX_PLATFORMS names a GPU. Without the default's metadata store,
-    which records random keys' types: the state holds none."""
-    one_replica = ocp.type_handlers.ArrayHandler(use_replica_parallel=False)
+    does itself where JAX_PLATFORMS names a GPU; the default handler's store of arrays'
+    metadata (random keys' types) is kept for the process's other checkpoints."""
+    default = ocp.type_handlers.get_type_handler(jax.Array)
+    one_replica = ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=False,
+        array_metadata_store=getattr(default, "_array_metadata_store", None),
+    )
     ocp.type_handlers.register_type_handler(jax.Array, one_replica, override=True)
 
 
