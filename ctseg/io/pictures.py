@@ -14,8 +14,9 @@ from ctseg.labels import LIVER, TUMOUR, liver_mask
 
 
 def _pyplot() -> Any:
-    """matplotlib's pyplot, drawing to files, imported with the first picture: 0.3 s of
-    every command's start on 2 cores, and a prediction draws on its writer's thread."""
+    """matplotlib's pyplot, drawing to files, imported with the first picture rather than
+    with the pipelines (0.3 s on 2 cores): a prediction draws on its writer's thread, off
+    the way to its first scan, and training at its first validation, after its first step."""
     import matplotlib
 
     matplotlib.use("Agg")
