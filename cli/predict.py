@@ -1,5 +1,6 @@
 """`ctseg predict`: label maps, statistics and previews for new scans."""
 
+import time
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -11,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ctseg import lock
-from ctseg.cli import library_output
+from ctseg.cli import STARTED, library_output
 from ctseg.cli.app import app
 from ctseg.cli.options import CompileCacheOption, DeviceChoice, DeviceOption, start_jax, warn
 from ctseg.config import Config, InferenceOptions
@@ -188,7 +189,8 @@ def predict(
             "--verbose",
             "-v",
             help="Print the plan (its memory per device against what is free), where "
-            "each scan's time went, and the libraries' own output (ITK, GDCM, XLA).",
+            "the time went before the first scan (imports, devices, loading, compiling) "
+            "and in each scan, and the libraries' own output (ITK, GDCM, XLA).",
         ),
     ] = False,
     allow_non_ct: Annotated[
@@ -259,12 +261,21 @@ def predict(
     options = _checked_options(
         configs[0], checkpoint, tile, backend, device, tta, margin, locate, roi
     )
+    devices_began = time.perf_counter()
     chosen = start_jax(
         configs[0], cpu_devices=1, device=device, compile_cache=compile_cache, verbose=verbose
     )
+    devices_seconds = time.perf_counter() - devices_began
     # After start_jax: importing the pipeline starts JAX.
     from ctseg.inference.inputs import check_output_folder
     from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Predictor
+
+    # Where a process's seconds went before the first scan (with --verbose): on a GPU a
+    # warm one-scan prediction's wall was 3× its scan's phases, unexplained by them.
+    started = {
+        "imports": time.perf_counter() - STARTED - devices_seconds,
+        "devices": devices_seconds,
+    }
 
     # One writer per --out: two predictions at once would mix their outputs. A file in
     # its place is one error line, not a failure per scan.
@@ -277,7 +288,7 @@ def predict(
             if locate is not None or roi is not None:
                 margin = DEFAULT_MARGIN_MM if margin is None else margin
                 predictor.predict_region(locate, roi, margin, options)
-            _print_start(console, predictor, len(run_dirs), scans, outcomes, skipped, verbose)
+            _print_start(console, predictor, scans, outcomes, skipped, started, verbose)
             outcomes += _predicted(
                 console, predictor, scans, out, force, output_type, allow_non_ct, verbose
             )
@@ -337,13 +348,15 @@ def _scans(
 def _print_start(
     console: Console,
     predictor: "Predictor",
-    runs: int,
     scans: list[Path],
     outcomes: list["ScanOutcome"],
     skipped: list,
+    started: dict[str, float],
     verbose: bool,
 ) -> None:
-    """What runs where, the checkpoints, the scans (and with --verbose the plan)."""
+    """What runs where, the checkpoints, the scans (and with --verbose the plan, and the
+    seconds `started` took before the model loaded)."""
+    runs = len(predictor.members)
     steps = ", ".join(str(m.model.step) for m in predictor.members)
     unusable = f", {len(outcomes)} input(s) failed" if outcomes else ""
     unusable += f", {sum(s.count for s in skipped)} file(s) skipped" if skipped else ""
@@ -353,7 +366,8 @@ def _print_start(
     )
     if verbose:
         console.print(f"plan: {escape(predictor.plan_line)}")
-        one_off = ", ".join(f"{k} {v:.2f} s" for k, v in predictor.seconds.items())
+        one_off = {**started, **predictor.seconds}
+        one_off = ", ".join(f"{k} {v:.2f} s" for k, v in one_off.items())
         console.print(f"once for all scans: {one_off}")
 
 
