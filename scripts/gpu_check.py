@@ -10,8 +10,10 @@ in its own process as a user runs it:
    step, and the share of the loop spent waiting for input;
 2. prediction of 512×512 scans with the lits512 model (`scripts/bench_predict512.py
    --anchor`): cold and warm, each further scan, the network against MONAI's sliding
-   window; and ten scans of ten different extents in one `ctseg predict`, which must
-   compile nothing after the first scan's programs;
+   window; ten scans of ten different extents in one `ctseg predict`, which must
+   compile nothing after the first scan's programs; and lits512's network over that
+   scan's grid as one whole-volume program and as fixed windows, each one's compile and
+   run seconds (`scripts/bench_windows.py`);
 3. the training step at 256³ and 128³ (`ctseg bench`, `configs/lits256_16way.toml`
    fitted to one device and `configs/lits128.toml`), and the same U-Net's step in
    PyTorch, eager and `torch.compile`d (`scripts/monai_anchor.py train`); where the
@@ -52,6 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 CTSEG = [sys.executable, "-m", "ctseg"]  # the command line of this Python's ctseg
 SCRIPTS = REPO / "scripts"
 LITS128, LITS256 = REPO / "configs" / "lits128.toml", REPO / "configs" / "lits256_16way.toml"
+LITS512 = REPO / "configs" / "lits512_16way.toml"
 EXTENTS = 10  # scans of different extents predicted in one command
 
 
@@ -193,6 +196,25 @@ def predict512(s: Settings) -> dict:
     return json.loads((work / "result.json").read_text())
 
 
+def plans(s: Settings) -> dict:
+    """lits512's network over the 512×512×63 phantom's grid box, as one whole-volume
+    program and as fixed windows of 128 (`scripts/bench_windows.py`): each one's compile
+    (with the GPU's autotuning) and run seconds. The windows do 2–3× the whole volume's
+    work (their overlap) and compile once per model; the whole volume compiles per box
+    shape. Which way a batch should run is this trade."""
+    report = s.work / "plans.json"
+    report.unlink(missing_ok=True)
+    config, core, box = LITS512, "128", "[[560,560,320]]"
+    if s.quick:
+        config, core, box = REPO / "configs" / "demo.toml", "16", "[[48,48,48]]"
+    command = [sys.executable, str(SCRIPTS / "bench_windows.py"), "--config", str(config)]
+    command += ["--core", core, "--boxes", box, "--modes", "whole,windows"]
+    run(s, "plans", [*command, "--device", s.device, "--json", str(report)], 500)
+    rows = json.loads(report.read_text())
+    keep = ("compile_seconds", "run_seconds", "stage_seconds", "plan")
+    return {row["mode"]: {k: row[k] for k in keep} for row in rows}
+
+
 def extents(s: Settings) -> dict:
     """Ten scans of ten extents (the phantom cut to fewer slices) in one `ctseg predict`,
     a second process on the predict check's compilation cache: the network's programs
@@ -331,6 +353,10 @@ ROWS = (
         lambda v: v <= 0.25,
         "×",
     ),
+    Row("network, whole volume: compile", _get("plans", "whole", "compile_seconds"), "", None),
+    Row("  run", _get("plans", "whole", "run_seconds"), "", None),
+    Row("network, fixed windows: compile", _get("plans", "windows", "compile_seconds"), "", None),
+    Row("  run", _get("plans", "windows", "run_seconds"), "", None),
     Row(
         f"predict: {EXTENTS} extents, compile after the first",
         _get("extents", "later_compile_seconds"),
@@ -384,6 +410,7 @@ def main() -> None:
         "train": lambda: train_start(s),
         "predict": lambda: predict512(s),
         "extents": lambda: extents(s),
+        "plans": lambda: plans(s),
         "step256": lambda: bench_step(s, LITS256, "step256"),
         "step128": lambda: bench_step(s, LITS128, "step128"),
         "profile256": lambda: profile_step(s),

@@ -98,3 +98,18 @@ def test_the_first_convolution_check_times_both_of_its_ways(gpu_check, tmp_path)
         line for line in gpu_check.table({"conv1": result}).splitlines() if "first conv" in line
     )
     assert row.split()[-2:] == ["–", "–"]
+
+
+def test_the_plans_check_times_the_whole_volume_and_fixed_windows(gpu_check, tmp_path):
+    """`plans`, quick on the CPU: both ways of running the network over one box, each
+    compiled and run, and both shown in the table."""
+    settings = gpu_check.Settings("cpu", True, tmp_path)
+    result = gpu_check.plans(settings)
+    assert set(result) == {"whole", "windows"}
+    assert result["whole"]["plan"].startswith("whole volume")
+    assert result["windows"]["plan"].startswith("fixed windows")
+    assert all(result[m]["compile_seconds"] > 0 and result[m]["run_seconds"] > 0 for m in result)
+    lines = gpu_check.table({"plans": result}).splitlines()
+    network = [line for line in lines if line.startswith(("network", "  run"))]
+    # Measured, without a target: the line ends in its seconds and the dash for "met".
+    assert len(network) == 4 and all(line.split()[-2].endswith("s") for line in network)
