@@ -16,15 +16,17 @@ def fmt(value: float | None, digits: int = 3) -> str:
 
 def _case_table(cases: list[dict]) -> Table:
     table = Table(title="Per case")
-    table.add_column("case")
+    # In a narrow terminal every letter of a case's name shows, folded over lines: cut
+    # short, segmentation-1 and segmentation-12 both read "segmentat…".
+    table.add_column("case", overflow="fold")
     for heading in (
-        "liver Dice",
-        "tumour Dice",
-        "liver ASSD mm",
-        "liver HD95 mm",
-        "lesions det/ref",
+        "liver\nDice",
+        "tumour\nDice",
+        "liver\nASSD mm",
+        "liver\nHD95 mm",
+        "lesions\ndet/ref",
     ):
-        table.add_column(heading, justify="right")
+        table.add_column(heading, justify="right", no_wrap=True)  # numbers are never cut
     located = any("located" in case for case in cases)  # --locate: where each was predicted
     if located:
         table.add_column("predicted")

@@ -98,19 +98,20 @@ def _verdict_cell(stats: dict | None) -> str:
 
 def _stats_table(outcomes: list) -> Table:
     table = Table(title="Predictions")
-    table.add_column("scan")
-    for heading in ("liver mL", "tumour mL", "tumours", "largest mm", "burden %"):
-        table.add_column(heading, justify="right")
+    # In a narrow terminal, every letter of a name and a verdict shows, folded over lines:
+    # cut short, the names of volume-1 and volume-12 both read "volume…".
+    table.add_column("scan", overflow="fold")
+    for heading in ("liver\nmL", "tumour\nmL", "tumours", "largest\nmm", "burden\n%"):
+        table.add_column(heading, justify="right", no_wrap=True)  # numbers are never cut
     table.add_column("status")
-    table.add_column("verdict")
+    table.add_column("verdict", overflow="fold")
     for o in outcomes:
         if o.error is not None:  # its reason in full below the table, not folded in a column
             table.add_row(escape(o.name), "", "", "", "", "", "[red]failed[/]", "")
             continue
         s = o.stats
+        # The fingerprint's checks show in the verdict (`unlike the training data`).
         status = "[yellow]warning[/]" if o.warnings else "[green]ok[/]"
-        if o.checks:  # far outside the run's training data (ctseg.run.fingerprint)
-            status = f"[yellow]{'warning' if o.warnings else 'ok'}, check: outside training data[/]"
         status = "[green]done earlier[/]" if o.done_earlier else status
         table.add_row(
             escape(o.name),

@@ -74,7 +74,7 @@ def preprocess(
 
 def _case_table(result: PrepareResult) -> Table:
     table = Table(title="preprocess")
-    table.add_column("case")
+    table.add_column("case", overflow="fold")  # every letter, however narrow the terminal
     table.add_column("split")
     folds = {}
     if result.store is not None and result.store.folds:

@@ -19,13 +19,13 @@ from ctseg.data.store import Store, array_path
 from ctseg.errors import CtsegError
 from ctseg.inference import postprocess, scan_checks
 from ctseg.inference.inputs import ScanOutcome
+from ctseg.inference.quality import UNLIKE
 from ctseg.io.scans import read_scan
 from ctseg.run import fingerprint, rundir
 from ctseg.synth.dataset import write_dataset
 from ctseg.training.loop import train_and_evaluate
 
 runner = CliRunner()
-STATUS = "ok, check: outside training data"
 WIDE = {"COLUMNS": "400"}  # no line of the output folded
 
 
@@ -221,7 +221,9 @@ def test_a_fingerprint_that_is_not_one_is_one_line(tmp_path):
         assert "\n" not in str(caught.value)
 
 
-def test_the_status_column_tells_checks_from_warnings():
+def test_the_table_tells_checks_by_the_verdict_and_shows_every_name_in_a_narrow_terminal():
+    """The status column says whether a scan has warnings, the verdict whether it is unlike
+    the training data; at 80 columns every letter of the names shows (folded, not cut)."""
     stats = {
         "liver_volume_ml": 1.0,
         "tumour_volume_ml": 0.0,
@@ -229,25 +231,31 @@ def test_the_status_column_tells_checks_from_warnings():
         "largest_tumour_diameter_mm": 0.0,
         "tumour_burden_percent": 0.0,
     }
+    unlike = {**stats, "quality": {"verdict": "unlike the training data"}}
+    ok = {**stats, "quality": {"verdict": "ok"}}
     outcomes = [
-        ScanOutcome(Path("a"), "a", stats, checks=["far"]),
-        ScanOutcome(Path("b"), "b", stats, warnings=["odd"], checks=["far"]),
-        ScanOutcome(Path("c"), "c", stats, warnings=["odd"]),
-        ScanOutcome(Path("d"), "d", stats),
+        ScanOutcome(Path("a"), "volume-1", unlike, checks=["far"]),
+        ScanOutcome(Path("b"), "volume-12", unlike, warnings=["odd"], checks=["far"]),
+        ScanOutcome(Path("c"), "LIVER_patient_0001_portal_venous", ok, warnings=["odd"]),
+        ScanOutcome(Path("d"), "d", ok),
     ]
-    console = Console(record=True, width=200)
-    console.print(_stats_table(outcomes))
-    rows = {
-        line.split("│")[1].strip(): line.split("│")[-3].strip()  # status, before the verdict
-        for line in console.export_text().splitlines()
-        if line.startswith("│")
-    }
+
+    def cells(width: int) -> list[list[str]]:
+        console = Console(record=True, width=width)
+        console.print(_stats_table(outcomes))
+        lines = console.export_text().splitlines()
+        return [[c.strip() for c in line.split("│")[1:-1]] for line in lines if line[0] == "│"]
+
+    rows = {row[0]: (row[-2], row[-1]) for row in cells(200)}
     assert rows == {
-        "a": STATUS,
-        "b": "warning, check: outside training data",
-        "c": "warning",
-        "d": "ok",
+        "volume-1": ("ok", UNLIKE),
+        "volume-12": ("warning", UNLIKE),
+        "LIVER_patient_0001_portal_venous": ("warning", "ok"),
+        "d": ("ok", "ok"),
     }
+    narrow = cells(80)
+    assert "".join(row[0] for row in narrow) == "".join(o.name for o in outcomes)
+    assert " ".join(" ".join(row[-1] for row in narrow).split()) == f"{UNLIKE} {UNLIKE} ok ok"
 
 
 def _rescaled(raw: Path, folder: Path, factor: float) -> Path:
@@ -277,7 +285,8 @@ def test_predict_says_a_scan_is_outside_the_training_data(trained, tmp_path, mon
     result = runner.invoke(app, ["predict", str(run_dir), str(scan), "--out", str(out)], env=WIDE)
     assert result.exit_code == 0, result.output
     row = next(line for line in result.output.splitlines() if line.startswith("│ volume-1"))
-    assert row.split("│")[-3].strip() == STATUS
+    status, verdict = (cell.strip() for cell in row.split("│")[-3:-1])
+    assert (status, verdict) == ("ok", UNLIKE)
     stats = json.loads((out / "volume-1_stats.json").read_text())
     assert stats["warnings"] == []
     starts = [check.split(",")[0] for check in stats["checks"]]
