@@ -62,7 +62,7 @@ from ctseg.io.scans import (
 )
 from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_cache_dir, use_compile_cache
-from ctseg.run.rundir import load_config, member_runs
+from ctseg.run.rundir import CONFIG, load_config, member_runs
 
 _log = logging.getLogger(__name__)
 # In the NIfTI header of every label map `Segmentation.save` writes: what makes a file
@@ -304,6 +304,11 @@ def segment(
     write the labels there as NIfTI (checked before the model loads: never a folder, never
     the scan itself, and an existing file only when it is a label map ctseg wrote, or with
     `force`). For many scans, make one `Segmenter` and call it, or its `map`."""
+    if isinstance(image, str | Path) and (Path(image) / CONFIG).is_file():
+        raise CtsegError(
+            f"{image} is a run directory, given as the scan: segment(image, runs) takes "
+            "the scan first"
+        )
     if out is not None:
         check_out(out, [Path(image)] if isinstance(image, str | Path) else [], force)
     result = Segmenter(runs, **options)(image, affine)

@@ -127,3 +127,5 @@ def test_segment_out_is_checked_before_the_model_loads(trained, volume, tmp_path
     _one_line(lambda: segment(str(path), run_dir, out=path.parent / "." / path.name), "scan")
     _one_line(lambda: segment(path, run_dir, out=tmp_path), "is a folder")
     assert path.read_bytes() == kept and list(tmp_path.iterdir()) == []
+    # The run and the scan swapped: said as such, not as a scan that is no run directory.
+    _one_line(lambda: segment(run_dir, path), "is a run directory, given as the scan")
