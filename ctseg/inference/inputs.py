@@ -143,8 +143,10 @@ def expand_inputs(
     for scan in dict.fromkeys(scans):
         name = scan_name(scan)
         if name in first_of:
-            reason = f"its outputs would overwrite those of {first_of[name]} (both are {name!r}); "
-            failed.append(ScanOutcome(scan, name, error=reason + "predict it into another --out"))
+            # Both paths: the table shows the two scans under the one name.
+            reason = f"{scan} would write over the outputs of {first_of[name]} (both named "
+            reason += f"{name!r}); predict it into another --out"
+            failed.append(ScanOutcome(scan, name, error=reason))
         elif clash := _inputs_overwritten(name, out_dir, input_paths):
             reason = f"its output {clash} would overwrite an input of this call; use another --out"
             failed.append(ScanOutcome(scan, name, error=reason))

@@ -183,7 +183,8 @@ def test_scans_of_one_name_are_not_written_over_each_other(tmp_path):
     scans, failed, _ = expand_inputs([tmp_path / "a", tmp_path / "b", first])
     assert scans == [first]
     assert [(o.source, o.name) for o in failed] == [(second, "volume-0")]
-    assert str(first) in failed[0].error and "--out" in failed[0].error
+    assert failed[0].error.startswith(f"{second} would write over the outputs of {first}")
+    assert "--out" in failed[0].error
 
 
 def test_restoring_for_inference_reads_no_optimiser_state(trained, tmp_path):
