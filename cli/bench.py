@@ -1,8 +1,9 @@
 """`ctseg bench`: training-step time and memory per layout and partitioner on one grid."""
 
+import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
@@ -25,15 +26,10 @@ from ctseg.cli.options import (
 from ctseg.cli.progress import counting
 from ctseg.errors import CtsegError
 from ctseg.memory import human_bytes
-from ctseg.model.bench import (
-    BenchResult,
-    Peak,
-    bench,
-    devices_needed,
-    measure_peak,
-    ratio_to_one_partition,
-)
 from ctseg.parallel.layouts import auto_spatial
+
+if TYPE_CHECKING:  # the benchmark imports JAX: only once the command runs (`--help` fast)
+    from ctseg.model.bench import BenchResult, Peak
 
 console = Console(highlight=False)
 
@@ -60,7 +56,9 @@ def _splits(partitions: str | None, spatial: list[str] | None) -> list[tuple[int
     return [auto_spatial(n) for n in _int_list(partitions or "1,2,4,8,16", "--partitions")]
 
 
-def _table(results: list[BenchResult], peak: Peak | None) -> Table:
+def _table(results: list["BenchResult"], peak: "Peak | None") -> Table:
+    from ctseg.model.bench import ratio_to_one_partition
+
     table = Table(
         title="Training step on one global grid (median after warm-up)",
         caption="memory: per device, from XLA's analysis of the compiled step",
@@ -97,7 +95,7 @@ def _or_dash(value: float | None, shown: Callable[[float], str]) -> str:
     return "–" if value is None else shown(value)
 
 
-def _peak_line(peak: Peak) -> str:
+def _peak_line(peak: "Peak") -> str:
     return (
         f"peak: {peak.flops_per_second / 1e12:.3g} TFLOP/s, best {peak.size}² × {peak.size}² "
         f"{peak.dtype} matrix product on one {peak.platform} device"
@@ -161,8 +159,10 @@ def bench_command(
     partitioners = [p.strip() for p in partitioner.split(",") if p.strip()]
     if not partitioners:
         raise CtsegError(f"--partitioner names nothing to measure, got '{partitioner}'")
-    needed = devices_needed(config, splits)
+    needed = max(math.prod(split) for split in splits) * config.mesh.data  # with replicas
     chosen = start_jax(config, coordinator, num_processes, process_id, needed, device=device.value)
+    from ctseg.model.bench import bench, measure_peak  # after start_jax: imports start JAX
+
     with counting("bench") as report:
         results = bench(config, splits, partitioners, steps, report, chosen.devices)
     measured_peak = measure_peak(config.model.dtype, devices=chosen.devices) if peak else None

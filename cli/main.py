@@ -6,24 +6,20 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-from ctseg.cli.library_output import held
-
-# Importing the commands imports JAX, and with it any compile-only plugin installed (the
-# `targets` extra): JAX's CUDA plugin says, on a machine without a GPU, that it found no
-# driver. Those lines are no news to a user of the command.
-with held(show=False):
-    from ctseg.cli import (  # noqa: F401  (registers the commands)
-        bench,
-        evaluate,
-        folds,
-        plan,
-        predict,
-        preprocess,
-        synth,
-        train,
-    )
-from ctseg.cli.app import app  # noqa: E402
-from ctseg.errors import CtsegError  # noqa: E402
+# The commands' modules import no JAX (`ctseg --help` answers without it): each command
+# starts JAX itself (`ctseg.cli.options.start_jax`), holding what its plugins print.
+from ctseg.cli import (  # noqa: F401  (registers the commands)
+    bench,
+    evaluate,
+    folds,
+    plan,
+    predict,
+    preprocess,
+    synth,
+    train,
+)
+from ctseg.cli.app import app
+from ctseg.errors import CtsegError
 
 
 def main() -> None:

@@ -100,7 +100,11 @@ def start_jax(
     `verbose`).
     """
     from ctseg.parallel import devices as dev
-    from ctseg.parallel import partition  # imports JAX; keep `ctseg --help` fast
+
+    # The first import of JAX (the commands' modules leave it here: `ctseg --help` stays
+    # fast) loads its plugins, which print on their own: "Could not find cuda drivers".
+    with held(show=verbose):
+        from ctseg.parallel import partition
 
     dev.commands_hold_output()  # held below, and shown with --verbose
     dev.restrict_backends(device)

@@ -2,7 +2,7 @@
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -25,13 +25,14 @@ from ctseg.cli.options import (
 from ctseg.config import Config
 from ctseg.errors import CtsegError
 from ctseg.memory import human_bytes
-from ctseg.model import unet
-from ctseg.model.plan import LayoutPlan, plan, plan_layout
 from ctseg.parallel.layouts import fit_training
 from ctseg.progress import Status
 from ctseg.targets.catalogue import names as target_names
 from ctseg.targets.catalogue import resolve
 from ctseg.targets.process import plan_on_target
+
+if TYPE_CHECKING:  # the planner imports JAX: only once the command runs (`--help` fast)
+    from ctseg.model.plan import LayoutPlan
 
 console = Console(highlight=False)
 
@@ -48,7 +49,7 @@ def _flops(flops: float | None) -> str:
     return f"{flops:.1f} {prefix}"
 
 
-def _table(plans: list[LayoutPlan]) -> Table:
+def _table(plans: list["LayoutPlan"]) -> Table:
     table = Table(title=f"ctseg plan — partitioner {plans[0].partitioner}, memory per device")
     for heading in ("mode", "parts", "local block"):
         table.add_column(heading, no_wrap=True)
@@ -137,7 +138,9 @@ def plan_command(
     if target_devices is not None:
         raise CtsegError("--devices counts the GPUs of a --target; give --target too")
     chosen = start_jax(config, coordinator, num_processes, process_id, device=device.value)
-    from ctseg.parallel import devices as dev  # after start_jax: imports start JAX
+    from ctseg.model import unet  # after start_jax: imports start JAX
+    from ctseg.model.plan import plan
+    from ctseg.parallel import devices as dev
 
     # start_jax made as many simulated CPU devices as the config's mesh needs.
     planned_on, line = dev.plan_devices(chosen, config.num_devices)
@@ -168,6 +171,7 @@ def plan_command(
 def _this_machine(config: Config, chosen: Sequence[Any], progress: Status) -> dict:
     """Which layout `ctseg train` would choose on the `chosen` devices and, on accelerators,
     whether it fits."""
+    from ctseg.model.plan import plan_layout
     from ctseg.parallel import devices as dev
 
     layout = fit_training(config, chosen)
@@ -192,7 +196,9 @@ def _is_plan_json(path: Path) -> bool:
     return atomic.is_json_with(path, layouts) or atomic.is_json_with(path, ("target",))
 
 
-def _json(config: Config, plans: list[LayoutPlan]) -> dict:
+def _json(config: Config, plans: list["LayoutPlan"]) -> dict:
+    from ctseg.model import unet
+
     return {
         "receptive_field_radius": unet.receptive_field_radius(config.model),
         "alignment": unet.alignment(config.model),

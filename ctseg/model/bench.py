@@ -187,10 +187,6 @@ def measure_peak(
     return Peak(device.platform, str(jnp.dtype(dtype)), n, 2 * n**3 / best, jax.process_count())
 
 
-def devices_needed(config: Config, splits: Sequence[tuple[int, int, int]]) -> int:
-    return max(math.prod(s) for s in splits) * config.mesh.data
-
-
 def bench(
     config: Config,
     splits: Sequence[tuple[int, int, int]],

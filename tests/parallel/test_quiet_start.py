@@ -13,6 +13,7 @@ import pytest
 from helpers import REPO
 
 from ctseg.parallel import devices as dev
+from ctseg.targets import process
 
 
 def _stderr_of(code: str) -> str:
@@ -36,6 +37,31 @@ def test_the_api_starts_jax_without_a_word():
         "print('ok')\n"
     )
     assert _stderr_of(code) == ""
+
+
+def test_the_command_line_imports_no_jax_before_a_command_runs():
+    # `ctseg --help` and every option's error answer without JAX's second of imports.
+    code = "import sys\nimport ctseg.cli.main\nassert 'jax' not in sys.modules\nprint('ok')\n"
+    assert _stderr_of(code) == ""
+
+
+@pytest.mark.skipif(
+    not process.plugin_installed("cuda"), reason="the targets extra is not installed"
+)
+def test_a_command_starts_jax_without_a_word_of_its_plugins():
+    """The first import of JAX is a command's own (`start_jax`): what the CUDA plugin says
+    on a machine without a GPU stays held."""
+    command = "import sys; from ctseg.cli.main import main; sys.argv[0] = 'ctseg'; main()"
+    args = ["bench", "--steps", "1", "--partitions", "1", "--partitioner", "halo"]
+    args += ["--set", "data.resolution=16", "--set", "model.depth=2"]
+    args += ["--set", "model.base_filters=2"]
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "PYTHONWARNINGS")}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run(
+        [sys.executable, "-c", command, *args], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert "halo" in done.stdout and done.stderr.strip() == ""  # a progress bar's newline
 
 
 def test_start_quietly_starts_only_the_cpu_where_no_accelerator_is_attached():
