@@ -271,8 +271,9 @@ def predict(
     from ctseg.inference.inputs import check_output_folder
     from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Predictor
 
-    # Where a process's seconds went before the first scan (with --verbose): on a GPU a
-    # warm one-scan prediction's wall was 3× its scan's phases, unexplained by them.
+    # Where a process's seconds went before the first scan (with --verbose; "devices":
+    # JAX's import and start): on a GPU a warm one-scan prediction's wall was 3× its
+    # scan's phases, unexplained by them.
     started = {
         "imports": time.perf_counter() - STARTED - devices_seconds,
         "devices": devices_seconds,
