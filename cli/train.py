@@ -118,6 +118,8 @@ def _train(
 
         def report(p: StepProgress) -> None:
             bar.update(task, completed=p.step, status=_status(p))
+            if p.validated and p.val_dice:  # a line above the bar: each validation stays
+                console.print(_validation_line(p.step, p.val_dice))
 
         try:
             return train_and_evaluate(
@@ -139,13 +141,13 @@ def _train(
 
 
 def _status(p: StepProgress) -> str:
-    """The progress bar's words after a step."""
+    """The progress bar's words after a step: short enough for an 80-column terminal."""
     status = f"loss {p.loss:.4f}  {p.steps_per_second:.2f} steps/s"
-    if p.held_norm:
-        status += "  held batch-norm statistics"
-    if p.val_dice:
-        status += f"  val Dice liver {p.val_dice['liver']:.3f} tumour {p.val_dice['tumour']:.3f}"
-    return status
+    return status + "  held batch-norm" if p.held_norm else status
+
+
+def _validation_line(step: int, dice: dict[str, float]) -> str:
+    return f"step {step}: validation Dice liver {dice['liver']:.3f}, tumour {dice['tumour']:.3f}"
 
 
 def _print_summary(summary: "TrainingSummary", console: Console) -> None:

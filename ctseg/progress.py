@@ -39,6 +39,7 @@ class StepProgress:
     steps_per_second: float
     val_dice: dict[str, float] | None  # the latest validation's {"liver", "tumour"}; None before
     held_norm: bool = False  # this step normalised by held statistics (`train.held_norm_share`)
+    validated: bool = False  # a validation followed this step (`val_dice` is its)
 
 
 TrainingProgress = Callable[[StepProgress], None]

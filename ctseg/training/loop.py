@@ -279,10 +279,15 @@ class _Run:
                 clock.computed(time.perf_counter() - began)
                 if not math.isfinite(loss):
                     self._stop_on_nan(loss, step + 1)
-                val_dice = self._after_step(step + 1, step_metrics, clock, prefetch, val_dice)
+                validated = self._after_step(step + 1, step_metrics, clock, prefetch)
+                val_dice = validated or val_dice
                 if progress:
                     held = step >= self.hold_from
-                    progress(StepProgress(step + 1, tc.steps, loss, clock.rate, val_dice, held))
+                    progress(
+                        StepProgress(
+                            step + 1, tc.steps, loss, clock.rate, val_dice, held, bool(validated)
+                        )
+                    )
             self.checkpoints.wait()  # the last save counts: orbax lists a step once written
             predict_step = self.checkpoints.resolve("best")
         except KeyboardInterrupt:
@@ -304,10 +309,9 @@ class _Run:
         step_metrics: dict[str, Any],
         clock: _Clock,
         prefetch: Prefetcher,
-        val_dice: dict[str, float] | None,
     ) -> dict[str, float] | None:
-        """Validate, checkpoint and log after step `done`, as the config says; the latest
-        validation Dice."""
+        """Validate, checkpoint and log after step `done`, as the config says; the
+        validation's Dice, None where it did not validate."""
         tc = self.config.train
         validating = bool(self.store.split("val")) and (
             done % tc.eval_every == 0 or done == tc.steps
@@ -316,6 +320,7 @@ class _Run:
         if saving or done == self.hold_from:
             # Every checkpoint carries the statistics that inference will use.
             self.state = self.for_inference(self.state)
+        val_dice = None
         if validating:
             val_dice = validation_dice(
                 self.programs.segment, self.state, self.store, self.config, self.mesh

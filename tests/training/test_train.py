@@ -545,3 +545,34 @@ def test_the_summary_as_json_is_the_dict_train_and_evaluate_returned(tmp_path):
         "fold": 0,
     }
     json.dumps(summary.to_json())
+
+
+def test_cli_prints_each_validation_on_a_line_and_keeps_the_bar_within_80_columns(
+    monkeypatch, store_dir, tmp_path
+):
+    from typer.testing import CliRunner
+
+    import ctseg.cli.main  # noqa: F401  (registers the commands)
+    import ctseg.training.loop
+    from ctseg.cli.app import app
+    from ctseg.progress import StepProgress
+
+    def train(config, data, run_dir, progress, *args, **kwargs):
+        dice = {"liver": 0.5, "tumour": 0.25}
+        for step in (1, 2, 3, 4):
+            validated = step in (2, 4)
+            held = step > 2
+            progress(StepProgress(step, 4, 1.2345, 0.5, dice, held, validated))
+        return ctseg.training.loop.TrainingSummary(
+            4, dice, None, None, 4, 0.0, tmp_path, 1, 3, None
+        )
+
+    monkeypatch.setattr(ctseg.training.loop, "train_and_evaluate", train)
+    args = ["train", "--data", str(store_dir), "--workdir", str(tmp_path)]
+    result = CliRunner().invoke(app, [*args, *[f"--set={o}" for o in TRAIN]], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    for step in (2, 4):
+        assert f"step {step}: validation Dice liver 0.500, tumour 0.250" in lines
+    bar = next(line for line in lines if line.startswith("train"))
+    assert "4/4 loss 1.2345  0.50 steps/s  held batch-norm" in bar and "…" not in bar
