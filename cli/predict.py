@@ -368,8 +368,8 @@ def _print_start(
     )
     if verbose:
         console.print(f"plan: {escape(predictor.plan_line)}")
-        one_off = {**started, **predictor.seconds}
-        one_off = ", ".join(f"{k} {v:.2f} s" for k, v in one_off.items())
+        seconds = {**started, **predictor.seconds}
+        one_off = ", ".join(f"{k} {v:.2f} s" for k, v in seconds.items())
         console.print(f"once for all scans: {one_off}")
 
 

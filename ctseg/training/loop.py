@@ -279,13 +279,18 @@ class _Run:
                 clock.computed(time.perf_counter() - began)
                 if not math.isfinite(loss):
                     self._stop_on_nan(loss, step + 1)
-                validated = self._after_step(step + 1, step_metrics, clock, prefetch)
-                val_dice = validated or val_dice
+                validation = self._after_step(step + 1, step_metrics, clock, prefetch)
+                val_dice = validation or val_dice
                 if progress:
-                    held = step >= self.hold_from
                     progress(
                         StepProgress(
-                            step + 1, tc.steps, loss, clock.rate, val_dice, held, bool(validated)
+                            step + 1,
+                            tc.steps,
+                            loss,
+                            clock.rate,
+                            val_dice,
+                            held_norm=step >= self.hold_from,
+                            validated=validation is not None,
                         )
                     )
             self.checkpoints.wait()  # the last save counts: orbax lists a step once written
