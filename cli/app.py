@@ -1,12 +1,23 @@
 """The Typer application that every command module registers itself on."""
 
 import typer
+from typer.core import TyperGroup
 
 import ctseg
+
+# The order `ctseg --help` lists the commands in: the pipeline's, then the sizing tools.
+COMMANDS = ("synth", "preprocess", "folds", "train", "evaluate", "predict", "plan", "bench")
+
+
+class _PipelineOrder(TyperGroup):
+    def list_commands(self, ctx: typer.Context) -> list[str]:
+        return sorted(self.commands, key=lambda name: COMMANDS.index(name))
+
 
 app = typer.Typer(
     name="ctseg",
     help="Liver and liver-tumour segmentation of CT scans with a spatially partitioned 3D U-Net.",
+    cls=_PipelineOrder,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

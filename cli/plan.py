@@ -114,8 +114,10 @@ def plan_command(
     num_processes: NumProcessesOption = None,
     process_id: ProcessIdOption = None,
 ) -> None:
-    """Compile (not run) the training step and inference for the config's layout and report
-    per-device memory, halo traffic and FLOPs next to the unpartitioned layout.
+    """What a layout costs: memory per device, halo traffic and FLOPs, compiled (not run).
+
+    The training step and inference compile for the config's layout and, beside it, the
+    unpartitioned one.
 
     The layouts compile on the devices here when there are enough of them, else on
     simulated CPU devices (the first line says which); the last line says which layout

@@ -1,4 +1,5 @@
-"""Tables in a narrow terminal: every letter of a case's name and every digit shows."""
+"""The terminal's view: tables in a narrow terminal (every letter of a name, every digit), and
+the commands as `ctseg --help` lists them."""
 
 from rich.console import Console
 
@@ -22,3 +23,16 @@ def test_evaluate_folds_the_names_and_never_cuts_the_numbers():
     assert "".join(row[0].strip() for row in rows) == "".join(names)
     numbers = [[cell.strip() for cell in row[1:]] for row in rows if row[1].strip()]
     assert numbers == [["0.911", "0.888", "3.73", "19.88", "12/15"]] * len(names)
+
+
+def test_the_help_lists_every_command_in_the_pipelines_order():
+    from typer.testing import CliRunner
+
+    import ctseg.cli.main  # noqa: F401  (registers the commands)
+    from ctseg.cli.app import COMMANDS, app
+
+    result = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    commands = result.output.split("Commands")[1]
+    listed = [line.split()[1] for line in commands.splitlines() if line[2:3].isalpha()]
+    assert listed == list(COMMANDS)
