@@ -27,10 +27,13 @@ def preprocess(
         typer.Argument(
             help="Folder with LiTS volume-N/segmentation-N, MSD imagesTr/labelsTr, "
             "or scans without labels (NIfTI/NRRD/MHA files, DICOM series folders of one "
-            "complete series each: a predict-only store)."
+            "complete series each: a predict-only store).",
+            metavar="RAW_DIR",
         ),
     ],
-    out_dir: Annotated[Path, typer.Argument(help="Folder of the prepared store to write.")],
+    out_dir: Annotated[
+        Path, typer.Argument(help="Folder of the prepared store to write.", metavar="OUT_DIR")
+    ],
     config_path: ConfigOption = None,
     overrides: SetOption = None,
     workers: Annotated[

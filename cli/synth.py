@@ -18,7 +18,8 @@ from ctseg.synth.dataset import check_size, write_dataset
 @app.command()
 def synth(
     out_dir: Annotated[
-        Path, typer.Argument(help="Folder to write volume-N / segmentation-N into.")
+        Path,
+        typer.Argument(help="Folder to write volume-N / segmentation-N into.", metavar="OUT_DIR"),
     ],
     cases: Annotated[int, typer.Option(min=1, help="Number of cases to write.")] = 8,
     size: Annotated[
