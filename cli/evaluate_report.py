@@ -95,11 +95,16 @@ def print_result(console: Console, result: Report) -> None:
 
 
 def quality_line(quality: dict) -> str:
-    """The prediction quality's power against the truth, in one line."""
+    """The prediction quality's power against the truth, in one line: each AUROC with the
+    bad and good cases behind it (over a few cases it says little)."""
+
+    def auroc(structure: str) -> str:
+        power = quality[structure]
+        return f"{fmt(power['auroc'], 2)} ({power['n_bad']} / {power['n_good']})"
+
     return escape(
-        f"quality against the truth: AUROC liver {fmt(quality['liver']['auroc'], 2)}, "
-        f"tumour {fmt(quality['tumour']['auroc'], 2)} "
-        f"({fmt(quality['tumour_measurable']['auroc'], 2)} counting only tumours "
-        f"≥ {MEASURABLE_MM:g} mm missed); good cases sent to review "
+        f"quality against the truth (bad / good cases): AUROC liver {auroc('liver')}, "
+        f"tumour {auroc('tumour')}, {auroc('tumour_measurable')} counting only tumours "
+        f"≥ {MEASURABLE_MM:g} mm missed; good cases sent to review "
         f"{fmt(quality['good_flagged'], 2)} (thresholds: {quality['thresholds']})"
     )

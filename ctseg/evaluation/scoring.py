@@ -103,11 +103,16 @@ def reference_candidates(pred_stem: str) -> list[str]:
     return candidates
 
 
+# A LiTS scan's name: in a references' folder, the scan beside its segmentation-N.
+_LITS_SCAN = re.compile(r"(test-)?volume-\d+")
+
+
 def pair_files(pred_dir: Path, ref_dir: Path) -> tuple[list[CasePair], list[str], list[str]]:
     """Match prediction files to reference files by name (see `reference_candidates`).
 
     Returns the pairs (sorted by case name) and the file names left unpaired in
-    each folder. Two predictions claiming one reference are an error.
+    each folder; a LiTS scan (`volume-N`) among the references is a scan beside them, no
+    reference, and not listed. Two predictions claiming one reference are an error.
     """
     preds = _nifti_files(Path(pred_dir), "prediction")
     refs = _nifti_files(Path(ref_dir), "reference")
@@ -126,7 +131,9 @@ def pair_files(pred_dir: Path, ref_dir: Path) -> tuple[list[CasePair], list[str]
             claimed[ref_stem] = pred_path
     pairs = [CasePair(stem, claimed[stem], refs[stem]) for stem in claimed]
     pairs.sort(key=lambda pair: _natural_key(pair.case))
-    unpaired_ref = [refs[stem].name for stem in refs if stem not in claimed]
+    unpaired_ref = [
+        refs[stem].name for stem in refs if stem not in claimed and not _LITS_SCAN.fullmatch(stem)
+    ]
     return pairs, sorted(unpaired_pred, key=_natural_key), sorted(unpaired_ref, key=_natural_key)
 
 
@@ -241,17 +248,11 @@ def _models(pairs: Sequence[CasePair]) -> set[tuple]:
     return models
 
 
-_LITS_SCAN = re.compile(r"(test-)?volume-\d+")
-
-
 def missing_predictions(unpaired_ref: Sequence[str], pred_dir: Path) -> list[dict]:
-    """A failed case ({"case", "message"}) for each reference without its prediction; a
-    LiTS scan (`volume-N`) in the references' folder is a scan beside them, no reference."""
+    """A failed case ({"case", "message"}) for each reference without its prediction."""
     missing = []
     for name in unpaired_ref:
         stem = nifti_stem(Path(name)) or name
-        if _LITS_SCAN.fullmatch(stem):
-            continue
         missing.append(
             {
                 "case": stem,

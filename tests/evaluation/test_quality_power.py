@@ -142,3 +142,20 @@ def test_evaluate_run_records_each_cases_quality_beside_its_dice(trained, tmp_pa
     assert report.to_json() == written  # the report is what summary.json holds
     header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
     assert "quality_score" in header and "liver_dice" in header
+
+
+def test_the_evaluate_line_gives_each_auroc_with_its_bad_and_good_cases():
+    from ctseg.cli.evaluate_report import quality_line
+
+    def power(auroc, n_bad, n_good):
+        return {"auroc": auroc, "n_bad": n_bad, "n_good": n_good}
+
+    quality = {
+        "liver": power(None, 0, 5),
+        "tumour": power(0.25, 4, 1),
+        "tumour_measurable": power(0.0, 3, 2),
+        "good_flagged": 0.0,
+        "thresholds": "ctseg's default",
+    }
+    line = quality_line(quality)
+    assert "AUROC liver – (0 / 5), tumour 0.25 (4 / 1), 0.00 (3 / 2) counting only" in line
