@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ctseg.cli.app import app
-from ctseg.cli.evaluate_report import fmt, print_result
+from ctseg.cli.evaluate_report import auroc_of, fmt, print_result
 from ctseg.cli.options import CompileCacheOption, DeviceChoice, start_jax, warn
 from ctseg.cli.predict import BackendOption, TtaOption
 from ctseg.cli.progress import counting
@@ -209,9 +209,9 @@ def _calibrate(run_dirs: list[Path], result: Report, data: Path, split: str, for
     console.print(
         escape(
             f"quality thresholds chosen on {summary['n_cases']} case(s), written to "
-            f"{quality_power.thresholds_path(run_dir, ensemble)}: {chosen}. Under them: "
-            f"AUROC liver {fmt(summary['liver']['auroc'], 2)}, tumour "
-            f"{fmt(summary['tumour']['auroc'], 2)}; good cases sent to review "
+            f"{quality_power.thresholds_path(run_dir, ensemble)}: {chosen}. Under them "
+            f"(bad / good cases): AUROC liver {auroc_of(summary['liver'])}, tumour "
+            f"{auroc_of(summary['tumour'])}; good cases sent to review "
             f"{fmt(summary['good_flagged'], 2)}; livers of Dice < "
             f"{quality_power.LIVER_FAILED_BELOW:g} not flagged: {len(missed)}"
         )

@@ -94,17 +94,18 @@ def print_result(console: Console, result: Report) -> None:
         )
 
 
+def auroc_of(power: dict) -> str:
+    """A structure's AUROC with the bad and good cases behind it (over a few cases it says
+    little): `0.25 (4 / 1)`."""
+    return f"{fmt(power['auroc'], 2)} ({power['n_bad']} / {power['n_good']})"
+
+
 def quality_line(quality: dict) -> str:
-    """The prediction quality's power against the truth, in one line: each AUROC with the
-    bad and good cases behind it (over a few cases it says little)."""
-
-    def auroc(structure: str) -> str:
-        power = quality[structure]
-        return f"{fmt(power['auroc'], 2)} ({power['n_bad']} / {power['n_good']})"
-
+    """The prediction quality's power against the truth, in one line."""
     return escape(
-        f"quality against the truth (bad / good cases): AUROC liver {auroc('liver')}, "
-        f"tumour {auroc('tumour')}, {auroc('tumour_measurable')} counting only tumours "
+        f"quality against the truth (bad / good cases): AUROC liver "
+        f"{auroc_of(quality['liver'])}, tumour {auroc_of(quality['tumour'])}, "
+        f"{auroc_of(quality['tumour_measurable'])} counting only tumours "
         f"≥ {MEASURABLE_MM:g} mm missed; good cases sent to review "
         f"{fmt(quality['good_flagged'], 2)} (thresholds: {quality['thresholds']})"
     )

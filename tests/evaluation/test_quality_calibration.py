@@ -230,6 +230,9 @@ def test_evaluate_calibrate_writes_refuses_without_force_and_replaces_with_it(
     assert written == again.thresholds
     output = " ".join(result.output.split())
     assert "quality thresholds chosen on 27 case(s)" in output and "intensity" in output
+    summary = again.summary  # each AUROC with its bad / good cases
+    liver = f"{summary['liver']['n_bad']} / {summary['liver']['n_good']})"
+    assert "Under them (bad / good cases): AUROC liver " in output and liver in output
 
     before = path.read_text()
     refused = runner.invoke(app, args)  # nothing predicted, nothing written
