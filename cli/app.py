@@ -11,7 +11,7 @@ COMMANDS = ("synth", "preprocess", "folds", "train", "evaluate", "predict", "pla
 
 class _PipelineOrder(TyperGroup):
     def list_commands(self, ctx: typer.Context) -> list[str]:
-        return sorted(self.commands, key=lambda name: COMMANDS.index(name))
+        return sorted(self.commands, key=COMMANDS.index)
 
 
 app = typer.Typer(
