@@ -84,6 +84,11 @@ def _nifti_files(folder: Path, role: str) -> dict[str, Path]:
     return files
 
 
+# A LiTS scan's name (its prefix, its N): in a references' folder, the scan beside its
+# segmentation-N, no reference.
+_LITS_SCAN = re.compile(r"(test-)?volume-(\d+)")
+
+
 def reference_candidates(pred_stem: str) -> list[str]:
     """Reference stems a prediction may belong to, most specific first.
 
@@ -97,14 +102,10 @@ def reference_candidates(pred_stem: str) -> list[str]:
         candidates.append(f"segmentation-{match[1]}")
     if pred_stem.endswith("_seg"):
         scan = pred_stem[: -len("_seg")]
-        if match := re.fullmatch(r"(test-)?volume-(\d+)", scan):
+        if match := _LITS_SCAN.fullmatch(scan):
             candidates.append(f"{match[1] or ''}segmentation-{match[2]}")
         candidates.append(scan)
     return candidates
-
-
-# A LiTS scan's name: in a references' folder, the scan beside its segmentation-N.
-_LITS_SCAN = re.compile(r"(test-)?volume-\d+")
 
 
 def pair_files(pred_dir: Path, ref_dir: Path) -> tuple[list[CasePair], list[str], list[str]]:
