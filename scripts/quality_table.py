@@ -60,7 +60,7 @@ HEADER = (
 
 def _diagnosis(judged: list[dict]) -> str:
     """Why the tumours' AUROC is what it is: the bad tumours that only a missed lesion
-    makes bad, and the AUROC were Dice < 0.5 alone bad."""
+    makes bad, the AUROC were Dice < 0.5 alone bad, and what knowing the Dice would give."""
     only_missed = [
         c
         for c in judged
@@ -82,7 +82,28 @@ def _diagnosis(judged: list[dict]) -> str:
         f"- tumour AUROC counting only measurable tumours missed ({measurable['bad']}): "
         f"{_fmt(measurable['auroc'])} ({measurable['n_bad']} bad)\n"
         f"- tumour AUROC were only Dice < {power.TUMOUR_BAD_BELOW:g} bad: {_fmt(dice_only)} "
-        f"({sum(b for _, b in pairs)} bad)"
+        f"({sum(b for _, b in pairs)} bad)\n"
+        + _ceilings(judged)
+    )
+
+
+def _ceilings(judged: list[dict]) -> str:
+    """How far a tumour score could go that knew each case's tumour Dice and nothing of the
+    lesions it missed: the truth itself as the score (its AUROC for the tumours
+    `tumour_bad` calls bad), exactly and as Dice < 0.5 alone. What lies above these needs a
+    score that finds the missed lesions themselves."""
+    known = [
+        (c["tumour"]["dice"], bool(power.tumour_bad(c)))
+        for c in judged
+        if c["tumour"]["dice"] is not None and power.tumour_bad(c) is not None
+    ]
+    bad = [b for _, b in known]
+    exact = power.auroc([-dice for dice, _ in known], bad)
+    below = power.auroc([float(dice < power.TUMOUR_BAD_BELOW) for dice, _ in known], bad)
+    return (
+        f"- a tumour score that knew each case's tumour Dice, and nothing of its missed "
+        f"lesions, would reach an AUROC of {_fmt(exact)}; knowing only whether it is below "
+        f"{power.TUMOUR_BAD_BELOW:g}, {_fmt(below)}"
     )
 
 
