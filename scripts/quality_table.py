@@ -82,8 +82,7 @@ def _diagnosis(judged: list[dict]) -> str:
         f"- tumour AUROC counting only measurable tumours missed ({measurable['bad']}): "
         f"{_fmt(measurable['auroc'])} ({measurable['n_bad']} bad)\n"
         f"- tumour AUROC were only Dice < {power.TUMOUR_BAD_BELOW:g} bad: {_fmt(dice_only)} "
-        f"({sum(b for _, b in pairs)} bad)\n"
-        + _ceilings(judged)
+        f"({sum(b for _, b in pairs)} bad)\n" + _ceilings(judged)
     )
 
 
@@ -92,10 +91,11 @@ def _ceilings(judged: list[dict]) -> str:
     lesions it missed: the truth itself as the score (its AUROC for the tumours
     `tumour_bad` calls bad), exactly and as Dice < 0.5 alone. What lies above these needs a
     score that finds the missed lesions themselves."""
+    # A case with a tumour Dice is always judged, bad or good (`power.tumour_bad`).
     known = [
-        (c["tumour"]["dice"], bool(power.tumour_bad(c)))
+        (c["tumour"]["dice"], power.tumour_bad(c))
         for c in judged
-        if c["tumour"]["dice"] is not None and power.tumour_bad(c) is not None
+        if c["tumour"]["dice"] is not None
     ]
     bad = [b for _, b in known]
     exact = power.auroc([-dice for dice, _ in known], bad)
