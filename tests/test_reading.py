@@ -1,0 +1,60 @@
+"""ctseg.reading: only regular files are opened, and records are read key by key."""
+
+import os
+
+import pytest
+
+from ctseg.errors import CtsegError
+from ctseg.reading import NotRegularFile, Record, check_regular, read_json
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / "quality.json"
+    os.mkfifo(fifo)
+    with pytest.raises(NotRegularFile, match="pipe"):
+        read_json(fifo)  # would block forever on a plain open()
+    link = tmp_path / "link.json"
+    link.symlink_to(fifo)
+    with pytest.raises(NotRegularFile):
+        check_regular(link)
+    with pytest.raises(NotRegularFile, match="folder"):
+        read_json(tmp_path)
+
+
+def test_absence_is_left_to_the_caller(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        read_json(tmp_path / "none.json")
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('{"a": ' + "1" * 5000 + "}", "not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ("{", "not valid JSON"),
+        ("[1, 2]", "its top level must be an object"),
+    ],
+)
+def test_bad_records_are_one_line_naming_the_file(tmp_path, text, words):
+    path = tmp_path / "stats.json"
+    path.write_text(text)
+    with pytest.raises(CtsegError, match=words) as caught:
+        Record.read(path, "stats")
+    assert str(path) in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_keys_are_checked_and_named_by_their_whole_path():
+    record = Record({"a": {"b": [{"n": "3"}], "x": None}, "f": float("nan")}, "s.json", "stats")
+    with pytest.raises(CtsegError, match=r"key 'a\.b\[0\]\.n' must be an integer, not \"3\""):
+        [item.integer("n") for item in record.record("a").records("b")]
+    with pytest.raises(CtsegError, match="key 'a.x' is null"):
+        record.record("a").text("x")
+    assert record.record("a").text("x", optional=True) is None
+    with pytest.raises(CtsegError, match="key 'f' must be a finite number"):
+        record.number("f")
+    with pytest.raises(CtsegError, match="key 'missing' is missing"):
+        record.flag("missing")
+    with pytest.raises(CtsegError, match=r"must lie in \[0, 1\]"):
+        Record({"p": 2}, "s.json").number("p", low=0, high=1)
+    with pytest.raises(CtsegError, match="must be an integer, not true"):
+        Record({"n": True}, "s.json").integer("n")
