@@ -6,7 +6,8 @@ from typer.core import TyperGroup
 import ctseg
 
 # The order `ctseg --help` lists the commands in: the pipeline's, then the sizing tools.
-COMMANDS = ("synth", "preprocess", "folds", "train", "evaluate", "predict", "plan", "bench")
+COMMANDS = ("synth", "preprocess", "folds", "train", "evaluate", "predict", "review", "plan",
+            "bench")
 
 
 class _PipelineOrder(TyperGroup):

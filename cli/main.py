@@ -15,6 +15,7 @@ from ctseg.cli import (  # noqa: F401  (registers the commands)
     plan,
     predict,
     preprocess,
+    review,
     synth,
     train,
 )
