@@ -16,14 +16,13 @@ the ensembles it leads (`RUN_DIR/quality-ensemble.json`, `ctseg evaluate RUN --r
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ctseg import atomic, compat
 from ctseg.errors import CtsegError
+from ctseg.reading import Record, read_json
 
 THRESHOLDS_FILE = "quality.json"  # a run's own thresholds: RUN_DIR/quality.json
 ENSEMBLE_THRESHOLDS_FILE = "quality-ensemble.json"  # those of the ensembles it leads
@@ -103,49 +102,48 @@ class Thresholds:
         }
 
     @classmethod
-    def from_json(cls, raw: Any, source: str = "the thresholds") -> Thresholds:
-        """From `to_json`'s form; CtsegError (one line naming `source`) for anything else:
-        another format or version, a missing or unknown concern, a threshold that is not a
-        positive number (the volume's: above 1)."""
-
+    def from_json(cls, raw: Any, source: str | Path = "the thresholds") -> Thresholds:
+        """From `to_json`'s form; CtsegError (one line naming `source` and the key) for
+        anything else: another format or version, a missing or unknown concern, a threshold
+        that is not a positive finite number (the volume's: above 1)."""
         def refuse(why: str) -> CtsegError:
             return CtsegError(f"{source} is not a ctseg quality thresholds file: {why}")
 
         if not isinstance(raw, dict) or raw.get("format") != THRESHOLDS_FORMAT:
             raise refuse(f"its format is not {THRESHOLDS_FORMAT!r}")
-        raw = compat.quality_thresholds(raw, {n: cls().of(n) for n in cls.CONCERNS})
+        raw = compat.quality_thresholds(raw, cls._defaults())
+        # Each key's type and range through one schema: its errors name the file and the key.
+        record = Record(raw, source, "the quality thresholds")
         if raw.get("version") != THRESHOLDS_VERSION:
             raise refuse(
-                f"version {raw.get('version')!r}, this ctseg reads version {THRESHOLDS_VERSION}"
+                f"version {_shown(raw.get('version'))}, this ctseg reads version "
+                f"{THRESHOLDS_VERSION}"
             )
-        values = raw.get("thresholds")
-        if not isinstance(values, dict) or set(values) != set(cls.CONCERNS):
+        values = record.record("thresholds")
+        if set(values.value) != set(cls.CONCERNS):
             raise refuse(f"its thresholds must name exactly {', '.join(cls.CONCERNS)}")
-        for name, value in values.items():
-            number = isinstance(value, int | float) and not isinstance(value, bool)
+        chosen = {}
+        for name, field_name in cls.CONCERNS.items():
+            value = values.number(name)
             low = 1.0 if name == "liver_volume" else 0.0
-            if not number or not math.isfinite(value) or value <= low:
-                raise refuse(f"{name} is {value!r}, not a number above {low:g}")
-        calibrated_on, n_cases = raw.get("calibrated_on"), raw.get("n_cases")
-        if not isinstance(calibrated_on, str):
-            raise refuse("calibrated_on is not a string")
-        if n_cases is not None and (not isinstance(n_cases, int) or isinstance(n_cases, bool)):
-            raise refuse("n_cases is not a whole number")
+            if value <= low:
+                raise refuse(f"{name} is {value:g}, not a number above {low:g}")
+            chosen[field_name] = value
         return cls(
-            **{cls.CONCERNS[name]: float(value) for name, value in values.items()},
-            calibrated_on=calibrated_on,
-            n_cases=n_cases,
+            **chosen,
+            calibrated_on=record.text("calibrated_on"),
+            n_cases=record.integer("n_cases", optional=True, low=0),
         )
 
     @classmethod
+    def _defaults(cls) -> dict[str, float | None]:
+        return {name: cls().of(name) for name in cls.CONCERNS}
+
+    @classmethod
     def read(cls, path: Path) -> Thresholds:
-        """A thresholds file; CtsegError (one line) where it cannot be read or is malformed."""
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "not JSON"
-            raise CtsegError(f"cannot read the quality thresholds {path}: {reason}") from None
-        return cls.from_json(raw, str(path))
+        """A thresholds file; CtsegError (one line naming the file and the key) where it is
+        not a regular file, cannot be read or is malformed (`ctseg.reading`)."""
+        return cls.from_json(read_json(path, "the quality thresholds"), path)
 
     def write(self, path: Path) -> None:
         """Written atomically (`ctseg.atomic.write_json`)."""
@@ -183,6 +181,12 @@ DEFAULT_ENSEMBLE_THRESHOLDS = Thresholds(
 )
 
 
+def _shown(value: Any) -> str:
+    """A value of a record in a message: short, whatever it is (a 5,000-digit version)."""
+    text = repr(value) if isinstance(value, int | float | str | None) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "…"
+
+
 def thresholds_path(run_dir: Path, ensemble: bool = False) -> Path:
     """Where a run keeps its own thresholds: for itself, or for the ensembles it leads."""
     return Path(run_dir) / (ENSEMBLE_THRESHOLDS_FILE if ensemble else THRESHOLDS_FILE)
@@ -191,7 +195,7 @@ def thresholds_path(run_dir: Path, ensemble: bool = False) -> Path:
 def read_thresholds(run_dir: Path, ensemble: bool = False) -> Thresholds:
     """The run's own thresholds (for itself, or for the ensembles it leads), else the
     defaults; CtsegError (one line) for a file that cannot be read or is malformed."""
-    path = thresholds_path(run_dir, ensemble)
-    if path.exists():
-        return Thresholds.read(path)
-    return DEFAULT_ENSEMBLE_THRESHOLDS if ensemble else DEFAULT_THRESHOLDS
+    try:
+        return Thresholds.read(thresholds_path(run_dir, ensemble))
+    except FileNotFoundError:
+        return DEFAULT_ENSEMBLE_THRESHOLDS if ensemble else DEFAULT_THRESHOLDS

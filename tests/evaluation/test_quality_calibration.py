@@ -135,10 +135,10 @@ def test_the_thresholds_file_round_trip_and_malformed_ones(tmp_path):
         ({**good, "format": "something else"}, "its format"),
         ({**good, "version": 99}, "version 99"),
         ({**good, "thresholds": {"intensity": 1.0}}, "must name exactly"),
-        ({**good, "thresholds": {**good["thresholds"], "fragments": -1}}, "fragments is -1"),
+        ({**good, "thresholds": {**good["thresholds"], "fragments": -1}}, "fragments is -1, "),
         ({**good, "thresholds": {**good["thresholds"], "liver_volume": 1.0}}, "above 1"),
-        ({**good, "thresholds": {**good["thresholds"], "intensity": True}}, "intensity is True"),
-        ({**good, "thresholds": {**good["thresholds"], "intensity": "1"}}, "intensity is '1'"),
+        ({**good, "thresholds": {**good["thresholds"], "intensity": True}}, "number, not true"),
+        ({**good, "thresholds": {**good["thresholds"], "intensity": "1"}}, 'number, not "1"'),
         ({**good, "calibrated_on": 3}, "calibrated_on"),
         ([1, 2], "its format"),
     ]
@@ -148,7 +148,7 @@ def test_the_thresholds_file_round_trip_and_malformed_ones(tmp_path):
             thresholds.Thresholds.read(path)
         assert "\n" not in str(caught.value) and str(path) in str(caught.value)
     path.write_text("{not json")
-    with pytest.raises(CtsegError, match="not JSON"):
+    with pytest.raises(CtsegError, match="not valid JSON"):
         thresholds.Thresholds.read(path)
 
 
