@@ -79,6 +79,36 @@ def read_bytes(path: str | Path, what: str = "file", limit: int | None = None) -
     return data
 
 
+def read_text(path: str | Path, what: str = "file", limit: int | None = RECORD_BYTES) -> str:
+    """The UTF-8 text of the regular file `path` (a record, a log of JSON lines).
+
+    A missing file raises FileNotFoundError; anything else that keeps it from being read
+    — not a regular file, unreadable, past `limit` bytes, not UTF-8 — is a CtsegError
+    naming the file.
+    """
+    try:
+        data = read_bytes(path, what, limit)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CtsegError(f"{what} {path} cannot be read: {exc.strerror or exc}") from exc
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CtsegError(f"{what} {path} is not valid JSON ({_first_line(exc)})") from exc
+
+
+def parse_json(text: str, path: str | Path, what: str = "record") -> Any:
+    """The JSON value of `text` (read from `path`), one line of CtsegError naming the file
+    if it has none: not JSON, integers past Python's digit limit, nesting past its
+    recursion limit."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else "not valid JSON"
+        raise CtsegError(f"{what} {path} is {reason} ({_first_line(exc)})") from exc
+
+
 def read_json(path: str | Path, what: str = "record") -> Any:
     """The JSON value in the regular file `path`, one line of CtsegError if it has none.
 
@@ -87,17 +117,7 @@ def read_json(path: str | Path, what: str = "record") -> Any:
     not JSON, integers past Python's digit limit, nesting past its recursion limit — is a
     CtsegError naming the file.
     """
-    try:
-        data = read_bytes(path, what, RECORD_BYTES)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise CtsegError(f"{what} {path} cannot be read: {exc.strerror or exc}") from exc
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else "not valid JSON"
-        raise CtsegError(f"{what} {path} is {reason} ({_first_line(exc)})") from exc
+    return parse_json(read_text(path, what), path, what)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -190,8 +210,9 @@ class Record:
     ) -> float | None:
         """A finite number (an integer too) within [low, high], as a float."""
         value = self._get(key, optional)
-        if value is None:
-            return None
+        return None if value is None else self._finite(key, value, low, high)
+
+    def _finite(self, key: str, value: Any, low: float | None, high: float | None) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             self._fail(key, f"must be a number, not {_describe(value)}")
         if isinstance(value, int) and value.bit_length() > 1000 or not math.isfinite(value):
@@ -203,6 +224,22 @@ class Record:
         if (low is not None and value < low) or (high is not None and value > high):
             bounds = f"[{'' if low is None else low}, {'' if high is None else high}]"
             self._fail(key, f"must lie in {bounds}, not {_describe(value)}")
+
+    def numbers(
+        self,
+        key: str,
+        optional: bool = False,
+        length: int | None = None,
+        low: float | None = None,
+        high: float | None = None,
+    ) -> list[float] | None:
+        """A list of `length` finite numbers, each within [low, high], as floats."""
+        items = self.items(key, optional)
+        if items is None:
+            return None
+        if length is not None and len(items) != length:
+            self._fail(key, f"must be a list of {length} numbers, not of {len(items)} items")
+        return [self._finite(f"{key}[{i}]", item, low, high) for i, item in enumerate(items)]
 
     def record(self, key: str, optional: bool = False) -> Record | None:
         """A nested object, as a Record whose errors name its whole key path."""

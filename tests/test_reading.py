@@ -5,7 +5,7 @@ import os
 import pytest
 
 from ctseg.errors import CtsegError
-from ctseg.reading import NotRegularFile, Record, check_regular, read_json
+from ctseg.reading import NotRegularFile, Record, check_regular, read_json, read_text
 
 
 def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
@@ -58,3 +58,19 @@ def test_keys_are_checked_and_named_by_their_whole_path():
         Record({"p": 2}, "s.json").number("p", low=0, high=1)
     with pytest.raises(CtsegError, match="must be an integer, not true"):
         Record({"n": True}, "s.json").integer("n")
+
+
+def test_lists_of_numbers_and_text_are_checked_too(tmp_path):
+    record = Record({"min": [1, 2.5, "3"], "max": [1, 2]}, "f.json", "fingerprint")
+    with pytest.raises(CtsegError, match=r"key 'min\[2\]' must be a number, not \"3\""):
+        record.numbers("min")
+    with pytest.raises(CtsegError, match="key 'max' must be a list of 3 numbers"):
+        record.numbers("max", length=3)
+    assert record.numbers("max", length=2) == [1.0, 2.0]
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(b"\xff\n")
+    with pytest.raises(CtsegError, match="log.jsonl"):
+        read_text(path, "metrics")
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(NotRegularFile):
+        read_text(tmp_path / "fifo")
