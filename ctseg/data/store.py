@@ -64,6 +64,8 @@ from ctseg.config import DataConfig
 from ctseg.data import grids
 from ctseg.data.manifest import GRIDS, MANIFEST, SPLITS, check_entries, check_folds, read_manifest
 from ctseg.errors import CtsegError
+from ctseg.io.readers import check_extent
+from ctseg.io.scans import canonical_geometry
 
 
 @dataclass(frozen=True)
@@ -157,9 +159,11 @@ class Store:
         check_entries(path / MANIFEST, cases)
         folds, fold_seed = manifest["folds"], manifest.get("fold_seed")
         check_folds(path, folds, fold_seed, cases)
-        for case in cases:
+        spec = grids.GridSpec(grid, resolution, spacing or (0.0, 0.0, 0.0))
+        for index, case in enumerate(cases):
             for kind in ("image", "label") if case.labelled else ("image",):
                 _check_array(path, case.id, kind, case.grid_shape)
+            _check_geometry(path / MANIFEST, index, case, spec)
         return cls(
             path=path,
             resolution=resolution,
@@ -314,6 +318,30 @@ def _check_array(root: Path, case_id: str, kind: str, grid: tuple[int, ...]) -> 
         raise CtsegError(
             f"{path} holds {found[0]} {list(found[1])}, not {expected[0]} {list(expected[1])}; "
             "re-run `ctseg preprocess --force`"
+        )
+
+
+def _check_geometry(manifest: Path, index: int, case: CaseEntry, spec: grids.GridSpec) -> None:
+    """CtsegError unless the case's geometry is one scan's, whose grid is the arrays' on
+    disk (`_check_array` read their shape from the .npy header): the original shape and
+    affine give the canonical shape and spacing, those a CT's (`readers.check_extent`), and
+    those the grid. A command sizes its canvases from the manifest before any scan is
+    read (`Predictor.expect`): a field edited by hand would size them for every case."""
+    where = f"{manifest}: cases[{index}] ({case.id})"
+    shape, spacing = canonical_geometry(case.original_shape, case.original_affine)
+    redo = "re-run `ctseg preprocess --force`"
+    if shape != tuple(case.canonical_shape) or not np.allclose(spacing, case.spacing, rtol=1e-6):
+        raise CtsegError(
+            f"{where}: original_shape and original_affine give {list(shape)} voxels of "
+            f"{[round(s, 4) for s in spacing]} mm, not its canonical_shape "
+            f"{list(case.canonical_shape)} and spacing {list(case.spacing)}; {redo}"
+        )
+    check_extent(Path(f"{where}: {case.image_source}"), shape, spacing, redo)
+    grid = spec.grid_of(shape, spacing)
+    if grid != tuple(case.grid_shape):
+        raise CtsegError(
+            f"{where}: a scan of {list(shape)} voxels has the grid {list(grid)}, not its "
+            f"grid_shape {list(case.grid_shape)} (its arrays' shape); {redo}"
         )
 
 

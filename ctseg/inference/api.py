@@ -213,8 +213,9 @@ class Segmenter:
         one's result in order, as `ctseg predict` pipelines them: the next scan is read
         and brought to the grid, and the last one brought back to its voxels and
         post-processed, in threads beside the network's pass over the current one. A scan
-        that cannot be read or segmented raises its error when its turn comes, after the
-        results before it."""
+        that cannot be read or segmented (its file, its header, the memory it needs) raises
+        its error when its turn comes, after the results before it; a header that lies
+        (`nifti_geometry`) sizes nothing for the others."""
         paths = [Path(path) for path in paths]
         self.predictor.expect(g for g in map(nifti_geometry, paths) if g is not None)
 
@@ -244,14 +245,14 @@ class Segmenter:
             for index in range(len(paths)):
                 try:
                     scan, on_grids, seconds = reading.pop().result()
+                    if index + 1 < len(paths):
+                        reading.append(reader.submit(prepare, paths[index + 1]))
+                    warnings: list[str] = []
+                    probabilities = self.predictor.infer(on_grids, seconds, None, warnings)
                 except Exception:
                     if finishing is not None:  # the results before a failed scan first
                         yield finishing.result()
                     raise
-                if index + 1 < len(paths):
-                    reading.append(reader.submit(prepare, paths[index + 1]))
-                warnings: list[str] = []
-                probabilities = self.predictor.infer(on_grids, seconds, None, warnings)
                 if finishing is not None:
                     yield finishing.result()
                 finishing = finisher.submit(

@@ -11,6 +11,13 @@ larger one grows the canvas once. `Predictor.expect` sizes the canvases from a b
 headers (or a store's manifest) before its first scan, so that nothing compiles after
 the first scan's programs.
 
+What one scan cannot do: size the canvas for the rest. A canvas never grows past the
+largest scan ctseg reads (`readers.max_scan_bytes`, in CT's int16 voxels): a scan that
+would grow it further is held in a shape of its own, compiling its own programs, and
+fits or fails alone. `Predictor.expect` takes only headers that a read would accept
+(`ctseg.io.scans.nifti_geometry`), and a scan that fails on its way to the grid leaves
+the canvases as it found them (`Predictor.to_grid`).
+
 What it costs: the programs around the network run over the canvas, not the scan. They
 are memory-bound resampling and a softmax, milliseconds on an accelerator. The network's
 windows cover only the grid's cone (`tiling.stage_spans`), whatever the canvas. The box
@@ -21,26 +28,45 @@ on the scans before it (the argument of `ctseg.inference.region`).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
+
+import numpy as np
+
+from ctseg.io.readers import max_scan_bytes
 
 Shape = tuple[int, ...]
 
 
 class Canvas:
     """A shape that only grows: on each axis, the largest of the shapes it was asked to
-    hold. Thread-safe: scans are brought to the grid on a reader thread while a batch's
-    headers may still be expected on another."""
+    hold, up to `most_voxels` (default: the largest scan ctseg reads, in int16 voxels).
+    Thread-safe: scans are brought to the grid on a reader thread while a batch's headers
+    may still be expected on another."""
 
-    def __init__(self) -> None:
+    def __init__(self, most_voxels: int | None = None) -> None:
         self.shape: Shape | None = None
+        if most_voxels is None:
+            most_voxels = max_scan_bytes() // np.dtype(np.int16).itemsize
+        self.most_voxels = most_voxels
         self._lock = threading.Lock()
 
     def holding(self, shape: Sequence[int]) -> Shape:
-        """The canvas grown, where needed, to hold `shape`."""
+        """The canvas grown, where needed, to hold `shape`; `shape` itself, the canvas
+        unchanged, where that would grow it past `most_voxels`."""
         shape = tuple(int(n) for n in shape)
         with self._lock:
+            grown = shape
             if self.shape is not None:
-                shape = tuple(max(a, b) for a, b in zip(self.shape, shape, strict=True))
+                grown = tuple(max(a, b) for a, b in zip(self.shape, shape, strict=True))
+            if math.prod(grown) > self.most_voxels:
+                return shape
+            self.shape = grown
+            return grown
+
+    def restore(self, shape: Shape | None) -> None:
+        """Back to `shape`, an earlier shape of this canvas: a scan that grew it and then
+        failed leaves it as it found it."""
+        with self._lock:
             self.shape = shape
-            return shape

@@ -32,6 +32,7 @@ from ctseg.inference.member import Member, OnGrid
 from ctseg.inference.region import Region, region_of
 from ctseg.inference.tiling import Shape
 from ctseg.inference.uncertainty import Uncertainty
+from ctseg.io.readers import check_extent
 from ctseg.io.scans import Scan
 from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_clock
@@ -88,6 +89,15 @@ def timed(seconds: Seconds, phase: str) -> Iterator[None]:
         yield
     finally:
         seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+def _plausible(shape: Shape, spacing: Sequence[float]) -> bool:
+    """Whether a scan of `shape` voxels of `spacing` mm may be a CT (`readers.check_extent`)."""
+    try:
+        check_extent(Path("scan"), shape, spacing)
+    except CtsegError:
+        return False
+    return True
 
 
 def _fallback_warning(located: dict | None) -> list[str]:
@@ -267,10 +277,25 @@ class Predictor:
         """The scan on each member's grid, HU-windowed: exactly its training preprocessing;
         with a locator or a region mask, only the box of each grid the region needs."""
         region, located = self.locate(scan, seconds)
-        scan_box = self._scan_box(scan.array.shape)
-        with timed(seconds, "resample"):
-            on_grids = [member.to_grid(scan, region, scan_box) for member in self.members]
+        with self._canvases_kept_on_failure():
+            scan_box = self._scan_box(scan.array.shape)
+            with timed(seconds, "resample"):
+                on_grids = [member.to_grid(scan, region, scan_box) for member in self.members]
         return [dataclasses.replace(g, located=located) for g in on_grids]
+
+    @contextlib.contextmanager
+    def _canvases_kept_on_failure(self) -> Iterator[None]:
+        """The canvases as they were, where the block fails: a scan too large for the
+        devices fails alone, and does not leave the canvas it grew for every scan after it."""
+        canvases = [self.inference_backend.scan_canvas, *(m.canvas for m in self.members)]
+        canvases = [canvas for canvas in canvases if canvas is not None]
+        before = [canvas.shape for canvas in canvases]
+        try:
+            yield
+        except BaseException:
+            for canvas, shape in zip(canvases, before, strict=True):
+                canvas.restore(shape)
+            raise
 
     def _scan_box(self, shape: Sequence[int]) -> Shape:
         """The shape the devices hold a scan of `shape` in, both ways: its rung of the
@@ -284,7 +309,8 @@ class Predictor:
         scans of these canonical shapes and spacings before they come: a batch then
         compiles nothing after its first scan's programs. A locator predicts the same
         scans: its canvases too. Without canvases, `geometries` is never iterated (no
-        header read for nothing)."""
+        header read for nothing). A geometry no CT has (`readers.check_extent`) is left out:
+        its scan fails when read."""
         holders = [
             p
             for p in (self, self.locator)
@@ -292,7 +318,7 @@ class Predictor:
         ]
         if not holders:
             return
-        geometries = list(geometries)
+        geometries = [g for g in geometries if _plausible(*g)]
         for holder in holders:
             for shape, spacing in geometries:
                 holder._scan_box(shape)

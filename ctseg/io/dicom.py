@@ -10,6 +10,7 @@ import SimpleITK as sitk
 
 from ctseg.errors import CtsegError
 from ctseg.io.readers import check_size, image_information, itemsize, one_line, read_itk_image
+from ctseg.reading import NotRegularFile, open_regular
 
 # Slice positions of a DICOM series may differ from even spacing by rounding in the
 # headers; more than this fraction of the spacing is a missing (or extra) slice.
@@ -203,8 +204,8 @@ def is_dicom_file(path: Path) -> bool:
     if path.suffix.lower() == ".dcm":
         return True
     try:
-        with path.open("rb") as handle:
+        with open_regular(path) as handle:  # swapped for a FIFO since: no wait
             head = handle.read(132)
-    except OSError:  # unreadable: not taken for DICOM, and reported if given as a scan
+    except (OSError, NotRegularFile):  # not taken for DICOM; reported if given as a scan
         return False
     return head[128:132] == b"DICM"

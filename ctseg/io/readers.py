@@ -1,7 +1,8 @@
 """The file readers under `ctseg.io.scans.read_scan`: NIfTI through nibabel, NRRD/MHA
 (and DICOM slices, `ctseg.io.dicom`) through SimpleITK, each returning voxels and a
 voxel → RAS affine, with the checks a file's header allows before its voxels are read:
-a size that fits memory, real-valued voxels, a usable affine.
+a regular file, a size that fits memory and that the file can hold, real-valued voxels,
+a usable affine, a CT's voxel size and extent.
 
 ITK's physical space is LPS; the affines returned here are RAS, nibabel's convention.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import nibabel as nib
@@ -18,6 +20,7 @@ import SimpleITK as sitk
 
 from ctseg.errors import CtsegError
 from ctseg.memory import host_memory, human_bytes
+from ctseg.reading import check_regular
 
 # ITK physical space is LPS; flipping the first two axes gives RAS.
 LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0])
@@ -32,6 +35,19 @@ _MEMORY_SHARE = 8
 
 MAX_SCAN_BYTES_ENV = "CTSEG_MAX_SCAN_BYTES"
 
+# What a CT can be: no scanner reconstructs slices thicker than 10 mm, nor sees further
+# than a whole body (under 2 m long, 0.7 m wide) along an axis. A header past these limits
+# lies (a voxel size in cm or µm, a field edited by hand), and would size everything
+# after it: a grid of 100 mm voxels × 512 is 34,000 voxels a side at 1.5 mm.
+MAX_VOXEL_MM = 25.0
+MAX_EXTENT_MM = 2500.0
+
+# Deflate (gzip's compression) emits at least one bit per 258-byte match plus its
+# blocks' overhead: 1032 bytes out per byte in at most (zlib's technical notes); a header
+# claiming more voxels than that lies, or the file was cut.
+DEFLATE_RATIO = 1032
+_GZIP_SLACK = 1024  # the gzip header, a NIfTI header and extensions
+
 
 def one_line(exc: BaseException) -> str:
     """The most telling line of a library's (possibly multi-line) error message."""
@@ -40,6 +56,21 @@ def one_line(exc: BaseException) -> str:
 
 
 def read_nifti(path: Path) -> tuple[np.ndarray, np.ndarray, nib.Nifti1Header]:
+    image, header, affine = nifti_header(path)
+    try:
+        array = scaled_voxels(image)
+    except Exception as exc:
+        raise CtsegError(f"cannot read {path}: {one_line(exc)}") from None
+    return array, affine, header
+
+
+def nifti_header(path: Path) -> tuple[nib.spatialimages.SpatialImage, nib.Nifti1Header, np.ndarray]:
+    """A NIfTI file's image (its voxels not read), header and voxel → RAS affine, once its
+    header's claims are checked: a regular file, real voxels, a size that fits memory and
+    that the file can hold, a usable affine, a CT's voxel size and extent. Every use of a
+    NIfTI header goes through here: a full read (`read_nifti`) and the batch's canvases
+    (`ctseg.io.scans.nifti_geometry`), so that a header no read would accept sizes nothing."""
+    _check_file(path)
     try:
         image = nib.load(path)  # reads the header only
     except Exception as exc:  # nibabel raises many types for corrupt files
@@ -58,13 +89,12 @@ def read_nifti(path: Path) -> tuple[np.ndarray, np.ndarray, nib.Nifti1Header]:
     proxy = image.dataobj
     scaled = (getattr(proxy, "slope", 1.0), getattr(proxy, "inter", 0.0)) != (1.0, 0.0)
     check_size(path, image.shape, 4 if scaled else dtype.itemsize)
+    stored = math.prod(int(n) for n in image.shape) * dtype.itemsize
+    check_stored_bytes(path, stored, int(getattr(proxy, "offset", 0)))
     header = image.header.copy()
     affine = nifti_affine(header, path)
-    try:
-        array = scaled_voxels(image)
-    except Exception as exc:
-        raise CtsegError(f"cannot read {path}: {one_line(exc)}") from None
-    return array, affine, header
+    check_extent(path, image.shape[:3], voxel_sizes(affine))
+    return image, header, affine
 
 
 def _dtype_name(dtype: np.dtype) -> str:
@@ -111,6 +141,45 @@ def usable_affine(affine: np.ndarray | None) -> bool:
     return np.linalg.matrix_rank(affine[:3, :3]) == 3
 
 
+def voxel_sizes(affine: np.ndarray) -> tuple[float, ...]:
+    """Voxel size in mm along each voxel axis of `affine` (the lengths of its columns)."""
+    return tuple(float(s) for s in np.sqrt((np.asarray(affine)[:3, :3] ** 2).sum(axis=0)))
+
+
+def check_extent(
+    path: Path, shape: Sequence[int], spacing: Sequence[float], remedy: str = "fix its header"
+) -> None:
+    """CtsegError when a scan of `shape` voxels of `spacing` mm is no CT: voxels larger
+    than `MAX_VOXEL_MM`, or a field of view wider than `MAX_EXTENT_MM` along an axis. A
+    header that says so is wrong, and would size grids of millions of voxels a side."""
+    extent = [int(n) * float(s) for n, s in zip(shape, spacing, strict=False)]
+    if max(spacing[: len(extent)]) <= MAX_VOXEL_MM and max(extent) <= MAX_EXTENT_MM:
+        return
+    raise CtsegError(
+        f"{path} claims voxels of {' × '.join(f'{s:.4g}' for s in spacing)} mm, "
+        f"{' × '.join(f'{e:.4g}' for e in extent)} mm across: no CT's (voxels up to "
+        f"{MAX_VOXEL_MM:g} mm, up to {MAX_EXTENT_MM:g} mm across); {remedy}"
+    )
+
+
+def check_stored_bytes(path: Path, voxel_bytes: int, offset: int = 0) -> None:
+    """CtsegError when the file `path` is too small to hold `voxel_bytes` of voxels after
+    `offset` bytes of header: a file cut short, or a header that lies. A gzip file
+    (`.gz`) holds at most `DEFLATE_RATIO` times its size (deflate's limit)."""
+    size = os.stat(path).st_size
+    compressed = path.name.lower().endswith(".gz")
+    room = size * DEFLATE_RATIO + _GZIP_SLACK if compressed else size - offset
+    if voxel_bytes <= room:
+        return
+    holds = f"{human_bytes(size)} compressed, at most {human_bytes(room)}" if compressed else (
+        human_bytes(max(room, 0))
+    )
+    raise CtsegError(
+        f"{path} is cut short or its header lies: the header claims "
+        f"{human_bytes(voxel_bytes)} of voxels, the file holds {holds}"
+    )
+
+
 def check_size(path: Path, shape: tuple[int, ...], itemsize: int) -> None:
     """CtsegError when a scan of `shape` would take too much memory once read.
 
@@ -124,6 +193,11 @@ def check_size(path: Path, shape: tuple[int, ...], itemsize: int) -> None:
             f"memory, more than the {human_bytes(limit)} {source}; if the header is right, set "
             f"{MAX_SCAN_BYTES_ENV}={need} to read it anyway"
         )
+
+
+def max_scan_bytes() -> int:
+    """The most bytes of voxels a scan read may take (`check_size`'s limit)."""
+    return _max_scan_bytes()[0]
 
 
 def _max_scan_bytes() -> tuple[int, str]:
@@ -183,10 +257,20 @@ def read_itk_image(path: Path, image: sitk.Image) -> tuple[np.ndarray, np.ndarra
     return array, affine
 
 
+def _check_file(path: Path) -> None:
+    """CtsegError unless `path` is a regular file that can be opened (never a FIFO's hang)."""
+    try:
+        check_regular(path, "scan")
+    except OSError as exc:
+        raise CtsegError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
 def read_itk_file(path: Path) -> sitk.Image:
+    _check_file(path)
     try:
         info = image_information(str(path))
         check_size(path, info.GetSize(), itemsize(info))
+        check_extent(path, info.GetSize()[:3], info.GetSpacing()[:3])
         return sitk.ReadImage(str(path))
     except RuntimeError as exc:
         raise CtsegError(f"cannot read {path}: {one_line(exc)}") from None

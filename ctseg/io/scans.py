@@ -26,12 +26,15 @@ from ctseg.atomic import atomic_path
 from ctseg.errors import CtsegError
 from ctseg.io.dicom import is_dicom_file, is_dicom_folder, read_dicom_series
 from ctseg.io.readers import (
+    check_extent,
     nifti_affine,
+    nifti_header,
     read_itk_file,
     read_itk_image,
     read_nifti,
     scaled_voxels,
     usable_affine,
+    voxel_sizes,
 )
 
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
@@ -119,21 +122,22 @@ def read_scan(path: str | Path, allow_non_ct: bool = False) -> Scan:
         raise CtsegError(_unsupported(path))
     array = _squeeze_to_3d(array, path)
     _check_finite(array, path)
-    _check_affine(affine, path)
+    _check_affine(affine, path, array.shape)
     return _canonical_scan(array, affine, header, path)
 
 
 def nifti_geometry(path: str | Path) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
     """A NIfTI file's canonical shape and spacing, those of `read_scan`'s Scan, from its
-    header alone (no voxels read); None where `path` is not a readable 3-D NIfTI file:
-    reading it says why, in its turn."""
+    header alone (no voxels read), checked as a read checks it (`readers.nifti_header`:
+    what the file can hold, memory, a CT's voxel size and extent); None where `path` is no
+    3-D NIfTI file whose header passes: reading it says why, in its turn. A batch's
+    canvases are sized from these, so one lying header cannot size them for the rest."""
     path = Path(path)
     if not (path.is_file() and _has_suffix(path, NIFTI_SUFFIXES)):
         return None
     try:
-        image = nib.load(path)
-        affine = nifti_affine(image.header, path)
-    except Exception:  # nibabel raises many types for corrupt files; read_scan reports them
+        image, _, affine = nifti_header(path)
+    except CtsegError:
         return None
     shape = tuple(int(n) for n in image.shape)
     if len(shape) > 3 and all(n == 1 for n in shape[3:]):
@@ -156,7 +160,7 @@ def canonical_geometry(
 
 def voxel_size(affine: np.ndarray) -> tuple[float, float, float]:
     """Voxel size in mm along each voxel axis of `affine` (the lengths of its columns)."""
-    return tuple(float(s) for s in np.sqrt((affine[:3, :3] ** 2).sum(axis=0)))
+    return voxel_sizes(affine)
 
 
 def scan_from_image(
@@ -191,16 +195,18 @@ def scan_from_image(
         )
     array = _squeeze_to_3d(array, where)
     _check_finite(array, where)
-    _check_affine(affine, where)
+    _check_affine(affine, where, array.shape)
     return _canonical_scan(array, affine, header, where)
 
 
-def _check_affine(affine: np.ndarray, path: Path) -> None:
-    """Any format's last check; NIfTI's affine was already chosen usable (`nifti_affine`)."""
+def _check_affine(affine: np.ndarray, path: Path, shape: Sequence[int]) -> None:
+    """Any format's last check (NIfTI's header passed it before its voxels were read,
+    `readers.nifti_header`): a usable affine, a CT's voxel size and extent."""
     if not usable_affine(affine):
         raise CtsegError(
             f"{path} has no usable geometry: its voxel-to-world matrix is not finite and invertible"
         )
+    check_extent(path, shape, voxel_sizes(affine))
 
 
 def _unsupported(path: Path) -> str:
