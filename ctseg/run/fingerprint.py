@@ -47,6 +47,7 @@ from ctseg import compat
 from ctseg.data.store import Store
 from ctseg.errors import CtsegError
 from ctseg.labels import liver_mask
+from ctseg.reading import Record
 from ctseg.run import rundir
 
 FORMAT = "ctseg-fingerprint"
@@ -166,6 +167,9 @@ def _intensities(hu: np.ndarray) -> dict[str, Any]:
     }
 
 
+ENDS = ("min", "max")  # a distribution's range
+
+
 @dataclass(frozen=True)
 class Fingerprint:
     """The ranges of a fingerprint the checks use: [lowest, highest] over the training cases."""
@@ -177,23 +181,35 @@ class Fingerprint:
     liver_hu: tuple[float, float] | None  # the 0.5th and 99.5th percentiles
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> Fingerprint:
-        """ValueError, KeyError or TypeError when `raw` is not a fingerprint of `compute`."""
-        if raw.get("format") != FORMAT or raw.get("version") != VERSION:
-            raise ValueError(f"not a {FORMAT} version {VERSION}")
+    def from_json(cls, raw: Any, path: str | Path = rundir.FINGERPRINT) -> Fingerprint:
+        """CtsegError (one line naming `path` and the key) when `raw` is not a fingerprint of
+        `compute`."""
+        what = "the fingerprint"
+        record = Record(raw, path, what)
+        if record.text("format", optional=True) != FORMAT or raw.get("version") != VERSION:
+            raise CtsegError(f"{what} {path} is not a {FORMAT} version {VERSION}")
+
+        def nullable(key: str) -> Record | None:
+            """An object the fingerprint must hold, null where no training case has it."""
+            if key not in record:
+                record.record(key)  # its one line: the key is missing
+            return record.record(key, optional=True)
 
         def span(key: str, per_axis: bool) -> Any:
-            if raw[key] is None:
+            distribution = nullable(key)
+            if distribution is None:
                 return None
-            low, high = (np.array(raw[key][end], dtype=float) for end in ("min", "max"))
-            shape = (3,) if per_axis else ()
-            if low.shape != shape or high.shape != shape or not (0 < low).all():
-                raise ValueError(f"{key} is not a range of positive numbers")
+            if per_axis:
+                low, high = (np.array(distribution.numbers(end, length=3)) for end in ENDS)
+            else:
+                low, high = (np.array(distribution.number(end)) for end in ENDS)
+            if not (0 < low).all():
+                raise CtsegError(f"{what} {path}: key {key!r} is not a range of positive numbers")
             if not (low <= high).all():
-                raise ValueError(f"{key}: its min exceeds its max")
+                raise CtsegError(f"{what} {path}: key {key!r}: its min exceeds its max")
             return (low, high) if per_axis else (float(low), float(high))
 
-        hu = raw["liver_hu"]
+        hu = nullable("liver_hu")
         return cls(
             spacing=span("spacing_mm", True),
             extent=span("extent_mm", True),
@@ -201,21 +217,21 @@ class Fingerprint:
             liver_extent=span("liver_extent_mm", True),
             liver_hu=None
             if hu is None
-            else (float(hu["percentile_00_5"]), float(hu["percentile_99_5"])),
+            else (hu.number("percentile_00_5"), hu.number("percentile_99_5")),
         )
 
 
 def load(run_dir: Path) -> Fingerprint | None:
     """The run's fingerprint; None for a run trained before fingerprints (`compat.fingerprint`:
-    nothing to check)."""
+    nothing to check). CtsegError (one line naming the file and the key) for a file that is
+    not a regular file, not JSON or not a fingerprint of `compute`."""
     raw = compat.fingerprint(rundir.read_fingerprint(run_dir))
     if raw is None:
         return None
+    path = Path(run_dir) / rundir.FINGERPRINT
     try:
-        return Fingerprint.from_json(raw)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        path = Path(run_dir) / rundir.FINGERPRINT
+        return Fingerprint.from_json(raw, path)
+    except CtsegError as exc:
         raise CtsegError(
-            f"{path} is not the fingerprint `ctseg train` writes ({exc}); "
-            "delete it to predict without comparing scans with the training data"
+            f"{exc}; delete it to predict without comparing scans with the training data"
         ) from None

@@ -32,6 +32,7 @@ from ctseg import atomic, compat
 from ctseg import config as cfg
 from ctseg.data.store import Store
 from ctseg.errors import CtsegError
+from ctseg.reading import Record, parse_json, read_text
 
 CONFIG = "config.toml"
 CHECKPOINTS = "checkpoints"
@@ -104,22 +105,18 @@ def fold_record(store: Store, fold: int) -> dict[str, Any]:
 
 
 def read_fold(run_dir: Path) -> dict[str, Any] | None:
-    """RUN_DIR/fold.json, None for a run of a store's own split; CtsegError if damaged."""
+    """RUN_DIR/fold.json, None for a run of a store's own split; CtsegError (one line naming
+    the file and the key) if damaged."""
     path = Path(run_dir) / FOLD
-    if not path.exists():
-        return None
     try:
-        record = json.loads(path.read_text())
-        fold, folds = record["fold"], record["folds"]
-        if not (
-            isinstance(fold, int)
-            and isinstance(folds, int)
-            and all(isinstance(record[k], list) for k in ("val_cases", "train_cases"))
-        ):
-            raise ValueError("fold, folds or the case lists are not what they must be")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CtsegError(f"cannot read {path}: {exc}") from None
-    return record
+        record = Record.read(path, "the fold record")
+    except FileNotFoundError:
+        return None
+    record.integer("folds", low=0)
+    record.integer("fold", low=0)
+    record.texts("val_cases")
+    record.texts("train_cases")
+    return record.value
 
 
 def fold_difference(record: dict[str, Any], store: Store) -> str | None:
@@ -221,16 +218,12 @@ class MetricsLog:
 
     @staticmethod
     def read(run_dir: Path) -> list[dict[str, Any]]:
-        """The entries of RUN_DIR/metrics.jsonl, early runs' keys spelled as today's."""
-        path = Path(run_dir) / METRICS
-        if not path.exists():
-            return []
+        """The entries of RUN_DIR/metrics.jsonl, early runs' keys spelled as today's; each
+        a JSON object with its step (CtsegError, one line naming the file, line and key)."""
         entries = []
-        for line in path.read_text().splitlines():
-            try:
-                entries.append(compat.metrics_entry(json.loads(line)))
-            except json.JSONDecodeError:
-                break  # a line cut by a kill: everything after it is lost anyway
+        for entry in _json_lines(Path(run_dir) / METRICS, "the metrics"):
+            entry.integer("step", low=0)
+            entries.append(compat.metrics_entry(entry.value))
         return entries
 
     def append(self, entry: dict[str, Any]) -> None:
@@ -262,22 +255,38 @@ def record_layout(run_dir: Path, step: int, config: cfg.Config, where: str) -> N
     """Append to RUN_DIR/layouts.jsonl which layout and devices train from `step` on."""
     entry = {"from_step": step, "mesh": cfg.to_dict(config)["mesh"], "devices": where}
     path = Path(run_dir) / LAYOUTS
-    previous = path.read_text() if path.exists() else ""
+    try:
+        previous = read_text(path, "the layouts", limit=None)
+    except FileNotFoundError:
+        previous = ""
     atomic.write_text(path, previous + json.dumps(entry) + "\n")
 
 
 def last_layout(run_dir: Path) -> dict[str, Any] | None:
     """The latest entry of RUN_DIR/layouts.jsonl (the layout the run last trained on)."""
-    path = Path(run_dir) / LAYOUTS
-    if not path.exists():
-        return None
-    last = None
-    for line in path.read_text().splitlines():
+    entries = _json_lines(Path(run_dir) / LAYOUTS, "the layouts")
+    return entries[-1].value if entries else None
+
+
+def _json_lines(path: Path, what: str) -> list[Record]:
+    """The JSON objects of a log of JSON lines (none if it is absent), up to a line cut
+    short (a kill while appending: what follows it is lost anyway, and a resume drops it).
+    CtsegError, one line naming the file and the line, for a file that is not a regular
+    file or a line that is JSON but no object, or past Python's limits."""
+    try:
+        text = read_text(path, what, limit=None)
+    except FileNotFoundError:
+        return []
+    entries = []
+    for number, line in enumerate(text.splitlines(), 1):
         try:
-            last = json.loads(line)
+            value = json.loads(line)
         except json.JSONDecodeError:
             break
-    return last if isinstance(last, dict) else None
+        except (ValueError, RecursionError):
+            value = parse_json(line, path, f"line {number} of {what}")  # its one-line error
+        entries.append(Record(value, path, f"line {number} of {what}"))
+    return entries
 
 
 def write_fingerprint(run_dir: Path, fingerprint: dict[str, Any]) -> None:
@@ -289,18 +298,14 @@ def read_fingerprint(run_dir: Path) -> dict[str, Any] | None:
     """RUN_DIR/fingerprint.json; None where it is absent (a run trained before fingerprints
     were recorded: `ctseg.compat.fingerprint`).
 
-    CtsegError if the file is there but is no JSON object (`ctseg.run.fingerprint.load`
-    checks its fields)."""
+    CtsegError (one line) if the file is there but is no regular file or no JSON object
+    (`ctseg.run.fingerprint.load` checks its fields)."""
     path = Path(run_dir) / FINGERPRINT
-    if not path.exists():
-        return None
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        return Record.read(path, "the fingerprint").value
+    except FileNotFoundError:
+        return None
+    except CtsegError as exc:
         raise CtsegError(
-            f"cannot read {path} ({exc}); delete it to predict without comparing scans "
-            "with the training data"
+            f"{exc}; delete it to predict without comparing scans with the training data"
         ) from None
-    if not isinstance(raw, dict):
-        raise CtsegError(f"{path} is not the fingerprint `ctseg train` writes (no JSON object)")
-    return raw
