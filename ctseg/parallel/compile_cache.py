@@ -4,10 +4,27 @@ A second command with the same shapes compiles nothing when the cache is on
 (`--compile-cache DIR|off`, else $CTSEG_COMPILE_CACHE, else the user's cache folder).
 `CompileClock` listens to JAX's compile events, so that commands report compile time
 apart from run time.
+
+The cache serves wherever it lives and whatever is in it:
+- its entries' keys do not depend on its folder: JAX hashes XLA's options into each key,
+  among them the folder of XLA's autotuning cache (a path inside this one), so a cache
+  reached through a link, copied, or mounted elsewhere would serve nothing and double.
+  The key is taken without that path (`_keys_without_the_folder`), and the folder is
+  used resolved;
+- each entry carries its key and its bytes' digest (`_CheckedEntries`): an entry cut
+  short, another program's (entries swapped, a cache shared with another build) or
+  anything else is compiled again with one warning naming the cache, never loaded as
+  this program (JAX would run it, and fail far from the cause: "safe_zip() …");
+- an entry that is not a regular file (a FIFO waits for a writer for ever) is passed over
+  (`ctseg.reading.open_regular`); the cache is never a folder inside one ctseg writes
+  (a run, whose checkpoints/ orbax reads; a predict --out, a store, an evaluation).
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import logging
 import os
 import tempfile
 import threading
@@ -16,6 +33,11 @@ import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from ctseg.errors import CtsegError
+from ctseg.reading import read_bytes
+
+_log = logging.getLogger(__name__)
 
 # The persistent XLA compilation cache: `--compile-cache DIR|off`, else this variable,
 # else the user's cache folder.
@@ -51,29 +73,63 @@ def use_compile_cache(directory: Path | None) -> str | None:
         return f"compilation cache {directory} {problem}; compiling without it"
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", str(directory))
+    resolved = directory.resolve()
+    _check_entries(directory, resolved)
+    _keys_without_the_folder()
+    _entries_checked(directory)
+    jax.config.update("jax_compilation_cache_dir", str(resolved))
     # Even the small programs: a stage of a tiny model compiles in under a second, but a
     # second `ctseg predict` should compile nothing at all.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     # Every entry whatever its size (-1: no size left to the file system's choice), and
     # XLA's own caches beside them (the GPU autotuner's results: cuDNN algorithms, fusion
     # configurations), so that a program of a new shape does not autotune again what an
-    # earlier one did.
+    # earlier one did. XLA reads that folder's files itself: where one is not a regular
+    # file, it is left out (`_check_entries`).
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update(
-        "jax_persistent_cache_enable_xla_caches", "xla_gpu_per_fusion_autotune_cache_dir"
-    )
-    # An entry that cannot be read (cut short, from another build) or written (a full
-    # disk) is a cache miss: JAX compiles and goes on, and says so in a library warning
-    # that would come back on every run. The run's outcome is the same; keep it quiet.
+    autotune = resolved / AUTOTUNE_FOLDER
+    xla_caches = "none" if _irregular(autotune) else AUTOTUNE_FOLDER
+    jax.config.update("jax_persistent_cache_enable_xla_caches", xla_caches)
+    # An entry that cannot be written (a full disk) is a cache miss: JAX compiles and goes
+    # on, and says so in a library warning that would come back on every run. The run's
+    # outcome is the same; keep it quiet. (One that cannot be read is `_CheckedEntries`'.)
     warnings.filterwarnings(
         "ignore", message="Error (reading|writing) persistent compilation cache entry"
     )
     return None
 
 
+# XLA's per-fusion autotuning cache: JAX places it in this folder of the cache.
+AUTOTUNE_FOLDER = "xla_gpu_per_fusion_autotune_cache_dir"
+
+# Files that make a folder one that ctseg writes and owns (`ctseg.run.rundir.CONFIG` and
+# `CHECKPOINTS`, `ctseg.inference.inputs.OUTPUTS_RECORD`, `ctseg.data.manifest.MANIFEST`
+# beside `cases/`, `ctseg.run.evaluations.EVALUATED`): a cache there would be taken for
+# its contents (a checkpoint, a case) or cleared with them.
+_OWNED_BY_CTSEG = (
+    ("config.toml", "checkpoints"),
+    (".ctseg-outputs.json",),
+    ("manifest.json", "cases"),
+    ("evaluated.json",),
+)
+
+
+def _inside_ctseg_folder(resolved: Path) -> Path | None:
+    """The nearest folder of `resolved` (itself or above) that ctseg writes, or None."""
+    for folder in (resolved, *resolved.parents):
+        if any(all((folder / name).exists() for name in names) for names in _OWNED_BY_CTSEG):
+            return folder
+    return None
+
+
 def _cache_problem(directory: Path) -> str | None:
     """Why `directory` cannot hold the compilation cache, or None where it can."""
+    owner = _inside_ctseg_folder(directory.resolve())
+    if owner is not None:
+        return (
+            f"lies in {owner}, a folder ctseg writes (a run, a predict --out, a store or an "
+            "evaluation); give a folder of its own"
+        )
     if directory.exists() and not directory.is_dir():
         return "is a file, not a folder"
     try:
@@ -88,6 +144,117 @@ def _cache_problem(directory: Path) -> str | None:
     os.close(handle)
     os.unlink(probe)
     return None
+
+
+def _irregular(folder: Path) -> list[Path]:
+    """The entries of `folder` that are neither files nor folders (FIFOs, devices, sockets)."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return []
+    return [p for p in entries if p.exists() and not (p.is_file() or p.is_dir())]
+
+
+def _check_entries(directory: Path, resolved: Path) -> None:
+    """One warning naming the cache where it holds entries that are not regular files:
+    ctseg passes over them (`_CheckedEntries`), and leaves XLA's autotuning cache off where
+    one lies in its folder (XLA would open it, and wait for ever on a FIFO)."""
+    odd = _irregular(resolved) + _irregular(resolved / AUTOTUNE_FOLDER)
+    if odd:
+        names = ", ".join(p.name for p in odd[:2]) + (", …" if len(odd) > 2 else "")
+        _log.warning(
+            "compilation cache %s: %d of its entries are not regular files (%s): passed over",
+            directory,
+            len(odd),
+            names,
+        )
+
+
+def _keys_without_the_folder() -> None:
+    """JAX's cache keys taken without the folder of XLA's autotuning cache, a path inside
+    the cache's own: with it, the keys change wherever the cache moves (a link, a copy, a
+    container's mount). The folder does not change what XLA compiles: the results read
+    from it are keyed by the fusion and the device, not by where they lie."""
+    from jax._src import cache_key
+
+    if getattr(cache_key.get, "_ctseg", False):
+        return
+    hashed = cache_key.get
+
+    def get(module: Any, devices: Any, compile_options: Any, *args: Any, **kwargs: Any) -> str:
+        options = copy.deepcopy(compile_options)
+        options.executable_build_options.debug_options.xla_gpu_per_fusion_autotune_cache_dir = ""
+        return hashed(module, devices, options, *args, **kwargs)
+
+    get._ctseg = True  # type: ignore[attr-defined]
+    cache_key.get = get
+
+
+# Each entry ctseg writes: this line, then the SHA-256 of its key and JAX's bytes, then them.
+_ENTRY_STAMP = b"ctseg compilation cache entry 1\n"
+
+
+def _digest(key: str, value: bytes) -> bytes:
+    return hashlib.sha256(key.encode() + b"\0" + value).digest()
+
+
+def _entries_checked(directory: Path) -> None:
+    """JAX's file cache made a `_CheckedEntries` when JAX first opens it."""
+    from jax._src import compilation_cache
+
+    made = compilation_cache.get_file_cache
+    if getattr(made, "_ctseg", False):
+        return
+
+    def get_file_cache(path: str) -> Any:
+        found = made(path)
+        return None if found is None else (_CheckedEntries(found[0], directory), found[1])
+
+    get_file_cache._ctseg = True  # type: ignore[attr-defined]
+    compilation_cache.get_file_cache = get_file_cache
+
+
+class _CheckedEntries:
+    """JAX's file cache, each entry stamped with its key and digest when written and checked
+    when read: a corrupt or foreign entry is a miss (removed, so that the program compiled
+    again takes its place), said once per process in a warning naming the cache."""
+
+    def __init__(self, files: Any, directory: Path):
+        self._files, self.directory = files, directory
+        self._warned = False
+
+    @property
+    def _path(self) -> Any:  # what JAX's own messages name
+        return self._files._path
+
+    def get(self, key: str) -> bytes | None:
+        path = Path(self._files._path) / f"{key}-cache"
+        try:
+            entry = read_bytes(path, "compilation cache entry")
+        except FileNotFoundError:
+            return None
+        except (OSError, CtsegError):  # a FIFO, a folder, unreadable: passed over
+            return None
+        head = len(_ENTRY_STAMP)
+        stamp, digest, value = entry[:head], entry[head : head + 32], entry[head + 32 :]
+        if stamp == _ENTRY_STAMP and digest == _digest(key, value):
+            return value
+        self._warn(key)
+        path.unlink(missing_ok=True)
+        return None
+
+    def put(self, key: str, value: bytes) -> None:
+        self._files.put(key, _ENTRY_STAMP + _digest(key, value) + value)
+
+    def _warn(self, key: str) -> None:
+        if not self._warned:
+            self._warned = True
+            _log.warning(
+                "compilation cache %s: entry %s… is not this program's (cut short, corrupt, "
+                "another program's or an earlier version's): compiling it again",
+                self.directory,
+                key[:24],
+            )
 
 
 # Events JAX records for every program it compiles (`jax.monitoring`): the time of

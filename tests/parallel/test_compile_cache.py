@@ -70,7 +70,7 @@ def test_a_cache_path_that_is_a_file_is_one_line_and_no_cache(tmp_path):
     assert jax.config.jax_compilation_cache_dir == before  # JAX was not pointed at it
 
 
-def test_a_corrupt_entry_is_a_quiet_miss(tmp_path):
+def test_a_corrupt_entry_is_one_warning_naming_the_cache_and_compiled_again(tmp_path):
     cache = tmp_path / "cache"
     first = compile_two(cache)
     programs, hits = programs_and_hits(first)
@@ -81,7 +81,10 @@ def test_a_corrupt_entry_is_a_quiet_miss(tmp_path):
         entry.write_bytes(b"not a compiled program")
     again = compile_two(cache)
     assert programs_and_hits(again) == (programs, 0)  # every entry missed, and compiled
-    assert again.stderr == "", again.stderr  # no library warning with its site-packages path
+    # One line naming the cache, not a library warning per entry with its site-packages path.
+    assert again.stderr.startswith(f"compilation cache {cache}: entry "), again.stderr
+    assert len(again.stderr.splitlines()) == 1 and "site-packages" not in again.stderr
+    assert programs_and_hits(compile_two(cache))[1] >= 2  # compiled again into the cache
 
 
 def test_a_read_only_cache_is_one_line_and_compiling_goes_on(tmp_path):
