@@ -1,14 +1,15 @@
 """The one skeleton of the evaluations that predict with trained runs (a run, an
 ensemble, a cross-validation), and the checks of what they are asked.
 
-`evaluate` holds the evaluation folder's lock throughout, claims the folder, records
-what it evaluates (evaluated.json, `ctseg.run.evaluations`), predicts and scores every
-case (`score_parts`, through `ctseg.evaluation.scoring.score_cases`) and writes the
-report (summary.json, metrics.csv). An `Evaluation` supplies only what differs: which
-models predict which cases (its `Part`s, each loaded when its turn comes), its record,
-and its report's head. `check_request` is the one check of the options every form
-shares, in the caller's words (`names`: the library's parameters, or the CLI's flags),
-before anything starts.
+`evaluate` holds the evaluation folder's lock throughout, claims the folder, predicts
+and scores every case (`score_parts`, through `ctseg.evaluation.scoring.score_cases`),
+and only then replaces the folder's earlier evaluation, recording what it evaluated
+(evaluated.json, `ctseg.run.evaluations`), and writes the report (summary.json,
+metrics.csv). An `Evaluation` supplies only what differs: which models predict which
+cases (its `Part`s, each loaded when its turn comes), its record, and its report's head.
+`check_request` is the one check of the options every form shares, in the caller's words
+(`names`: the library's parameters, or the CLI's flags), and of the runs' own records
+(their thresholds and fingerprints), before anything starts.
 
 The prediction pipeline starts JAX: `ctseg.inference.predictor` is imported only by
 what an `Evaluation` loads, so that the CLI can choose the devices first.
@@ -31,10 +32,11 @@ from ctseg.evaluation.reports import Engine, Json, Report
 from ctseg.evaluation.scoring import evaluate_arrays, score_cases, write_reports
 from ctseg.inference import quality
 from ctseg.inference.region import check_margin
+from ctseg.inference.thresholds import read_thresholds
 from ctseg.io import scans
 from ctseg.io.scans import Scan
 from ctseg.progress import Progress
-from ctseg.run import evaluations, rundir
+from ctseg.run import evaluations, fingerprint, rundir
 
 if TYPE_CHECKING:
     from ctseg.inference.predictor import Predictor
@@ -62,7 +64,8 @@ def check_request(
     """CtsegError, one line, before anything is claimed, loaded or started, unless the
     request can be evaluated: a margin only with a locator, finite and not negative; a
     locator that is a run; an ensemble's or a cross-validation's `out_dir` given (they
-    belong to no one run). `names`: how the caller spells each option (default `NAMES`)."""
+    belong to no one run); runs whose records can be read (`check_records`). `names`: how
+    the caller spells each option (default `NAMES`)."""
     names = {**NAMES, **(names or {})}
     check_margin(margin_mm, locate is not None, names["margin_mm"], names["locate"])
     if locate is not None:
@@ -80,6 +83,17 @@ def check_request(
             "an ensemble of several runs writes its predictions and reports into "
             f"{names['out_dir']}: give one"
         )
+    check_records(run_dirs, cross_validation)
+
+
+def check_records(run_dirs: Sequence[Path], cross_validation: bool = False) -> None:
+    """CtsegError (one line naming the file and the key) where a record the evaluation will
+    read of its runs cannot be read (`ctseg.reading`): the quality thresholds and the
+    fingerprint of each model's first run — every fold run's, in a cross-validation."""
+    leaders = list(run_dirs) if cross_validation else list(run_dirs[:1])
+    for run_dir in leaders:
+        read_thresholds(Path(run_dir), ensemble=len(run_dirs) > 1 and not cross_validation)
+        fingerprint.load(Path(run_dir))
 
 
 @dataclass(frozen=True)
@@ -130,25 +144,27 @@ def evaluate(
     """Run `evaluation` into `out_dir`, under its lock (`ctseg.lock`; `warn` hears of a
     dead holder's): claim the folder, record what it evaluates (another evaluation's
     folder is replaced only with `force`, `evaluations.claim`), score every part's cases,
-    say which checkpoints were used where one could not be read, write the report."""
+    say which checkpoints were used where one could not be read, write the report. The
+    predictions are written out of sight until every case is scored; only then is the
+    folder's earlier evaluation replaced (`evaluations.commit`): one that fails or is
+    stopped half-way leaves it whole."""
     with lock.hold(out_dir, warn):
         atomic.claim_folder(out_dir, evaluations.OWN_FILES, force=None)
-        record = evaluation.record(None)
-        evaluations.claim(out_dir, record, force)
-        scored = score_parts(evaluation.parts, out_dir, progress)
-        used = evaluation.record(scored)
-        if used != record:  # a checkpoint that could not be read was skipped: say which was used
-            atomic.write_json(out_dir / evaluations.EVALUATED, used)
+        staged = evaluations.claim(out_dir, evaluation.record(None), force)
+        scored = score_parts(evaluation.parts, staged, progress)
         report = evaluation.report(scored)
-        write_reports(report, out_dir / "summary.json", out_dir / "metrics.csv")
+        # The checkpoints used (where one could not be read, another was), recorded as the
+        # earlier evaluation is replaced: only now, with every result ready.
+        evaluations.commit(out_dir, evaluation.record(scored), staged)
+        write_reports(report, out_dir / evaluations.SUMMARY, out_dir / "metrics.csv")
         return report
 
 
 def score_parts(
-    parts: Sequence[Part], out_dir: Path, progress: Progress | None = None
+    parts: Sequence[Part], predictions: Path, progress: Progress | None = None
 ) -> list[Scored]:
-    """Each part's model loaded in turn, its cases predicted and scored; `progress`
-    counts the cases of every part."""
+    """Each part's model loaded in turn, its cases predicted (into the folder
+    `predictions`) and scored; `progress` counts the cases of every part."""
     total, done, scored = sum(len(part.cases) for part in parts), 0, []
     for part in parts:
         predictor = part.load()
@@ -157,7 +173,7 @@ def score_parts(
             if progress is not None:
                 progress(done + i, total, name)
 
-        records, errors = score_run(predictor, part.store, part.cases, out_dir, counted)
+        records, errors = score_run(predictor, part.store, part.cases, predictions, counted)
         steps = tuple(member.model.step for member in predictor.members)
         scored.append(Scored(part, records, errors, steps, engine_of(predictor)))
         done += len(part.cases)
@@ -174,7 +190,7 @@ def score_run(
     predictor: Predictor,
     store: Store,
     cases: Sequence[CaseEntry],
-    out_dir: Path,
+    predictions: Path,
     progress: Progress | None,
 ) -> tuple[list[Json], list[Json]]:
     """Predict and score `cases` with one model (`score_cases` over `evaluate_case`); each
@@ -195,7 +211,7 @@ def score_run(
             read = reading.pop(case.id, None) or reader.submit(read_case, case)
             if (following := after.get(case.id)) is not None:
                 reading[following.id] = reader.submit(read_case, following)
-            return evaluate_case(predictor, store, case, out_dir, training, read.result())
+            return evaluate_case(predictor, store, case, predictions, training, read.result())
 
         return score_cases(cases, lambda case: case.id, score, progress)
 
@@ -226,16 +242,17 @@ def evaluate_case(
     predictor: Predictor,
     store: Store,
     case: CaseEntry,
-    out_dir: Path,
+    predictions: Path,
     training: quality.Reference | None = None,
     read: tuple[Scan, Scan] | None = None,
 ) -> Json:
     """Predict one case from its original scan and score it there and on the grid, with
     the prediction's quality (as `ctseg predict` records it) beside its metrics. `read`:
-    the case's scan and reference if already read (`read_case`)."""
+    the case's scan and reference if already read (`read_case`); its prediction is written
+    into the folder `predictions`."""
     scan, reference = read_case(case) if read is None else read
     prediction = predictor.predict(scan)
-    predicted = out_dir / evaluations.PREDICTIONS / f"{case.id}_seg.nii.gz"
+    predicted = predictions / f"{case.id}{evaluations.PREDICTED}"
     scans.write_labels(scan, prediction.labels, predicted)
     # Canonical order is a flip/permutation of the file's, and scan.spacing is canonical: the
     # metrics equal those computed in the file's own voxel order.

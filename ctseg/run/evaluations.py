@@ -1,26 +1,34 @@
-"""An evaluation's folder (RUN_DIR/eval, or `--out`): what it holds, claimed and cleared.
+"""An evaluation's folder (RUN_DIR/eval, or `--out`): what it holds, claimed and replaced.
 
 One folder holds one evaluation. ``evaluated.json`` records which: a run (or an
 ensemble) with its checkpoint, the store and the split, or a cross-validation's fold
 runs. A second evaluation of something else replaces a finished one (with its
-summary.json) only with ``--force``, an unfinished one of ctseg's without it; any
-evaluation first clears what an earlier one wrote, so that predictions are never mixed.
+summary.json) only with ``--force``, an unfinished one of ctseg's without it. Nothing
+of the earlier one goes before the new one is ready: its predictions are written out of
+sight (`STAGED`), and `commit` replaces the earlier evaluation by them, so that a folder
+never holds a finished evaluation of mixed predictions, nor loses one to a failed run.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
+import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ctseg import atomic, compat
 from ctseg.errors import CtsegError
+from ctseg.reading import Record, read_json
 
 EVALUATION = "eval"  # RUN_DIR/eval: `ctseg evaluate RUN_DIR`'s folder unless told otherwise
 EVALUATED = "evaluated.json"  # the record of what the folder holds
+SUMMARY = "summary.json"  # the report, written last: the evaluation is finished
 PREDICTIONS = "predictions"
+PREDICTED = "_seg.nii.gz"  # how each case's prediction in PREDICTIONS is named
+# Where an evaluation's predictions are written until it is finished (ctseg's temporary:
+# a killed evaluation's is no one's files, and the next one removes it).
+STAGED = f"{atomic.TEMP_PREFIX}predictions"
 
 
 def evaluation_dir(run_dir: Path, out: Path | None = None) -> Path:
@@ -29,7 +37,7 @@ def evaluation_dir(run_dir: Path, out: Path | None = None) -> Path:
 
 
 # What makes a folder an evaluation's (`atomic.claim_folder`).
-OWN_FILES = ("summary.json", PREDICTIONS, EVALUATED)
+OWN_FILES = (SUMMARY, PREDICTIONS, EVALUATED)
 
 
 def evaluation_record(
@@ -72,35 +80,71 @@ def cross_validation_record(
     }
 
 
-def claim(out_dir: Path, evaluation: dict[str, Any], force: bool) -> None:
-    """Make `out_dir` the folder of `evaluation`: refuse another's unless `force`, then clear."""
-    record, summary = out_dir / EVALUATED, out_dir / "summary.json"
-    earlier = None
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        if record.exists():
-            earlier = json.loads(record.read_text())
-            earlier = earlier if isinstance(earlier, dict) else None
-        elif summary.exists():
-            written = compat.evaluation_of_summary(json.loads(summary.read_text()))
-            earlier = evaluation_record(*written)
-    has_files = record.exists() or summary.exists() or (out_dir / PREDICTIONS).exists()
+def claim(out_dir: Path, evaluation: dict[str, Any], force: bool) -> Path:
+    """Check that `out_dir` may become the folder of `evaluation` (another's is refused
+    unless `force`) and make the folder its predictions are written into meanwhile, out
+    of sight (`STAGED`). Nothing of an earlier evaluation is touched: `commit` replaces it
+    once this one's results are ready."""
+    record, summary = out_dir / EVALUATED, out_dir / SUMMARY
+    earlier = _earlier(out_dir)
+    has_files = any((out_dir / name).exists() for name in OWN_FILES)
     # An evaluation ctseg began and never finished (its record, no summary: it crashed or
-    # was stopped) holds nothing another would lose: it does not block the next command.
+    # was stopped while being replaced) holds nothing another would lose: it does not
+    # block the next command.
     unfinished = earlier is not None and record.exists() and not summary.exists()
     if earlier != evaluation and has_files and not unfinished and not force:
         raise CtsegError(
             f"{out_dir} holds {_described(earlier)}; give another --out, or --force to replace it"
         )
-    # An evaluation is never resumed: what an earlier one wrote goes, so that the
-    # predictions and reports here are all of this one, even if it stops half-way.
-    predictions = out_dir / PREDICTIONS
-    if predictions.is_dir():
-        for path in predictions.iterdir():
-            if path.name.endswith("_seg.nii.gz") or path.name.startswith(atomic.TEMP_PREFIX):
-                path.unlink()
-    for name in ("summary.json", "metrics.csv"):
+    staged = out_dir / STAGED
+    _remove_staged(staged)  # a killed evaluation's: never part of a finished one
+    staged.mkdir()
+    return staged
+
+
+def _earlier(out_dir: Path) -> dict[str, Any] | None:
+    """The record of the evaluation `out_dir` holds (evaluated.json, or for an earlier
+    ctseg's, its summary.json); None where there is none or it cannot be read (a FIFO, a
+    record edited by hand: `ctseg.reading`)."""
+    try:
+        return Record.read(out_dir / EVALUATED, "the evaluation record").value
+    except FileNotFoundError:
+        pass
+    except CtsegError:
+        return None
+    try:
+        written = compat.evaluation_of_summary(read_json(out_dir / SUMMARY, "the summary"))
+        return evaluation_record(*written)
+    except (FileNotFoundError, CtsegError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def commit(out_dir: Path, evaluation: dict[str, Any], staged: Path) -> None:
+    """Replace the folder's earlier evaluation by this one, whose predictions are ready in
+    `staged`: its summary goes first (the folder is then an unfinished evaluation, never
+    a finished one of mixed predictions), then its record and predictions are replaced;
+    the caller writes the new reports, summary.json last. Files in predictions/ that no
+    evaluation wrote are left alone."""
+    for name in (SUMMARY, "metrics.csv"):
         (out_dir / name).unlink(missing_ok=True)
-    atomic.write_json(record, evaluation)
+    atomic.write_json(out_dir / EVALUATED, evaluation)
+    predictions = out_dir / PREDICTIONS
+    predictions.mkdir(exist_ok=True)
+    new = {path.name for path in staged.iterdir()}
+    for path in predictions.iterdir():
+        earlier = path.name.endswith(PREDICTED) or path.name.startswith(atomic.TEMP_PREFIX)
+        if earlier and path.name not in new:
+            path.unlink()
+    for name in sorted(new):
+        os.replace(staged / name, predictions / name)
+    _remove_staged(staged)
+
+
+def _remove_staged(staged: Path) -> None:
+    if staged.is_symlink() or staged.is_file():
+        staged.unlink()
+    elif staged.is_dir():
+        shutil.rmtree(staged)
 
 
 def _described(evaluation: dict[str, Any] | None) -> str:
