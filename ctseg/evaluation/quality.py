@@ -228,15 +228,22 @@ def choose_thresholds(
 ) -> Calibration:
     """The thresholds that flag the most bad cases of `cases` (evaluated cases carrying
     their quality) with at most `target` of the good ones flagged, and every liver of Dice
-    < `LIVER_FAILED_BELOW` (see the module docstring). CtsegError where the cases cannot
-    calibrate: fewer than `MIN_CASES` with a quality and a liver Dice, no bad case or no
-    good one."""
-    judged = _calibration_cases(cases)
+    < `LIVER_FAILED_BELOW` (see the module docstring). Cases whose recorded concerns are
+    NaN or missing are left out, and a note says how many. CtsegError where the cases
+    cannot calibrate: fewer than `MIN_CASES` with a usable quality and a liver Dice, no bad
+    case or no good one."""
+    judged, left_out = _calibration_cases(cases)
     table = _Concerns.of(judged)
     budget = math.floor(target * table.good.sum() + 1e-9)
     chosen = table.starting(start)
     lowered = table.lower_greedily(chosen, budget)
     notes = table.flag_failed(chosen, lowered, judged)
+    if left_out:
+        notes.insert(
+            0,
+            f"{left_out} case(s) left out: their recorded concerns are NaN or missing; the "
+            f"thresholds were chosen on the other {len(judged)}",
+        )
     table.midway(chosen, lowered)
     thresholds = dataclasses.replace(
         start.replace(**chosen), calibrated_on=calibrated_on, n_cases=len(judged)
@@ -252,15 +259,21 @@ def choose_thresholds(
     return Calibration(thresholds, summary, tuple(notes))
 
 
-def _calibration_cases(cases: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The cases with a quality and a liver Dice, checked to hold enough, bad and good."""
-    judged = [
+def _calibration_cases(cases: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The cases with a quality and a liver Dice, checked to hold enough, bad and good; and
+    how many of them were left out, their recorded concerns unusable (`_unusable`)."""
+    labelled = [
         c for c in cases if isinstance(c.get("quality"), dict) and c["liver"]["dice"] is not None
     ]
+    judged = [c for c in labelled if not _unusable(c["quality"])]
+    left_out = len(labelled) - len(judged)
     if len(judged) < MIN_CASES:
+        spoilt = (
+            f" ({left_out} more left out: their concerns are NaN or missing)" if left_out else ""
+        )
         raise CtsegError(
             f"calibrating the quality thresholds needs at least {MIN_CASES} labelled cases "
-            f"with a prediction quality; there are {len(judged)}"
+            f"with a prediction quality; there are {len(judged)}{spoilt}"
         )
     bad = [bool(liver_bad(c)) or bool(tumour_bad(c)) for c in judged]
     if not any(bad):
@@ -274,7 +287,26 @@ def _calibration_cases(cases: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             f"every one of the {len(judged)} cases is bad: there is no good case to keep "
             "out of review, nothing to calibrate the thresholds against"
         )
-    return judged
+    return judged, left_out
+
+
+def _unusable(recorded: dict[str, Any]) -> bool:
+    """Whether a case's recorded quality cannot be judged again: its concerns not a table of
+    raw values, one of them missing or NaN (a value too large to measure is recorded as
+    null, +inf: that one is kept), or its checks not a list. Calibrating on it would judge
+    it as if nothing were wrong."""
+    concerns, checks = recorded.get("concerns"), recorded.get("checks", [])
+    if not isinstance(concerns, dict) or not isinstance(checks, list):
+        return True
+    for entry in concerns.values():
+        if not isinstance(entry, dict) or "value" not in entry:
+            return True
+        for key in ("value", "concern"):
+            value = entry.get(key)
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (value is None or (number and not math.isnan(value))):
+                return True
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
