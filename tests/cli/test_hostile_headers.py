@@ -203,3 +203,36 @@ def test_a_manifest_that_lies_about_a_grid_is_one_line_before_anything_is_sized(
     assert isinstance(done.exception, CtsegError), done.output
     assert "cases[0]" in str(done.exception) and "\n" not in str(done.exception)
     assert not (out / "summary.json").exists()
+
+
+def test_ctseg_predict_fails_only_the_rows_of_lying_or_too_large_scans(
+    tmp_path, monkeypatch, trained
+):
+    """`ctseg predict` over good scans among a 136-byte file claiming 3000³ voxels, a cut
+    file claiming 100 mm voxels and a scan larger than the memory allowed: each of those
+    three fails its own row in one line (exit 1), the good scans are written."""
+    fixed_windows_everywhere(monkeypatch)
+    monkeypatch.setenv(readers.MAX_SCAN_BYTES_ENV, str(100_000))  # 50,000 int16 voxels
+    scans, out = tmp_path / "scans", tmp_path / "out"
+    scans.mkdir()
+    _good(scans / "a.nii.gz")
+    _claiming(scans / "huge.nii.gz", (3000, 3000, 3000))
+    _cut(_good(tmp_path / "cm.nii.gz", spacing=(100.0,) * 3), scans / "cut.nii.gz")
+    _good(scans / "large.nii.gz", shape=(60, 60, 40))
+    _good(scans / "b.nii.gz", shape=(30, 16, 10))
+    args = [str(trained[0]), str(scans), "--out", str(out), "--device", "cpu", "--no-tta"]
+    done = CliRunner(env={"COLUMNS": "400"}).invoke(app, ["predict", *args, "--backend", "jax"])
+    assert done.exit_code == 1, done.output
+    for name in ("a", "b"):
+        assert (out / f"{name}_seg.nii.gz").is_file() and (out / f"{name}_stats.json").is_file()
+    for name, words in [
+        ("huge", "3000 × 3000 × 3000 voxels, 50.3 GiB in memory"),
+        ("cut", "no CT's"),
+        ("large", "more than the 97.7 KiB that CTSEG_MAX_SCAN_BYTES allows"),
+    ]:
+        assert not (out / f"{name}_stats.json").exists()
+        assert any(name in line and words in line for line in done.output.splitlines()), (
+            name,
+            done.output,
+        )
+    assert "Traceback" not in done.output
