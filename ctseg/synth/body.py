@@ -1,5 +1,6 @@
 """The body around the liver: its outline, fat and muscle wall, the chest (lungs, heart,
-ribs), the skeleton, the pelvis and the abdominal organs that look like liver."""
+ribs), the skeleton, the pelvis, the abdominal organs that look like liver and what fills
+the abdomen between them (fat and bowel)."""
 
 from __future__ import annotations
 
@@ -162,11 +163,18 @@ def paint_organs(hu: np.ndarray, plan: BodyPlan, organs: list[Organ]) -> None:
         hu[box][inside] = value
 
 
-def paint_body(hu: np.ndarray, case: Case, plan: BodyPlan) -> None:
-    """Air, the fat layer and soft tissue over the trunk; below the pelvis two thighs."""
+# Muscle's HU about the soft tissue's, drawn per case: unenhanced muscle measures 25–50 HU
+# (less where fat infiltrates it, as in older patients' back muscles).
+MUSCLE_OFFSET_HU = (-15.0, 5.0)
+
+
+def paint_body(hu: np.ndarray, rng: np.random.Generator, case: Case, plan: BodyPlan) -> None:
+    """Air, the fat layer and muscle over the trunk; below the pelvis two thighs. The
+    muscle's HU is drawn from a stream of its own (`own_stream`)."""
     p, X, Y = case.patient, plan.X, plan.Y
+    muscle = HU_SOFT_TISSUE + own_stream(rng, "muscle").uniform(*MUSCLE_OFFSET_HU)
     trunk = np.where(superellipse(X, Y, p.half_width, p.half_depth) < 1, HU_FAT, HU_AIR)
-    trunk = np.where(plan.inner < 1, HU_SOFT_TISSUE, trunk).astype(np.float32)
+    trunk = np.where(plan.inner < 1, muscle, trunk).astype(np.float32)
     hu[...] = trunk[:, :, None]
     k_thigh = plan.grid.k_range(-np.inf, plan.thigh)[1]
     if k_thigh:
@@ -175,11 +183,56 @@ def paint_body(hu: np.ndarray, case: Case, plan: BodyPlan) -> None:
         for side in (-1, 1):
             r = np.hypot(X - side * 0.5 * p.half_width, Y + 0.05 * p.half_depth)
             legs[r < radius] = HU_FAT
-            legs[r < radius - p.fat] = HU_SOFT_TISSUE
+            legs[r < radius - p.fat] = muscle
             femur = np.hypot(X - side * 0.52 * p.half_width, Y)
             legs[femur < 14.0] = HU_BONE
             legs[femur < 8.0] = HU_MARROW
         hu[:, :, :k_thigh] = legs[:, :, None]
+
+
+# Visceral fat: its share of the abdomen, for the slimmest and the fattest build (real
+# abdomens: from a few bowel loops packed together to loops far apart in fat).
+VISCERAL_FAT_SHARE = (0.25, 0.7)
+BOWEL_HU = (10.0, 45.0)  # bowel loops (wall and content), drawn per case
+
+
+def paint_viscera(hu: np.ndarray, rng: np.random.Generator, case: Case, plan: BodyPlan) -> None:
+    """The abdomen below the diaphragm: bowel loops in fat, not one soft tissue. Real livers
+    border fat and bowel; in a cavity of uniform soft tissue the liver would be told by its
+    HU alone (docs/experiments/realct.md). Drawn from a stream of its own (`own_stream`),
+    so that everything else of the case is drawn as before."""
+    rng = own_stream(rng, "viscera")
+    grid, p = plan.grid, case.patient
+    ii, jj = np.nonzero(plan.cavity)
+    if not len(ii):
+        return
+    region = (slice(ii.min(), ii.max() + 1), slice(jj.min(), jj.max() + 1))
+    x, y, z = grid.x[region[0]], grid.y[region[1]], grid.z
+    below = plan.cavity[region][:, :, None] & (z < plan.dome[region][:, :, None] - 4.0)
+    if not below.any():
+        return
+    # Loops of 2–5 cm (three patterns of plane waves: round, not streaks) in a coarser
+    # pattern of where they gather.
+    field = sum(smooth_noise(rng, x, y, z, wavelength) for wavelength in (35.0, 45.0, 60.0))
+    field += 1.2 * smooth_noise(rng, x, y, z, 120.0)
+    obesity = np.clip((p.fat - 8.0) / 22.0, 0, 1)
+    low, high = VISCERAL_FAT_SHARE
+    share = float(np.clip(low + (high - low) * obesity + rng.normal(0, 0.08), low, high))
+    threshold = np.quantile(field[below], share)
+    bowel = rng.uniform(*BOWEL_HU) + 10.0 * smooth_noise(rng, x, y, z, 20.0)
+    values = np.where(field < threshold, np.float32(HU_FAT), bowel)
+    target = hu[region]
+    target[below] = values[below]
+
+
+def own_stream(rng: np.random.Generator, part: str) -> np.random.Generator:
+    """A stream of its own for one part of a phantom: fixed by the case's seed (the seed
+    sequence `rng` was made from) and the part's name, whatever else draws from `rng`."""
+    seq = rng.bit_generator.seed_seq
+    key = int.from_bytes(part.encode()[:8], "little")
+    return np.random.default_rng(
+        np.random.SeedSequence(seq.entropy, spawn_key=(*seq.spawn_key, key))
+    )
 
 
 def paint_chest(hu: np.ndarray, rng: np.random.Generator, case: Case, plan: BodyPlan) -> None:

@@ -12,14 +12,15 @@ liver lies at high x. Organs keep their size whatever the field of view, the
 matrix or the slice thickness:
 
 - body 280–380 mm wide and 200–280 mm deep with an 8–30 mm fat layer, a muscle
-  wall with ribs (down to the costal margin) and a sternum; the spine runs the
+  wall (25–45 HU, drawn per case) with ribs (down to the costal margin) and a sternum; the spine runs the
   whole length of chest, abdomen and pelvis (vertebrae and discs, canal,
   posterior elements); the aorta in front of it;
 - above the diaphragm (z > 0): lungs (about -850 HU) inside the ribcage, the
   heart on the left dome, the trachea;
 - below it: the liver (1.3–2.1 L in all, 145–205 mm tall, on the right, its left
   lobe crossing the midline), stomach, spleen, kidneys in their fat (soft-tissue
-  look-alikes touching the liver), some bowel gas;
+  look-alikes touching the liver), some bowel gas, and between them bowel loops in
+  visceral fat (25–70 % of the abdomen, more in fatter patients), as real livers border;
 - further down: pelvic bone (iliac wings, sacrum, hips, pubis), the bladder and,
   below the pelvis, the thighs with their femurs.
 
@@ -27,8 +28,8 @@ Tumours are sized in millimetres and clipped to the liver: most cases have 1–3
 sizeable ones (15–60 mm across), and 0–3 small ones (3–10 mm, at least one
 voxel: they reward a finer grid).
 
-Every case is acquired in one contrast phase (`cases.ONE_PHASE`: liver 55–70 HU,
-tumours 10–30 HU, spleen 50 HU); with `phases`, each case's phase is drawn as an
+Every case is acquired in one contrast phase (`cases.ONE_PHASE`, unenhanced: liver
+40–70 HU, tumours 10–30 HU, spleen 45 HU); with `phases`, each case's phase is drawn as an
 archive holds them (`cases.PHASES`: 15 % unenhanced, 15 % arterial, 55 % portal
 venous, 15 % delayed): the liver 50–65 HU unenhanced to 100–135 HU portal venous,
 its tumours darker in every phase, spleen, kidneys, aorta and heart enhancing with
@@ -68,6 +69,7 @@ from ctseg.synth.body import (
     paint_chest,
     paint_organs,
     paint_skeleton,
+    paint_viscera,
     plan_body,
 )
 from ctseg.synth.cases import LARGE_TUMOUR_MM, SMALL_TUMOUR_MM, Case
@@ -202,8 +204,9 @@ def make_phantom(rng: np.random.Generator, case: Case) -> Phantom:
     shape = case.geometry.shape
     plan = plan_body(rng, case)
     hu = np.empty(shape, dtype=np.float32)
-    paint_body(hu, case, plan)
+    paint_body(hu, rng, case, plan)
     paint_chest(hu, rng, case, plan)
+    paint_viscera(hu, rng, case, plan)
     organs = abdominal_organs(rng, case, plan)
     paint_organs(hu, plan, organs)
 
