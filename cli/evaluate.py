@@ -376,7 +376,7 @@ def evaluate(
             )
     else:
         claim_reports(json_path, csv_path, [pred, ref], force)
-        result = _run_with_progress(partial(evaluate_folders, pred, ref))
+        result = _run_with_progress(partial(evaluate_folders, pred, ref, warn=warn))
         write_reports(result, json_path=json_path, csv_path=csv_path)
 
     print_result(console, result)

@@ -1,9 +1,13 @@
 """Evaluation: scoring predicted label maps against references, and the reports.
 
-`evaluate_folders` (``ctseg evaluate --pred P --ref R``) pairs NIfTI label maps by
-name and compares them in their own geometry: a prediction must have its
-reference's shape and affine, so no resampling happens here; both are read by
-`ctseg.io.scans.read_scan`, with the checks every scan read gets. The
+`evaluate_folders` (``ctseg evaluate --pred P --ref R``) pairs NIfTI label maps
+(`ctseg.evaluation.pairing`) and compares them on one grid: a prediction must have its
+reference's voxels in the world (compared in canonical order: the same voxels stored
+mirrored or transposed are one grid), so no resampling happens here; both are read by
+`ctseg.io.scans.read_scan`, with the checks every scan read gets, and a prediction that is
+its reference itself (a link, a hard link) is refused. The quality `ctseg predict`
+recorded beside a prediction (its `_stats.json`) is read through `ctseg.reading`: one that
+cannot be read is a warning, its case scored without it. The
 evaluations that predict with trained runs (a run, an ensemble, a cross-validation)
 are `ctseg.evaluation.runs`'s and `ctseg.evaluation.cross_validation`'s (one skeleton,
 `ctseg.evaluation.skeleton`), and go through the same per-case loop (`score_cases`):
@@ -22,7 +26,6 @@ import dataclasses
 import io
 import json
 import os
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -33,109 +36,18 @@ from ctseg import compat
 from ctseg.atomic import claim_report, is_json_with, write_text
 from ctseg.errors import CtsegError
 from ctseg.evaluation import metrics
+from ctseg.evaluation.pairing import CasePair, nifti_stem, pair_files, same_file
 from ctseg.evaluation.reports import Report, Summary, Unpaired
 from ctseg.io import scans
+from ctseg.io.orientation import voxels_difference
 from ctseg.labels import check_labels
 from ctseg.progress import Progress
+from ctseg.reading import Record
 
-NIFTI_SUFFIXES = (".nii.gz", ".nii")
 CSV_SECTIONS = ("liver", "tumour", "detection", "burden")
 # A case's prediction quality (`ctseg.inference.quality`) in metrics.csv, where it has one.
 QUALITY_COLUMNS = ("verdict", "score", "liver", "tumour")
 Case = TypeVar("Case")
-
-
-class CasePair(NamedTuple):
-    case: str  # the reference file name without extension, e.g. "segmentation-3"
-    pred: Path
-    ref: Path
-
-
-# ---------------------------------------------------------------- pairing
-
-
-def nifti_stem(path: Path) -> str | None:
-    """The file name without .nii / .nii.gz, or None for other files."""
-    for suffix in NIFTI_SUFFIXES:
-        if path.name.endswith(suffix) and len(path.name) > len(suffix):
-            return path.name[: -len(suffix)]
-    return None
-
-
-def _natural_key(name: str) -> list:
-    """Sort "segmentation-2" before "segmentation-10"."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
-def _nifti_files(folder: Path, role: str) -> dict[str, Path]:
-    """NIfTI names of `folder` by stem; two files with one stem (.nii and .nii.gz) are an
-    error. Every entry but a folder counts: a dangling link or a pipe of a label map's
-    name is a case that cannot be read (`read_scan` says why), never silently no case."""
-    if not folder.is_dir():
-        raise CtsegError(f"{role} folder {folder} does not exist or is not a folder")
-    files: dict[str, Path] = {}
-    for path in sorted(folder.iterdir()):
-        stem = nifti_stem(path)
-        if stem is None or path.name.startswith(".") or path.is_dir():
-            continue
-        if stem in files:
-            raise CtsegError(f"{role} folder holds both {files[stem].name} and {path.name}")
-        files[stem] = path
-    return files
-
-
-# A LiTS scan's name (its prefix, its N): in a references' folder, the scan beside its
-# segmentation-N, no reference.
-_LITS_SCAN = re.compile(r"(test-)?volume-(\d+)")
-
-
-def reference_candidates(pred_stem: str) -> list[str]:
-    """Reference stems a prediction may belong to, most specific first.
-
-    `x` ↔ `x`; LiTS `test-segmentation-N` ↔ `segmentation-N`; and what
-    `ctseg predict` writes, `<scan>_seg` ↔ `<scan>`, where a LiTS scan name
-    `volume-N` (or `test-volume-N`) stands for its `segmentation-N`: first, because a
-    LiTS folder holds the scan `volume-N` itself beside it, which is no reference.
-    """
-    candidates = [pred_stem]
-    if match := re.fullmatch(r"test-segmentation-(\d+)", pred_stem):
-        candidates.append(f"segmentation-{match[1]}")
-    if pred_stem.endswith("_seg"):
-        scan = pred_stem[: -len("_seg")]
-        if match := _LITS_SCAN.fullmatch(scan):
-            candidates.append(f"{match[1] or ''}segmentation-{match[2]}")
-        candidates.append(scan)
-    return candidates
-
-
-def pair_files(pred_dir: Path, ref_dir: Path) -> tuple[list[CasePair], list[str], list[str]]:
-    """Match prediction files to reference files by name (see `reference_candidates`).
-
-    Returns the pairs (sorted by case name) and the file names left unpaired in
-    each folder; a LiTS scan (`volume-N`) among the references is a scan beside them, no
-    reference, and not listed. Two predictions claiming one reference are an error.
-    """
-    preds = _nifti_files(Path(pred_dir), "prediction")
-    refs = _nifti_files(Path(ref_dir), "reference")
-    claimed: dict[str, Path] = {}
-    unpaired_pred = []
-    for stem, pred_path in preds.items():
-        ref_stem = next((c for c in reference_candidates(stem) if c in refs), None)
-        if ref_stem is None:
-            unpaired_pred.append(pred_path.name)
-        elif ref_stem in claimed:
-            raise CtsegError(
-                f"{claimed[ref_stem].name} and {pred_path.name} both match reference "
-                f"{refs[ref_stem].name}; keep one of them"
-            )
-        else:
-            claimed[ref_stem] = pred_path
-    pairs = [CasePair(stem, claimed[stem], refs[stem]) for stem in claimed]
-    pairs.sort(key=lambda pair: _natural_key(pair.case))
-    unpaired_ref = [
-        refs[stem].name for stem in refs if stem not in claimed and not _LITS_SCAN.fullmatch(stem)
-    ]
-    return pairs, sorted(unpaired_pred, key=_natural_key), sorted(unpaired_ref, key=_natural_key)
 
 
 # ---------------------------------------------------------------- one case
@@ -154,46 +66,79 @@ def evaluate_arrays(
     return {"case": name, **metrics.case_metrics(pred, ref, spacing)}
 
 
-def evaluate_pair(pair: CasePair) -> dict:
+def evaluate_pair(pair: CasePair, judged: dict | None = None) -> dict:
     """Read one prediction/reference pair (`read_scan`, with its checks), check that they
-    share one geometry, and evaluate it."""
+    are two files of one grid, and evaluate it; `judged`: the quality `ctseg predict`
+    recorded for the prediction (`Recorded`), kept in its record."""
     for role, path in (("prediction", pair.pred), ("reference", pair.ref)):
         if why := _unusable(path):
             raise CtsegError(f"the {role} {path} is {why}")
+    if same_file(pair.pred, pair.ref):
+        raise CtsegError(
+            f"the prediction {pair.pred} is the reference {pair.ref} itself (a link to it, or "
+            "the same file): it would score perfectly; give the model's prediction"
+        )
     pred, ref = scans.read_scan(pair.pred), scans.read_scan(pair.ref)
-    difference = scans.geometry_difference(
-        pred.original_shape, pred.original_affine, ref.original_shape, ref.original_affine
-    )
+    # Compared, and scored, in canonical order: the same voxels stored in another order
+    # (mirrored, transposed, the affine to match) are one grid, and the spacing is the
+    # canonical voxel's, so the metrics equal those in either file's own order.
+    difference = voxels_difference(pred, ref)
     if difference:
         raise CtsegError(f"the prediction's geometry is not the reference's: {difference}")
-    # Both are in canonical order, a flip or permutation of the files' own, and the spacing
-    # is the canonical voxel's (from the affine): the metrics equal those in file order.
     record = evaluate_arrays(pair.case, pred.array, ref.array, ref.spacing)
-    judged = _predicted_quality(pair.pred)
     if judged is not None:
         record["quality"] = judged
     return record
 
 
 def _stats_beside(pred: Path) -> Path | None:
-    """The `ctseg predict` stats file beside a prediction `<scan>_seg.nii.gz`, if any."""
+    """The `ctseg predict` stats file beside a prediction `<scan>_seg.nii.gz`, if any (a
+    FIFO or a folder of its name too: reading it says why it is none)."""
     stem = nifti_stem(pred) or ""
     stats_path = pred.with_name(f"{stem.removesuffix('_seg')}_stats.json")
-    return stats_path if stem.endswith("_seg") and stats_path.is_file() else None
+    return stats_path if stem.endswith("_seg") and os.path.lexists(stats_path) else None
 
 
-def _predicted_quality(pred: Path) -> dict | None:
-    """The quality `ctseg predict` recorded for a prediction (its stats' "quality")."""
+class Recorded(NamedTuple):
+    """What `ctseg predict` recorded beside a prediction (its `_stats.json`): the model that
+    made it (run, step, TTA, ensemble) and the prediction's quality."""
+
+    model: tuple
+    quality: dict | None
+
+
+def read_recorded(pred: Path) -> Recorded | None:
+    """The stats `ctseg predict` wrote beside `pred`; None where there are none. CtsegError
+    (one line naming the file and the key) for a file that is not a regular file, not JSON,
+    or whose keys are not what ctseg writes (`ctseg.reading.Record`)."""
     stats_path = _stats_beside(pred)
+    if stats_path is None:
+        return None
     try:
-        judged = json.loads(stats_path.read_text()).get("quality") if stats_path else None
-    except (OSError, ValueError, AttributeError):
+        stats = Record.read(stats_path, "the prediction's stats")
+    except FileNotFoundError:
         return None
-    if not isinstance(judged, dict) or not isinstance(judged.get("verdict"), str):
-        return None
-    if not all(isinstance(judged.get(key), int | float) for key in ("score", "liver", "tumour")):
-        return None
-    return judged
+    ensemble = stats.items("ensemble", optional=True)
+    model = (
+        stats.text("run_dir", optional=True),
+        stats.integer("run_step", optional=True),
+        stats.flag("tta", optional=True),
+        json.dumps(ensemble),  # a list of members: made hashable
+    )
+    judged = stats.record("quality", optional=True)
+    if judged is None:
+        return Recorded(model, None)
+    judged.text("verdict")
+    for key in ("score", "liver", "tumour"):
+        judged.number(key, low=0.0, high=1.0)
+    try:  # the whole of it goes into the report, which holds finite numbers only
+        json.dumps(judged.value, allow_nan=False)
+    except ValueError:
+        raise CtsegError(
+            f"the prediction's stats {stats_path}: key 'quality' holds a number that is not "
+            "finite"
+        ) from None
+    return Recorded(model, judged.value)
 
 
 # ---------------------------------------------------------------- many cases
@@ -222,31 +167,41 @@ def score_cases(
     return records, errors
 
 
-def evaluate_pairs(pairs: Sequence[CasePair], progress: Progress | None = None) -> Report:
+def evaluate_pairs(
+    pairs: Sequence[CasePair],
+    progress: Progress | None = None,
+    recorded: dict[str, Recorded | None] | None = None,
+) -> Report:
     """Evaluate every pair; a case that fails is listed under "errors" and the rest go on.
 
     Returns the `Report` (nothing unpaired; `evaluate_folders` says what was), its
-    summary with the quality's power where `ctseg predict` recorded the quality.
+    summary with the quality's power where `ctseg predict` recorded the quality
+    (`recorded`, by case: what `read_recorded` found beside each prediction).
     """
-    cases, errors = score_cases(pairs, lambda pair: pair.case, evaluate_pair, progress)
+    recorded = recorded or {}
+
+    def evaluate(pair: CasePair) -> dict:
+        found = recorded.get(pair.case)
+        return evaluate_pair(pair, None if found is None else found.quality)
+
+    cases, errors = score_cases(pairs, lambda pair: pair.case, evaluate, progress)
     return Report(cases, Summary.of(cases, grid_dice=False), errors)
 
 
-def _models(pairs: Sequence[CasePair]) -> set[tuple]:
-    """The models (run, checkpoint step, TTA) whose `ctseg predict` stats lie beside the pairs'
-    predictions (`<scan>_seg.nii.gz` beside `<scan>_stats.json`)."""
-    models = set()
+def _recorded(
+    pairs: Sequence[CasePair], warn: Callable[[str], None] | None
+) -> dict[str, Recorded | None]:
+    """What `ctseg predict` recorded beside each pair's prediction; a stats file that cannot
+    be read is a warning (`warn`), its case scored without the quality."""
+    found: dict[str, Recorded | None] = {}
     for pair in pairs:
-        stats_path = _stats_beside(pair.pred)
-        if stats_path is None:
-            continue
         try:
-            stats = json.loads(stats_path.read_text())
-            ensemble = json.dumps(stats.get("ensemble"))  # a list of members: made hashable
-            models.add((stats.get("run_dir"), stats.get("run_step"), stats.get("tta"), ensemble))
-        except (OSError, ValueError, AttributeError):
-            continue  # not a stats file of ours: nothing to compare
-    return models
+            found[pair.case] = read_recorded(pair.pred)
+        except CtsegError as exc:
+            found[pair.case] = None
+            if warn is not None:
+                warn(f"{exc}; its case is scored without the quality recorded there")
+    return found
 
 
 def missing_predictions(unpaired_ref: Sequence[str], pred_dir: Path) -> list[dict]:
@@ -293,21 +248,29 @@ def _unreadable(unpaired_pred: Sequence[str], pred_dir: Path) -> list[dict]:
     return failed
 
 
-def evaluate_folders(pred_dir: Path, ref_dir: Path, progress: Progress | None = None) -> Report:
+def evaluate_folders(
+    pred_dir: Path,
+    ref_dir: Path,
+    progress: Progress | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> Report:
     """Pair the two folders' files and evaluate them.
 
     No pair at all is an error; so are one folder given as both (every case would
     score perfectly) and predictions of several models in one folder (their mean
     would describe none of them). A case that could not be evaluated is a failed case
     (under "errors"): a reference without its prediction (`missing_predictions`), a
-    prediction that cannot be read, paired or not.
+    prediction that cannot be read, paired or not, or that is its reference itself. A
+    stats file beside a prediction that cannot be read is a warning (`warn`).
     """
-    if Path(pred_dir).resolve() == Path(ref_dir).resolve():
+    if same_file(pred_dir, ref_dir):
         raise CtsegError(f"--pred and --ref are the same folder ({pred_dir})")
     pairs, unpaired_pred, unpaired_ref = pair_files(pred_dir, ref_dir)
     if not pairs:
         raise CtsegError(f"no prediction in {pred_dir} matches a reference in {ref_dir}")
-    if len(models := _models(pairs)) > 1:
+    recorded = _recorded(pairs, warn)
+    models = {found.model for found in recorded.values() if found is not None}
+    if len(models) > 1:
         described = "; ".join(
             f"run {run or '?'} step {step}{' TTA' if tta else ''}"
             + (" (an ensemble)" if ensemble != "null" else "")
@@ -317,7 +280,7 @@ def evaluate_folders(pred_dir: Path, ref_dir: Path, progress: Progress | None = 
             f"{pred_dir} holds predictions of {len(models)} models ({described}); "
             "predict every scan with one model (ctseg predict --force) or evaluate them apart"
         )
-    result = evaluate_pairs(pairs, progress)
+    result = evaluate_pairs(pairs, progress, recorded)
     errors = [
         *result.errors,
         *_unreadable(unpaired_pred, pred_dir),

@@ -34,6 +34,7 @@ from ctseg.inference import quality
 from ctseg.inference.region import check_margin
 from ctseg.inference.thresholds import read_thresholds
 from ctseg.io import scans
+from ctseg.io.orientation import voxels_difference
 from ctseg.io.scans import Scan
 from ctseg.progress import Progress
 from ctseg.run import evaluations, fingerprint, rundir
@@ -151,8 +152,12 @@ def evaluate(
     with lock.hold(out_dir, warn):
         atomic.claim_folder(out_dir, evaluations.OWN_FILES, force=None)
         staged = evaluations.claim(out_dir, evaluation.record(None), force)
-        scored = score_parts(evaluation.parts, staged, progress)
-        report = evaluation.report(scored)
+        try:
+            scored = score_parts(evaluation.parts, staged, progress)
+            report = evaluation.report(scored)
+        except BaseException:  # stopped or failed: the earlier evaluation stays as it was
+            evaluations.discard(staged)
+            raise
         # The checkpoints used (where one could not be read, another was), recorded as the
         # earlier evaluation is replaced: only now, with every result ready.
         evaluations.commit(out_dir, evaluation.record(scored), staged)
@@ -228,12 +233,9 @@ def read_case(case: CaseEntry) -> tuple[Scan, Scan]:
             "differs from the store manifest's); re-run `ctseg preprocess --force`"
         )
     reference = scans.read_scan(case.label_source)
-    if scans.geometry_difference(
-        scan.original_shape,
-        scan.original_affine,
-        reference.original_shape,
-        reference.original_affine,
-    ):
+    # Compared in canonical order, where the case is scored: a reference stored mirrored or
+    # transposed against its scan (its affine to match) holds the scan's voxels.
+    if voxels_difference(scan, reference):
         raise CtsegError(f"{case.label_source} does not have its scan's geometry")
     return scan, reference
 

@@ -97,7 +97,7 @@ def claim(out_dir: Path, evaluation: dict[str, Any], force: bool) -> Path:
             f"{out_dir} holds {_described(earlier)}; give another --out, or --force to replace it"
         )
     staged = out_dir / STAGED
-    _remove_staged(staged)  # a killed evaluation's: never part of a finished one
+    discard(staged)  # a killed evaluation's: never part of a finished one
     staged.mkdir()
     return staged
 
@@ -137,10 +137,11 @@ def commit(out_dir: Path, evaluation: dict[str, Any], staged: Path) -> None:
             path.unlink()
     for name in sorted(new):
         os.replace(staged / name, predictions / name)
-    _remove_staged(staged)
+    discard(staged)
 
 
-def _remove_staged(staged: Path) -> None:
+def discard(staged: Path) -> None:
+    """Remove the predictions of an evaluation that did not finish (`claim`'s folder)."""
     if staged.is_symlink() or staged.is_file():
         staged.unlink()
     elif staged.is_dir():

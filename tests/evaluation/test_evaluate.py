@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg.cli.app import app
 from ctseg.errors import CtsegError
-from ctseg.evaluation.scoring import evaluate_arrays, evaluate_folders, pair_files, write_reports
+from ctseg.evaluation.pairing import pair_files
+from ctseg.evaluation.scoring import evaluate_arrays, evaluate_folders, write_reports
 
 
 def touch(folder: Path, *names: str) -> None:
