@@ -11,6 +11,7 @@ one line naming the file and the key (`CtsegError`), never a hang or a traceback
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -77,6 +78,14 @@ def read_bytes(path: str | Path, what: str = "file", limit: int | None = None) -
     if limit is not None and len(data) > limit:
         raise CtsegError(f"{what} {path} is over {limit >> 20} MiB: not one of ctseg's records")
     return data
+
+
+def sha256_of(path: str | Path, what: str = "file") -> tuple[int, str]:
+    """(size in bytes, sha256 in hex) of the regular file `path`, read once in blocks:
+    what ctseg knows a scan or an output of its own by (its content, not its name)."""
+    with open_regular(path, what) as f:
+        digest = hashlib.file_digest(f, "sha256")
+        return f.tell(), digest.hexdigest()
 
 
 def read_text(path: str | Path, what: str = "file", limit: int | None = RECORD_BYTES) -> str:
@@ -147,7 +156,7 @@ class Record:
     def __init__(self, value: Any, path: str | Path, what: str = "record", key: str = ""):
         self.path, self.what, self.key = Path(path), what, key
         if not isinstance(value, dict):
-            self._fail(key or None, f"must be an object, not {_describe(value)}")
+            self._fail(None, f"must be an object, not {_describe(value)}")  # self.key names it
         self.value: dict[str, Any] = value
 
     @classmethod

@@ -1,11 +1,19 @@
 """ctseg.reading: only regular files are opened, and records are read key by key."""
 
+import hashlib
 import os
 
 import pytest
 
 from ctseg.errors import CtsegError
-from ctseg.reading import NotRegularFile, Record, check_regular, read_json, read_text
+from ctseg.reading import (
+    NotRegularFile,
+    Record,
+    check_regular,
+    read_json,
+    read_text,
+    sha256_of,
+)
 
 
 def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
@@ -74,3 +82,18 @@ def test_lists_of_numbers_and_text_are_checked_too(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(NotRegularFile):
         read_text(tmp_path / "fifo")
+
+
+def test_a_nested_value_that_is_no_object_is_named_by_its_key_once(tmp_path):
+    record = Record({"request": {"region": "the whole scan"}}, tmp_path / "s.json", "stats")
+    with pytest.raises(CtsegError, match=r"key 'request\.region' must be an object, not \"the"):
+        record.record("request").record("region")
+
+
+def test_a_files_digest_is_its_size_and_sha256_and_never_waits_on_a_fifo(tmp_path):
+    path = tmp_path / "scan.nii.gz"
+    path.write_bytes(b"voxels" * 1000)
+    assert sha256_of(path) == (6000, hashlib.sha256(b"voxels" * 1000).hexdigest())
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(NotRegularFile, match="pipe"):
+        sha256_of(tmp_path / "fifo", "scan")
