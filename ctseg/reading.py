@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from ctseg.errors import CtsegError
 RECORD_BYTES = 64 << 20
 
 T = TypeVar("T")
+_SHA256 = re.compile("[0-9a-f]{64}")
 
 
 class NotRegularFile(CtsegError):
@@ -189,6 +191,13 @@ class Record:
         value = self._get(key, optional)
         if value is not None and not isinstance(value, str):
             self._fail(key, f"must be a string, not {_describe(value)}")
+        return value
+
+    def sha256(self, key: str, optional: bool = False) -> str | None:
+        """A SHA-256 digest, as `sha256_of` gives it: 64 lower-case hex digits."""
+        value = self.text(key, optional)
+        if value is not None and not _SHA256.fullmatch(value):
+            self._fail(key, f"must be a sha256 (64 hex digits), not {_describe(value)}")
         return value
 
     def flag(self, key: str, optional: bool = False) -> bool | None:

@@ -97,3 +97,8 @@ def test_a_files_digest_is_its_size_and_sha256_and_never_waits_on_a_fifo(tmp_pat
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(NotRegularFile, match="pipe"):
         sha256_of(tmp_path / "fifo", "scan")
+    record = Record({"a": sha256_of(path)[1], "b": "abc", "c": 5}, path)
+    assert record.sha256("a") == sha256_of(path)[1]
+    for key in "bc":
+        with pytest.raises(CtsegError, match=f"key '{key}' must be a"):
+            record.sha256(key)
