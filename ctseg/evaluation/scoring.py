@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from ctseg import compat
-from ctseg.atomic import claim_report, is_json_with, write_text
+from ctseg.atomic import claim_report, write_text
 from ctseg.errors import CtsegError
 from ctseg.evaluation import metrics
 from ctseg.evaluation.pairing import CasePair, nifti_stem, pair_files, same_file
@@ -42,7 +42,7 @@ from ctseg.io import scans
 from ctseg.io.orientation import voxels_difference
 from ctseg.labels import check_labels
 from ctseg.progress import Progress
-from ctseg.reading import Record
+from ctseg.reading import Record, open_regular, read_json
 
 CSV_SECTIONS = ("liver", "tumour", "detection", "burden")
 # A case's prediction quality (`ctseg.inference.quality`) in metrics.csv, where it has one.
@@ -322,12 +322,23 @@ def cases_csv(cases: Sequence[dict]) -> str:
 REPORT_KEYS = ("cases", "summary", "errors", "unpaired")
 
 
-def is_cases_csv(path: Path) -> bool:
-    """Whether `path` holds a per-case CSV that `cases_csv` wrote (by its header)."""
+def is_report(path: Path) -> bool:
+    """Whether `path` holds a JSON report of `write_reports` (by its keys); False for
+    anything else, a FIFO or a record past Python's limits too (`ctseg.reading`)."""
     try:
-        with path.open(errors="replace") as f:
-            header = f.readline().rstrip("\n")
-    except OSError:
+        report = read_json(path, "the report")
+    except (OSError, CtsegError):
+        return False
+    return isinstance(report, dict) and set(REPORT_KEYS) <= set(report)
+
+
+def is_cases_csv(path: Path) -> bool:
+    """Whether `path` holds a per-case CSV that `cases_csv` wrote (by its header); False
+    for anything else, a FIFO too (never opened to wait for a writer)."""
+    try:
+        with open_regular(path, "the report") as f:
+            header = f.readline(1 << 16).decode("utf-8", errors="replace").rstrip("\n")
+    except (OSError, CtsegError):
         return False
     columns = header.split(",")
     sections = (*CSV_SECTIONS, "quality", *compat.OLD_REPORT_SECTIONS)
@@ -351,7 +362,7 @@ def claim_reports(
     # The label maps the folders hold are inputs too (a report may go beside them).
     inputs = [*inputs, *(f for d in inputs if d.is_dir() for f in d.iterdir() if nifti_stem(f))]
     if json_path is not None:
-        claim_report(json_path, lambda p: is_json_with(p, REPORT_KEYS), inputs, force)
+        claim_report(json_path, is_report, inputs, force)
     if csv_path is not None:
         claim_report(csv_path, is_cases_csv, inputs, force)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
 import os
@@ -32,6 +31,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from ctseg.errors import CtsegError
 from ctseg.model.step import TrainState
+from ctseg.reading import NotRegularFile, check_regular, read_json
 from ctseg.run import rundir
 
 VAL_METRIC = "val_dice"  # mean of liver and tumour Dice on the validation split
@@ -202,6 +202,7 @@ class Checkpoints:
         self.directory = directory
         if not read_only:
             _save_from_one_replica()
+        self._check_metrics_files()
         try:
             self.manager = ocp.CheckpointManager(directory, options=options)
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -358,13 +359,25 @@ class Checkpoints:
         """
         for metrics in sorted(self.directory.glob("*/metrics/metrics")):
             try:
-                json.loads(metrics.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+                read_json(metrics, "the checkpoint's metrics")
+            except (OSError, CtsegError) as error:
                 step = metrics.parent.parent.name
                 return UnreadableCheckpoint(
                     self._unreadable(step, f"{metrics} is not JSON ({_first_line(error)})")
                 )
         return CtsegError(f"cannot list the checkpoints in {self.directory}: {_first_line(exc)}")
+
+    def _check_metrics_files(self) -> None:
+        """UnreadableCheckpoint for a step's metrics that is no regular file: orbax reads
+        every one as it opens the folder, and a FIFO's open would wait for ever."""
+        for metrics in sorted(self.directory.glob("*/metrics/metrics")):
+            try:
+                check_regular(metrics, "the checkpoint's metrics")
+            except NotRegularFile as error:
+                step = metrics.parent.parent.name
+                raise UnreadableCheckpoint(self._unreadable(step, str(error))) from None
+            except OSError:
+                pass  # orbax, or `_damaged_metrics`, says what is wrong with it
 
     @contextlib.contextmanager
     def _reading(self, step: int) -> Iterator[None]:

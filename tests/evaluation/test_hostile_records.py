@@ -119,6 +119,18 @@ def test_a_hostile_run_record_is_one_line(tmp_path, name, content):
     _one_line(_in_time(read), path)
 
 
+def test_a_checkpoints_metrics_that_is_a_fifo_is_one_line(trained, tmp_path):
+    """orbax reads every step's metrics as it opens a run's checkpoints."""
+    from ctseg.run.checkpoints import Checkpoints
+
+    run = tmp_path / "run"
+    shutil.copytree(trained[0] / rundir.CHECKPOINTS, run / rundir.CHECKPOINTS)
+    (metrics,) = (run / rundir.CHECKPOINTS).glob("*/metrics/metrics")
+    metrics.unlink()
+    os.mkfifo(metrics)
+    _one_line(_in_time(lambda: Checkpoints(run, keep=1, read_only=True)), metrics)
+
+
 # ---------------------------------------------------------------- an evaluation's folder
 
 
@@ -211,6 +223,27 @@ def test_a_hand_edited_stats_file_is_a_warning_and_the_case_still_scores(tmp_pat
     assert "warning" in output and "scan_stats.json" in output, output
     written = json.loads(report.read_text())
     assert written["summary"]["n_cases"] == 1 and "quality" not in written["cases"][0]
+
+
+@pytest.mark.parametrize(
+    "option, content",
+    [("--json", "fifo"), ("--json", DEEP), ("--csv", "fifo")],
+    ids=["json fifo", "json deep nesting", "csv fifo"],
+)
+def test_a_report_file_that_is_hostile_is_refused_without_force(tmp_path, option, content):
+    pred, ref = tmp_path / "pred", tmp_path / "ref"
+    pred.mkdir()
+    ref.mkdir()
+    save(ref / "scan.nii.gz", labels())
+    save(pred / "scan_seg.nii.gz", labels())
+    report = tmp_path / "report"
+    _write(report, content)
+    args = ["evaluate", "--pred", str(pred), "--ref", str(ref), option, str(report)]
+    result = _in_time(lambda: runner.invoke(app, args))[1]
+    assert isinstance(result.exception, CtsegError), result.output
+    assert "is not a report this command wrote" in str(result.exception)
+    assert runner.invoke(app, [*args, "--force"]).exit_code == 0
+    assert report.is_file()
 
 
 # ---------------------------------------------------------------- calibration
