@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ctseg import config as cfg
+from ctseg.cli import interrupts
 from ctseg.cli.library_output import held
 from ctseg.parallel.compile_cache import compile_cache_dir, use_compile_cache
 from ctseg.parallel.devices import DEVICE_CHOICES, ChosenDevices
@@ -76,6 +77,9 @@ def config_from_options(path: Path | None, overrides: list[str] | None) -> cfg.C
     return cfg.load(path, overrides or ())
 
 
+# A signal while JAX starts ends the command at once: raised as KeyboardInterrupt it could be
+# swallowed by a gc callback of JAX's, or crash its native start (`ctseg.cli.interrupts`).
+@interrupts.starting()
 def start_jax(
     config: cfg.Config,
     coordinator: str | None = None,
