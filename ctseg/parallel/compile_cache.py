@@ -76,7 +76,7 @@ def use_compile_cache(directory: Path | None) -> str | None:
     resolved = directory.resolve()
     _check_entries(directory, resolved)
     _keys_without_the_folder()
-    _entries_checked(directory)
+    _entries_checked()
     jax.config.update("jax_compilation_cache_dir", str(resolved))
     # Even the small programs: a stage of a tiny model compiles in under a second, but a
     # second `ctseg predict` should compile nothing at all.
@@ -198,7 +198,7 @@ def _digest(key: str, value: bytes) -> bytes:
     return hashlib.sha256(key.encode() + b"\0" + value).digest()
 
 
-def _entries_checked(directory: Path) -> None:
+def _entries_checked() -> None:
     """JAX's file cache made a `_CheckedEntries` when JAX first opens it."""
     from jax._src import compilation_cache
 
@@ -208,7 +208,7 @@ def _entries_checked(directory: Path) -> None:
 
     def get_file_cache(path: str) -> Any:
         found = made(path)
-        return None if found is None else (_CheckedEntries(found[0], directory), found[1])
+        return None if found is None else (_CheckedEntries(found[0], Path(path)), found[1])
 
     get_file_cache._ctseg = True  # type: ignore[attr-defined]
     compilation_cache.get_file_cache = get_file_cache
@@ -228,7 +228,9 @@ class _CheckedEntries:
         return self._files._path
 
     def get(self, key: str) -> bytes | None:
-        path = Path(self._files._path) / f"{key}-cache"
+        from jax._src import lru_cache
+
+        path = Path(self._files._path) / f"{key}{lru_cache._CACHE_SUFFIX}"
         try:
             entry = read_bytes(path, "compilation cache entry")
         except FileNotFoundError:
