@@ -296,8 +296,10 @@ def evaluate(
     ref: Annotated[
         Path | None,
         typer.Option(
-            help="Folder of reference label maps (.nii / .nii.gz); a reference without its "
-            "prediction, or a prediction that cannot be read, is a failed case (exit 1).",
+            help="Folder of reference label maps (.nii / .nii.gz, any case); scans beside "
+            "them (LiTS's volume-N) are no references. A reference without its prediction, "
+            "or a prediction that cannot be read or is the reference itself (a link), is a "
+            "failed case (exit 1).",
             metavar="REF_DIR",
         ),
     ] = None,
