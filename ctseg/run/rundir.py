@@ -24,6 +24,7 @@ read a run's config before it chooses (and starts) the devices.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -223,7 +224,13 @@ class MetricsLog:
         entries = []
         for entry in _json_lines(Path(run_dir) / METRICS, "the metrics"):
             entry.integer("step", low=0)
-            entries.append(compat.metrics_entry(entry.value))
+            entry = Record(compat.metrics_entry(entry.value), entry.path, entry.what)
+            for key in ("loss", "val_dice_liver", "val_dice_tumour"):
+                value = entry.value.get(key)
+                # A diverged step's loss is logged as it was: NaN or infinite.
+                if not (isinstance(value, float) and not math.isfinite(value)):
+                    entry.number(key, optional=True)
+            entries.append(entry.value)
         return entries
 
     def append(self, entry: dict[str, Any]) -> None:

@@ -105,6 +105,7 @@ def test_a_hostile_fingerprint_is_one_line(tmp_path, content):
         (rundir.METRICS, '{"step": ' + HUGE + "}\n"),
         (rundir.METRICS, '{"step": 2}\n[1, 2]\n'),
         (rundir.METRICS, '{"step": "2"}\n'),
+        (rundir.METRICS, '{"step": 2, "loss": 0.5, "val_dice_liver": "0.9"}\n'),
         (rundir.LAYOUTS, "fifo"),
     ],
 )
