@@ -14,7 +14,8 @@ fold (``ctseg train --fold``) sees the store as it trained on it: its "val" spli
 fold.
 Cases go through `ctseg.evaluation.scoring.score_cases`, and the reports are written
 as `ctseg evaluate --pred/--ref` writes them (`ctseg.evaluation.reports.RunReport`).
-The evaluation folder's record and clearing are `ctseg.run.evaluations`'s.
+The evaluation folder's record, and how its earlier evaluation is replaced, are
+`ctseg.run.evaluations`'s.
 
 The prediction pipeline starts JAX: it is imported when an evaluation runs, so that
 the CLI can choose the devices first.
@@ -80,8 +81,9 @@ def evaluate_run(
     `out_dir` (default RUN_DIR/eval; an ensemble's must be given) holds one evaluation:
     evaluated.json records its runs, checkpoints, store and split (not the locator: as
     TTA or the backend, it is how the run predicted, and the report records it). Another
-    one is replaced only with `force`; every evaluation first clears what an earlier one
-    wrote, so that predictions are never mixed. The folder's lock is held throughout
+    one is replaced only with `force`, and only once every case of this one is scored
+    (a failure or a stop half-way leaves it whole), so that predictions are never mixed
+    and never lost to a failed run. The folder's lock is held throughout
     (`ctseg.lock`; `warn` hears of a dead holder's).
 
     Metrics compare the post-processed prediction, mapped back to the case's
@@ -91,7 +93,7 @@ def evaluate_run(
     their own, so it has none). Returns the report (`RunReport`; `to_json`: summary.json).
     """
     run_dirs = [Path(run_dirs)] if isinstance(run_dirs, str | Path) else list(map(Path, run_dirs))
-    check_request(run_dirs, out_dir, locate, margin_mm)  # before anything is claimed or cleared
+    check_request(run_dirs, out_dir, locate, margin_mm)  # before anything is claimed
     data_dir = Path(data_dir)
     if len(run_dirs) > 1:
         store, fold = Store.open(data_dir), None
