@@ -48,10 +48,11 @@ def review(
         bool, typer.Option("--open", help="Open the page in the default browser.")
     ] = False,
 ) -> None:
-    """Review a batch of predictions in the browser: the worst scans first, each scan with
-    its labels in 3-D, and your marks kept in OUT_DIR/review.json.
+    """Review a batch of predictions in the browser, the worst first, marks kept.
 
-    Starts a local web server and prints one line with the page's link (it carries a
+    The page lists the scans by verdict (review, unlike the training data, ok) and score,
+    shows each scan with its labels in 2-D and 3-D (NiiVue), and keeps your marks (accept,
+    reject, needs correction, a comment) in OUT_DIR/review.json. Starts a local web server and prints one line with the page's link (it carries a
     random token: the server answers nothing without it). Needs the review extra: pip
     install 'ctseg\\[review]'. Ctrl-C stops it.
     """
@@ -65,13 +66,13 @@ def review(
     name = reviewer if reviewer is not None else _default_reviewer()
     if not name.strip() or len(name) > 100:
         raise CtsegError("--reviewer needs a name of 1 to 100 characters")
-    # The batch is read before anything listens: a folder without predictions is one line.
-    server.read_batch(out_dir)
-    sock = server.bind(host, port)
     token = secrets.token_urlsafe(24)
+    # The batch and its marks are read before anything listens: a bad folder is one line.
+    application = server.make_app(out_dir, token, name)
+    sock = server.bind(host, port)
     url = server.review_url(host, sock.getsockname()[1], token)
     exposed = "" if host in server.LOOPBACK else f" — listening on {host}, not only this machine"
     typer.echo(f"review: {url}  (Ctrl-C stops){exposed}", err=False)
     if open_browser:
         threading.Timer(0.5, webbrowser.open, (url,)).start()
-    server.serve(sock, out_dir, name, token)
+    server.serve(sock, application)

@@ -17,6 +17,7 @@ sends: each a path the folder's records name, never one a request names.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ class Case:
     reasons: tuple[str, ...] = ()
     numbers: dict[str, float | None] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
+    tumours: tuple[dict[str, Any], ...] = ()  # largest first: volume_ml, centre_mm, diameter_mm
     dice: dict[str, float | None] = field(default_factory=dict)  # an evaluation's
     files: dict[str, Path] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
@@ -65,6 +67,7 @@ class Case:
             "reasons": list(self.reasons),
             **self.numbers,
             "warnings": list(self.warnings),
+            "tumours": list(self.tumours),
             "dice": self.dice or None,
             "files": sorted(self.files),  # the server names them (`files.served_name`)
             "problems": list(self.problems),
@@ -151,7 +154,29 @@ def _stats_fields(stats: Record) -> dict[str, Any]:
     numbers["tumour_count"] = None if count is None else float(count)
     warnings = tuple(stats.texts("warnings", optional=True) or ())
     return {**_quality_fields(stats.record("quality", optional=True)), "numbers": numbers,
-            "warnings": warnings}  # fmt: skip
+            "warnings": warnings, "tumours": _tumours(stats)}  # fmt: skip
+
+
+SHOWN_TUMOURS = 20  # predict measures the 20 largest; a noisy prediction lists thousands
+
+
+def _tumours(stats: Record) -> tuple[dict[str, Any], ...]:
+    """The largest tumours, where they are (their box's centre in the scan's world mm, as
+    NIfTI's affine places it) and how large: the viewer goes to each."""
+    tumours = []
+    for tumour in stats.records("tumours", optional=True):
+        if len(tumours) == SHOWN_TUMOURS:
+            break
+        centre = tumour.items("box_centre_mm")
+        numbers = all(isinstance(c, int | float) and math.isfinite(c) for c in centre)
+        if len(centre) != 3 or not numbers:
+            continue  # no place to go to
+        tumours.append({
+            "volume_ml": tumour.number("volume_ml", optional=True),
+            "diameter_mm": tumour.number("diameter_mm", optional=True),
+            "centre_mm": [float(c) for c in centre],
+        })  # fmt: skip
+    return tuple(tumours)
 
 
 def _quality_fields(quality: Record | None) -> dict[str, Any]:

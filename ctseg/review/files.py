@@ -105,12 +105,16 @@ def _identity(path: Path) -> tuple[int, int]:
 @functools.lru_cache(maxsize=2)  # the scan on the screen and the one before it
 def _as_nifti(path: str, _mtime: int, _size: int) -> bytes:
     """A scan of another format as NIfTI bytes, in its own voxel order and geometry."""
-    from ctseg.io import scans  # SimpleITK and nibabel: imported with the first such scan
+    # SimpleITK and nibabel: imported with the first such scan.
+    from ctseg.io import scans
+    from ctseg.io.readers import one_line
 
     try:
         scan = scans.read_scan(path)
     except CtsegError as exc:
         raise Refused(404, str(exc)) from None
+    except Exception as exc:  # a reader library's failure on a strange file: no scan here
+        raise Refused(404, f"{path} cannot be read: {one_line(exc)}") from None
     voxels = scans.to_original_order(scan, scan.array)
     integral = np.array_equal(voxels, np.round(voxels))
     fits = integral and voxels.min() >= -32768 and voxels.max() <= 32767

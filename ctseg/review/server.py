@@ -64,7 +64,7 @@ class _Folder:
         return batch
 
 
-def make_app(folder: Path, token: str, reviewer: str, cookie: str = "ctseg-review") -> ASGIApp:
+def make_app(folder: Path, token: str, reviewer: str) -> ASGIApp:
     """The review server's application over `folder` (a predict or evaluate folder),
     answering only requests with `token`; CtsegError if the folder holds no batch."""
     served = _Folder(folder, reviewer)
@@ -144,7 +144,7 @@ def make_app(folder: Path, token: str, reviewer: str, cookie: str = "ctseg-revie
         Route("/marks.csv", export),
         Route("/files/{name}/{file}", file),
     ]
-    return _TokenGate(Starlette(routes=routes), token, cookie)
+    return _TokenGate(Starlette(routes=routes), token)
 
 
 def _case_json(case: Case) -> dict[str, Any]:
@@ -171,12 +171,13 @@ async def _limited_body(request: Request) -> bytes | None:
 
 
 class _TokenGate:
-    """403 for any request without the token; the link's `?token=` sets a cookie (for
-    this port: cookies are per host, not per port) that the page's later requests carry.
-    Every answer says not to sniff types nor to pass the URL (with its token) on."""
+    """403 for any request without the token; the link's `?token=` sets a cookie (named
+    after the port: cookies are per host, not per port, and two servers may run) that the
+    page's later requests carry. Every answer says not to sniff types nor to pass the URL
+    (with its token) on."""
 
-    def __init__(self, app: ASGIApp, token: str, cookie: str):
-        self.app, self.token, self.cookie = app, token.encode(), cookie
+    def __init__(self, app: ASGIApp, token: str):
+        self.app, self.token = app, token.encode()
 
     def _is_token(self, given: str | None) -> bool:
         return bool(given) and secrets.compare_digest(given.encode(), self.token)
@@ -186,9 +187,10 @@ class _TokenGate:
             await self.app(scope, receive, send)
             return
         request = Request(scope)
+        cookie = f"ctseg-review-{(scope.get('server') or ('', 0))[1]}"
         in_link = self._is_token(request.query_params.get("token"))
-        send = _with_headers(send, self.cookie, self.token.decode() if in_link else None)
-        given = (request.headers.get("x-ctseg-token"), request.cookies.get(self.cookie))
+        send = _with_headers(send, cookie, self.token.decode() if in_link else None)
+        given = (request.headers.get("x-ctseg-token"), request.cookies.get(cookie))
         if not (in_link or any(self._is_token(g) for g in given)):
             answer = PlainTextResponse(
                 "403: open the link `ctseg review` printed (it carries the server's token)",
@@ -238,13 +240,11 @@ def review_url(host: str, port: int, token: str) -> str:
     return f"http://{shown}:{port}/?token={token}"
 
 
-def serve(sock: socket.socket, folder: Path, reviewer: str, token: str) -> None:
-    """Serve the review of `folder` on the bound `sock` until Ctrl-C (or SIGTERM), which
+def serve(sock: socket.socket, app: ASGIApp) -> None:
+    """Serve `app` (`make_app`) on the bound `sock` until Ctrl-C (or SIGTERM), which
     uvicorn answers by finishing the requests under way and returning."""
     import uvicorn
 
-    port = sock.getsockname()[1]
-    app = make_app(folder, token, reviewer, cookie=f"ctseg-review-{port}")
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="off"
     )

@@ -88,8 +88,12 @@ function row(c, index) {
   const verdict = element("td");
   verdict.append(element("span", c.verdict || "no verdict", `verdict ${VERDICT_CLASS[c.verdict] || ""}`));
   tr.append(verdict, element("td", number(c.score, 2), "num"));
-  const reasons = [...c.reasons, ...c.problems];
-  tr.append(element("td", reasons.join("; ") || "–", "reasons"));
+  // The verdict's reason in the row; all of them in its tooltip and in the viewer.
+  const reasons = [...c.problems, ...c.reasons];
+  const more = reasons.length > 1 ? ` (+${reasons.length - 1} more)` : "";
+  const reasonCell = element("td", (reasons[0] || "–") + more, "reasons");
+  reasonCell.title = reasons.join("\n");
+  tr.append(reasonCell);
   tr.append(element("td", number(c.liver_volume_ml), "num"));
   tr.append(element("td", number(c.tumour_volume_ml), "num"));
   tr.append(element("td", number(c.tumour_count, 0), "num"));
@@ -97,8 +101,10 @@ function row(c, index) {
   tr.append(element("td", number(c.tumour_burden_percent, 2), "num"));
   tr.append(element("td", number(c.dice?.liver, 3), "num dice"));
   tr.append(element("td", number(c.dice?.tumour, 3), "num dice"));
-  const more = c.warnings.length > 1 ? ` (+${c.warnings.length - 1} more)` : "";
-  tr.append(element("td", c.warnings.length ? c.warnings[0] + more : "", "warnings"));
+  const moreWarnings = c.warnings.length > 1 ? ` (+${c.warnings.length - 1} more)` : "";
+  const warningCell = element("td", c.warnings.length ? c.warnings[0] + moreWarnings : "", "warnings");
+  warningCell.title = c.warnings.join("\n");
+  tr.append(warningCell);
   const mark = state.marks[c.name];
   const markCell = element("td");
   if (mark) {
@@ -311,11 +317,32 @@ function showDetails(c) {
   ];
   if (c.dice) rows.push(["Dice liver", number(c.dice.liver, 3)], ["Dice tumour", number(c.dice.tumour, 3)]);
   for (const [term, value] of rows) list.append(element("dt", term), element("dd", value));
+  const tumours = $("tumours");
+  tumours.replaceChildren();
+  c.tumours.forEach((t, index) => {
+    const size = t.diameter_mm === null ? "" : `, ${number(t.diameter_mm)} mm`;
+    const button = element("button", `tumour ${index + 1}: ${number(t.volume_ml)} mL${size}`);
+    button.title = "go to this tumour (t: the next one)";
+    button.addEventListener("click", () => goToTumour(index));
+    tumours.append(button);
+  });
+  state.tumour = -1;
   const reasons = $("reasons");
   reasons.replaceChildren();
   for (const r of c.reasons) reasons.append(element("p", r));
   for (const w of c.warnings) reasons.append(element("p", `warning: ${w}`, "warning"));
   for (const p of c.problems) reasons.append(element("p", p, "problem"));
+}
+
+function goToTumour(index) {
+  const c = state.cases[state.current];
+  const nv = state.nv;
+  if (!c?.tumours.length || !nv?.volumes.length) return;
+  state.tumour = index % c.tumours.length;
+  nv.scene.crosshairPos = nv.mm2frac(c.tumours[state.tumour].centre_mm);
+  nv.drawScene();
+  nv.createOnLocationChange();
+  for (const [i, b] of [...$("tumours").children].entries()) b.classList.toggle("on", i === state.tumour);
 }
 
 // --- marks ------------------------------------------------------------------------------
@@ -382,6 +409,7 @@ function onKey(event) {
   else if (key === "Enter" && !state.viewing && state.current >= 0) open(state.cases[state.current].name);
   else if (key === "Escape" && state.viewing) backToList();
   else if (MARK_KEYS[key]) markCurrent(MARK_KEYS[key]);
+  else if (key === "t" && state.viewing) goToTumour(state.tumour + 1);
   else return;
   event.preventDefault();
 }
