@@ -66,7 +66,11 @@ ctseg does there, and gives `vs_anchor`: the `infer` seconds (grid to probabilit
 of the whole-scan run and of each `--roi` run against the anchor's.
 
 WORKDIR/result.json is rewritten (atomically) after every measurement, so a run that
-fails later keeps what was measured; the last version is also printed.
+fails later keeps what was measured; the last version is also printed. A later run in the
+same WORKDIR reuses its run and scans only where they are what it asks for (the same
+config, the same `--host-figures-only`, the same `--size`), and otherwise refuses, naming
+what differs: give it a new WORKDIR. A mistake in the arguments is one line, `error: …`
+(exit status 2), before anything is made.
 """
 
 from __future__ import annotations
@@ -77,17 +81,22 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ctseg import atomic  # no JAX here: this process leaves the accelerators to the runs
+from ctseg.errors import CtsegError
+from ctseg.io.scans import scan_name
 
 if TYPE_CHECKING:
     from ctseg import config as cfg
 
 REPO = Path(__file__).resolve().parent.parent
-CTSEG = [sys.executable, "-m", "ctseg"]  # the command line of this Python's ctseg
+# The command line of this Python's ctseg. -P: a `ctseg` folder or `ctseg.py` in the working
+# folder (a checkout, a user's own module) is never the ctseg imported.
+CTSEG = [sys.executable, "-P", "-m", "ctseg"]
 # `--checkout`'s: its command line where every commit has it (`python -m ctseg` came later).
 CHECKOUT_CTSEG = "import sys; from ctseg.cli.main import main; sys.exit(main())"
 CONFIG = REPO / "configs" / "lits512_16way.toml"
@@ -138,7 +147,14 @@ def make_run_apart(run_dir: Path, config_path: Path, shrunk: bool) -> None:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, __file__, MAKE_RUN, str(run_dir), str(config_path)]
     command += SHRUNK if shrunk else []
-    subprocess.run(command, env=env, check=True)
+    run_child(command, "making the run", env)
+
+
+def run_child(command: list[str], what: str, env: dict[str, str] | None = None) -> None:
+    """Run `command`, its output on this terminal; one line, exit status 1, if it fails."""
+    status = subprocess.run(command, env=env).returncode
+    if status != 0:
+        sys.exit(f"{what} failed (exit status {status})")
 
 
 def follow_the_liver(config: cfg.Config, state: Any) -> Any:
@@ -206,6 +222,7 @@ def _set_block(block: Any, mixing: Any, mean: Any, centre: bool = False) -> None
 # `ctseg synth --seed 94` draws a liver-only scan of 63 slices of 3.9 mm (512×512×63 at
 # --size 512): the scan the prediction targets are stated for.
 SCAN_SEED = 94
+SMALLEST = 16  # `ctseg synth --size`'s least
 
 
 def make_scans(folder: Path, count: int, size: int) -> list[Path]:
@@ -215,14 +232,50 @@ def make_scans(folder: Path, count: int, size: int) -> list[Path]:
     if not first.is_file():
         synth = [*CTSEG, "synth", str(folder), "--cases", "1", "--size", str(size)]
         synth += ["--seed", str(SCAN_SEED)]
-        subprocess.run(synth, check=True)
+        run_child(synth, "ctseg synth")
         # The scans alone are the input; the label map is the region mask of `--roi`.
         (folder / "segmentation-0.nii.gz").replace(folder.parent / "liver-mask.nii.gz")
     scans = [folder / f"volume-{i}.nii.gz" for i in range(count)]
-    for scan in scans[1:]:
-        if not scan.is_file():
-            shutil.copyfile(first, scan)
+    for scan in scans[1:]:  # each time: copies an earlier run left may be of another scan
+        shutil.copyfile(first, scan)
     return scans
+
+
+def check_reused(workdir: Path, config: cfg.Config, size: int) -> None:
+    """CtsegError if WORKDIR holds a run or scans that this request did not ask for (another
+    config, another size): measured, they would be reported as this request's."""
+    from ctseg import config as cfg
+    from ctseg.run.rundir import config_changes
+
+    run_config = workdir / "run" / "config.toml"
+    if run_config.is_file():
+        changes = config_changes(cfg.load(run_config), config)
+        if changes:
+            raise CtsegError(
+                f"{workdir / 'run'} is a run of another config (it differs in "
+                f"{', '.join(changes)}): give a new WORKDIR"
+            )
+    scan = workdir / "scan" / "volume-0.nii.gz"
+    if scan.exists():
+        shape = _scan_shape(scan)
+        if shape[:2] != (size, size):
+            raise CtsegError(
+                f"{scan} is a scan of {shape[0]}×{shape[1]} pixels, not of --size {size}: "
+                "give a new WORKDIR"
+            )
+        if not (workdir / "liver-mask.nii.gz").is_file():
+            raise CtsegError(
+                f"{scan} has no liver-mask.nii.gz beside its folder: give a new WORKDIR"
+            )
+
+
+def _scan_shape(scan: Path) -> tuple[int, ...]:
+    import nibabel as nib
+
+    try:
+        return tuple(nib.load(scan).shape)
+    except Exception as exc:  # nibabel's errors for a file that is no NIfTI vary
+        raise CtsegError(f"{scan} cannot be read ({exc}): give a new WORKDIR") from None
 
 
 def measured(command: list[str], env: dict[str, str] | None = None) -> tuple[int, float, float]:
@@ -263,7 +316,7 @@ def predict(
     status, wall, peak = measured(command, env)
     if status != 0:
         sys.exit(f"ctseg predict failed (exit status {status}); measured so far: {args.result}")
-    stats = [json.loads((out / f"{s.name[:-7]}_stats.json").read_text()) for s in scans]
+    stats = [json.loads((out / f"{scan_name(s)}_stats.json").read_text()) for s in scans]
     seconds = {phase: [s["seconds"][phase] for s in stats] for phase in SCAN_PHASES}
     run = {
         "wall_seconds": wall,
@@ -276,7 +329,7 @@ def predict(
         "compiled": stats[-1]["compiled"],
         "seconds": seconds,
         "host_seconds": [sum(seconds[p][i] for p in HOST_PHASES) for i in range(len(stats))],
-        "liver_dice": liver_dice(out / f"{scans[0].name[:-7]}_seg.nii.gz", args.truth),
+        "liver_dice": liver_dice(out / f"{scan_name(scans[0])}_seg.nii.gz", args.truth),
     }
     if len(scans) > 1:
         later = run["infer_seconds"][1:]
@@ -319,8 +372,20 @@ def anchor(args: argparse.Namespace, scan: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, a mistake in the arguments one line as ctseg's commands say it."""
+
+    def error(self, message: str) -> NoReturn:
+        _refuse(message)
+
+
+def _refuse(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def _arguments() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = _Parser(description=__doc__.split("\n")[0])
     parser.add_argument("workdir", type=Path)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu", "tpu"])
     parser.add_argument("--backend", choices=["jax", "onnx"], help="default: the device policy")
@@ -356,13 +421,59 @@ def _arguments() -> argparse.Namespace:
         parser.error("--anchor compares the scans after the first: give --scans 2 or more")
     if args.roi and args.scans != 1:
         parser.error("--roi takes the one scan's mask: give --scans 1")
+    if args.scans < 1:
+        parser.error(f"--scans {args.scans}: give 1 or more")
+    if args.size < SMALLEST:
+        parser.error(f"--size {args.size}: ctseg synth draws scans of {SMALLEST} pixels or more")
+    # Without ctseg there, the child would import the installed ctseg and measure it.
+    if args.checkout is not None and not (args.checkout / "ctseg" / "__init__.py").is_file():
+        parser.error(
+            f"--checkout {args.checkout}: no ctseg package there (ctseg/__init__.py); give the "
+            "folder of a ctseg checkout"
+        )
     return args
 
 
+def checked_request(args: argparse.Namespace) -> None:
+    """Everything the run will need checked before anything is made (CtsegError): the
+    config readable and wide enough, the scan's size within memory, WORKDIR a folder this
+    process can write in, and what an earlier run left there of this request."""
+    from ctseg import config as cfg
+    from ctseg.synth.dataset import check_size
+
+    config = cfg.load(args.config, SHRUNK if args.host_figures_only else ())
+    if config.model.base_filters < len(RAMPS_HU):
+        raise CtsegError(
+            f"{args.config}: model.base_filters is {config.model.base_filters}; the run's "
+            f"liver-following network needs {len(RAMPS_HU)} or more"
+        )
+    check_size(args.size)
+    check_writable(args.workdir)
+    args.workdir = atomic.output_folder(args.workdir).resolve()
+    check_reused(args.workdir, config, args.size)
+
+
+def check_writable(path: Path) -> None:
+    """CtsegError if `path` cannot be a folder this process writes in (a file, a folder it
+    cannot write in, or inside one), found before anything is made rather than as a
+    traceback later. Creates nothing."""
+    existing = path.resolve()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CtsegError(f"{existing} is a file, not a folder: give a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise CtsegError(f"cannot write in {existing}: {exc.strerror or exc}") from None
+
+
 def _header(args: argparse.Namespace) -> dict:
-    """What the result's figures are of: scans, tiles, size, and where they are not this
-    checkout's lits512 network (`--host-figures-only`, `--checkout`)."""
+    """What the result's figures are of: scans, tiles, size, the run's config, and where
+    they are not this checkout's network (`--host-figures-only`, `--checkout`)."""
     header: dict = {"scans": args.scans, "tile": args.tile, "size": args.size}
+    header["config"] = str(args.config)  # the run's: `check_reused` holds the run to it
     if args.host_figures_only:
         header["network"] = "width shrunk: host figures only"
     if args.checkout:
@@ -372,6 +483,10 @@ def _header(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     args = _arguments()
+    try:
+        checked_request(args)
+    except CtsegError as exc:
+        _refuse(str(exc))
     args.result = args.workdir / "result.json"
     args.truth = args.workdir / "liver-mask.nii.gz"  # the phantom's label map (`make_scans`)
     run_dir, out = args.workdir / "run", args.workdir / "pred"
@@ -439,6 +554,9 @@ if __name__ == "__main__":
         from ctseg import config as cfg
 
         run_dir, config_path, *overrides = sys.argv[2:]
-        make_run(Path(run_dir), cfg.load(config_path, overrides))
+        try:
+            make_run(Path(run_dir), cfg.load(config_path, overrides))
+        except CtsegError as exc:
+            _refuse(str(exc))
     else:
         main()

@@ -31,6 +31,9 @@ tests the script itself; its numbers mean nothing); `--only train,predict` runs 
 checks alone, in that order (PyTorch's anchors run last by default, so a short lease
 keeps ctseg's own figures); `--mirror DIR` copies the JSON and the logs (packed) there
 after every check.
+A mistake in the arguments (an unknown check, a work or mirror folder that cannot be
+written) is one line, `error: …` (exit status 2), before any check runs; the script exits
+with status 1 when a check it ran failed.
 Record each run in docs/experiments/gpu.md.
 """
 
@@ -43,15 +46,20 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 from ctseg import atomic  # no JAX here: this process leaves the accelerator to the checks
+from ctseg.errors import CtsegError
 
 REPO = Path(__file__).resolve().parent.parent
-CTSEG = [sys.executable, "-m", "ctseg"]  # the command line of this Python's ctseg
+# The command line of this Python's ctseg. -P: a `ctseg` folder or `ctseg.py` in the working
+# folder (a checkout, a user's own module) is never the ctseg imported.
+CTSEG = [sys.executable, "-P", "-m", "ctseg"]
 SCRIPTS = REPO / "scripts"
 LITS128, LITS256 = REPO / "configs" / "lits128.toml", REPO / "configs" / "lits256_16way.toml"
 LITS512 = REPO / "configs" / "lits512_16way.toml"
@@ -81,8 +89,7 @@ def run(s: Settings, name: str, command: list[str], timeout: float) -> tuple[flo
     log = s.work / "logs" / f"{name}.log"
     log.parent.mkdir(exist_ok=True)
     try:
-        # Run in WORKDIR: started in a checkout, `python -m ctseg` would find the checkout's
-        # ctseg/ first, which lacks the command line (it installs inside the namespace).
+        # Run in WORKDIR, where whatever a command leaves beside its outputs stays.
         # JAX_LOG_COMPILES: each program's compile seconds in the log (`ctseg train` prints
         # them; commands that hold libraries' output print them with --verbose).
         env = {**os.environ, "JAX_LOG_COMPILES": "1"}
@@ -186,8 +193,14 @@ def train_start(s: Settings) -> dict:
     }
 
 
+def predict512_folder(s: Settings) -> Path:
+    """The predict check's work folder: one per size, as the run and scans made there are
+    of that size (`bench_predict512.py` refuses a folder of another's)."""
+    return s.work / ("predict512-quick" if s.quick else "predict512")
+
+
 def predict512(s: Settings) -> dict:
-    work = s.work / "predict512"
+    work = predict512_folder(s)
     command = [sys.executable, str(SCRIPTS / "bench_predict512.py"), str(work)]
     command += ["--device", s.device, "--scans", "3" if s.quick else "10"]
     demo = ["--config", str(REPO / "configs" / "demo.toml")]
@@ -221,15 +234,16 @@ def extents(s: Settings) -> dict:
     come from the cache, and those of the first scan serve the rest."""
     import nibabel as nib
 
-    work = s.work / "predict512"
-    run_dir, scans = work / "run", sorted((work / "scan").glob("*.nii.gz"))
-    if not scans or not run_dir.is_dir():
+    work = predict512_folder(s)
+    # The scan the predict check made, by its name: not whatever else lies in the folder.
+    run_dir, scan = work / "run", work / "scan" / "volume-0.nii.gz"
+    if not scan.is_file() or not run_dir.is_dir():
         raise RuntimeError("needs the predict512 check's run and scan")
     cut, out = s.work / "extents", s.work / "extents-out"
     shutil.rmtree(cut, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
     cut.mkdir(parents=True)
-    image = nib.load(scans[0])
+    image = nib.load(scan)
     slices = image.shape[2]
     for i in range(EXTENTS):
         keep = slices - i * max(slices // (2 * EXTENTS), 1)
@@ -388,8 +402,50 @@ def mirror(work: Path, folder: Path) -> None:
             tar.add(work / "logs", arcname="logs")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, a mistake in the arguments one line as ctseg's commands say it."""
+
+    def error(self, message: str) -> NoReturn:
+        _refuse(message)
+
+
+def _refuse(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_writable(path: Path) -> None:
+    """CtsegError if `path` cannot be a folder this process writes in (a file, a folder it
+    cannot write in, or inside one), found before anything is made rather than as a
+    traceback later. Creates nothing."""
+    existing = path.resolve()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CtsegError(f"{existing} is a file, not a folder: give a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise CtsegError(f"cannot write in {existing}: {exc.strerror or exc}") from None
+
+
+def chosen_checks(only: str | None, checks: list[str]) -> list[str]:
+    """The checks `--only` names, in its order (all of them without it); CtsegError for a
+    name that is empty or no check's."""
+    if only is None:
+        return checks
+    chosen = [name.strip() for name in only.split(",")]
+    if not all(chosen):
+        raise CtsegError(f"--only {only!r} names no check there; the checks: {', '.join(checks)}")
+    unknown = [name for name in chosen if name not in checks]
+    if unknown:
+        raise CtsegError(f"no check named {', '.join(unknown)}; the checks: {', '.join(checks)}")
+    return chosen
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _Parser(description=__doc__.splitlines()[0])
     parser.add_argument("workdir", type=Path)
     parser.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     parser.add_argument("--quick", action="store_true", help="small grids: tests the script")
@@ -401,8 +457,7 @@ def main() -> None:
         "machine that gives back a few files of one folder)",
     )
     args = parser.parse_args()
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    s = Settings(args.device, args.quick, args.workdir.resolve())
+    s = Settings(args.device, args.quick, args.workdir)
     # ctseg's own checks first, PyTorch's anchors last: a short lease keeps what is ours.
     # Training before the steps: its step compiled into the cache is step256's, which on a
     # fresh machine otherwise compiles for over 40 s before it times anything.
@@ -420,10 +475,14 @@ def main() -> None:
         "anchor256": lambda: anchor_step(s, 256, False),
         "anchor256_compiled": lambda: anchor_step(s, 256, True),
     }
-    chosen = args.only.split(",") if args.only else list(checks)
-    unknown = [name for name in chosen if name not in checks]
-    if unknown:
-        parser.error(f"no check named {', '.join(unknown)}; the checks: {', '.join(checks)}")
+    try:
+        chosen = chosen_checks(args.only, list(checks))
+        folders = [args.workdir, *([] if args.mirror is None else [args.mirror])]
+        for folder in folders:
+            check_writable(folder)
+        s.work, *mirrored = [atomic.output_folder(folder).resolve() for folder in folders]
+    except CtsegError as exc:
+        _refuse(str(exc))
     began = time.perf_counter()
     for name in chosen:
         check = checks[name]
@@ -434,10 +493,12 @@ def main() -> None:
             s.results[name] = {"error": f"{type(exc).__name__}: {exc}"}
         s.results["wall_seconds"] = time.perf_counter() - began
         atomic.write_json(s.work / "gpu_check.json", s.results)
-        if args.mirror is not None:
-            mirror(s.work, args.mirror)
+        for folder in mirrored:
+            mirror(s.work, folder)
     print(table(s.results))
     print(f"wrote {s.work / 'gpu_check.json'} ({s.results['wall_seconds']:.0f} s in all)")
+    if any("error" in s.results[name] for name in chosen):
+        sys.exit(1)  # each failed check is a line of the table above
 
 
 if __name__ == "__main__":

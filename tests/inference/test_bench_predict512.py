@@ -57,7 +57,8 @@ def test_cold_only_runs_end_to_end_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((workdir / "result.json").read_text())
     # No warm run, no anchor.
-    assert set(result) == {"scans", "tile", "size", "checkout", "cold"}
+    assert set(result) == {"scans", "tile", "size", "config", "checkout", "cold"}
+    assert result["config"] == str(config)
     cold = result["cold"]
     assert cold["device"] and len(cold["infer_seconds"]) == 2
     assert cold["wall_seconds"] > 0 and cold["peak_gib"] > 0
