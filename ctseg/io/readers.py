@@ -2,7 +2,7 @@
 (and DICOM slices, `ctseg.io.dicom`) through SimpleITK, each returning voxels and a
 voxel → RAS affine, with the checks a file's header allows before its voxels are read:
 a regular file, a size that fits memory and that the file can hold, real-valued voxels,
-a usable affine, a CT's voxel size and extent.
+a usable affine, a CT's field of view.
 
 ITK's physical space is LPS; the affines returned here are RAS, nibabel's convention.
 """
@@ -35,12 +35,14 @@ _MEMORY_SHARE = 8
 
 MAX_SCAN_BYTES_ENV = "CTSEG_MAX_SCAN_BYTES"
 
-# What a CT can be: no scanner reconstructs slices thicker than 10 mm, nor sees further
-# than a whole body (under 2 m long, 0.7 m wide) along an axis. A header past these limits
-# lies (a voxel size in cm or µm, a field edited by hand), and would size everything
-# after it: a grid of 100 mm voxels × 512 is 34,000 voxels a side at 1.5 mm.
-MAX_VOXEL_MM = 25.0
-MAX_EXTENT_MM = 2500.0
+# What a CT can be: no scanner sees further than a whole body along one axis (a patient's
+# height; whole-body scans are under 2 m long), nor further than its gantry's bore (under
+# 0.9 m) along the others. A header past these lies (a voxel size in cm rather than mm,
+# a field edited by hand), and would size everything after it: 100 mm voxels × 512 make
+# a grid of 34,000 voxels a side at 1.5 mm. (Voxel sizes alone say less: a small
+# synthetic volume has voxels of centimetres, `ctseg synth --size 16` of 31 mm.)
+MAX_LENGTH_MM = 2000.0
+MAX_WIDTH_MM = 1000.0
 
 # Deflate (gzip's compression) emits at least one bit per 258-byte match plus its
 # blocks' overhead: 1032 bytes out per byte in at most (zlib's technical notes); a header
@@ -67,7 +69,7 @@ def read_nifti(path: Path) -> tuple[np.ndarray, np.ndarray, nib.Nifti1Header]:
 def nifti_header(path: Path) -> tuple[nib.spatialimages.SpatialImage, nib.Nifti1Header, np.ndarray]:
     """A NIfTI file's image (its voxels not read), header and voxel → RAS affine, once its
     header's claims are checked: a regular file, real voxels, a size that fits memory and
-    that the file can hold, a usable affine, a CT's voxel size and extent. Every use of a
+    that the file can hold, a usable affine, a CT's field of view. Every use of a
     NIfTI header goes through here: a full read (`read_nifti`) and the batch's canvases
     (`ctseg.io.scans.nifti_geometry`), so that a header no read would accept sizes nothing."""
     _check_file(path)
@@ -149,16 +151,19 @@ def voxel_sizes(affine: np.ndarray) -> tuple[float, ...]:
 def check_extent(
     path: Path, shape: Sequence[int], spacing: Sequence[float], remedy: str = "fix its header"
 ) -> None:
-    """CtsegError when a scan of `shape` voxels of `spacing` mm is no CT: voxels larger
-    than `MAX_VOXEL_MM`, or a field of view wider than `MAX_EXTENT_MM` along an axis. A
-    header that says so is wrong, and would size grids of millions of voxels a side."""
+    """CtsegError when a scan of `shape` voxels of `spacing` mm covers more than a CT can:
+    over `MAX_LENGTH_MM` along an axis, or over `MAX_WIDTH_MM` along two (whatever the
+    order of its axes). A header that says so is wrong, and would size grids of thousands
+    of voxels a side."""
     extent = [int(n) * float(s) for n, s in zip(shape, spacing, strict=False)]
-    if max(spacing[: len(extent)]) <= MAX_VOXEL_MM and max(extent) <= MAX_EXTENT_MM:
+    length, *widths = sorted(extent, reverse=True)
+    if length <= MAX_LENGTH_MM and all(w <= MAX_WIDTH_MM for w in widths):
         return
     raise CtsegError(
-        f"{path} claims voxels of {' × '.join(f'{s:.4g}' for s in spacing)} mm, "
-        f"{' × '.join(f'{e:.4g}' for e in extent)} mm across: no CT's (voxels up to "
-        f"{MAX_VOXEL_MM:g} mm, up to {MAX_EXTENT_MM:g} mm across); {remedy}"
+        f"{path} claims a field of view of {' × '.join(f'{e:.4g}' for e in extent)} mm "
+        f"(voxels of {' × '.join(f'{s:.4g}' for s in spacing[: len(extent)])} mm): no CT's "
+        f"(up to {MAX_LENGTH_MM:g} mm along one axis, {MAX_WIDTH_MM:g} mm along the "
+        f"others); {remedy}"
     )
 
 

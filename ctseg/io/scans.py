@@ -129,7 +129,7 @@ def read_scan(path: str | Path, allow_non_ct: bool = False) -> Scan:
 def nifti_geometry(path: str | Path) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
     """A NIfTI file's canonical shape and spacing, those of `read_scan`'s Scan, from its
     header alone (no voxels read), checked as a read checks it (`readers.nifti_header`:
-    what the file can hold, memory, a CT's voxel size and extent); None where `path` is no
+    what the file can hold, memory, a CT's field of view); None where `path` is no
     3-D NIfTI file whose header passes: reading it says why, in its turn. A batch's
     canvases are sized from these, so one lying header cannot size them for the rest."""
     path = Path(path)
@@ -201,7 +201,7 @@ def scan_from_image(
 
 def _check_affine(affine: np.ndarray, path: Path, shape: Sequence[int]) -> None:
     """Any format's last check (NIfTI's header passed it before its voxels were read,
-    `readers.nifti_header`): a usable affine, a CT's voxel size and extent."""
+    `readers.nifti_header`): a usable affine, a CT's field of view."""
     if not usable_affine(affine):
         raise CtsegError(
             f"{path} has no usable geometry: its voxel-to-world matrix is not finite and invertible"

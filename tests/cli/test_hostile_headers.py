@@ -74,9 +74,9 @@ def test_a_header_claiming_more_than_its_file_holds_sizes_nothing(tmp_path):
     assert nifti_geometry(tmp_path / "whole.nii") is not None
 
 
-def test_voxels_no_ct_has_size_nothing(tmp_path):
-    """100 mm voxels (a header in cm, or edited), or a field of view of kilometres: no CT's;
-    refused by every reader, and left out of the canvases."""
+def test_a_field_of_view_no_ct_has_sizes_nothing(tmp_path):
+    """100 mm voxels (a header in cm, or edited: 2.4 m across), or 3 m along one axis: no
+    CT's; refused by every reader, and left out of the canvases."""
     coarse = _good(tmp_path / "coarse.nii.gz", spacing=(100.0, 100.0, 100.0))
     wide = _good(tmp_path / "wide.nii.gz", shape=(3000, 3, 3), spacing=(1.0, 1.0, 1.0))
     cut = _cut(coarse, tmp_path / "cut.nii.gz", keep=0.5)
@@ -88,7 +88,7 @@ def test_voxels_no_ct_has_size_nothing(tmp_path):
         _one_line(info)
     import SimpleITK as sitk
 
-    image = itk_image(np.zeros((6, 5, 4), np.int16))
+    image = itk_image(np.zeros((24, 20, 12), np.int16))
     image.SetSpacing((100.0, 100.0, 100.0))
     sitk.WriteImage(image, str(tmp_path / "coarse.mha"))
     with pytest.raises(CtsegError, match="no CT's"):
