@@ -113,6 +113,7 @@ def _stats_table(outcomes: list) -> Table:
         # The fingerprint's checks show in the verdict (`unlike the training data`).
         status = "[yellow]warning[/]" if o.warnings else "[green]ok[/]"
         status = "[green]done earlier[/]" if o.done_earlier else status
+        status = "[cyan]predicted again[/]" if o.again else status  # why: below the table
         table.add_row(
             escape(o.name),
             f"{s['liver_volume_ml']:.1f}",
@@ -238,9 +239,10 @@ def predict(
         typer.Option(
             "--force",
             help="Predict every scan again, replacing its outputs (by default a scan whose "
-            "outputs are all there, for the same request, is done earlier and skipped; "
-            "outputs of another request, or files of an output's name that ctseg did not "
-            "write, fail the scan). Inputs (scans, --roi masks) are never replaced.",
+            "outputs are all there, for the same request and scan content, is done earlier "
+            "and skipped; outputs of another request, files of an output's name that ctseg "
+            "did not write, and its own files changed since (a label map corrected by "
+            "hand), fail the scan). Inputs (scans, --roi masks) are never replaced.",
         ),
     ] = False,
 ) -> None:
@@ -252,8 +254,10 @@ def predict(
     overlays on the scan in ITK-SNAP or 3D Slicer. Exits 1 when any scan
     failed; the others are written. Run again after an interruption: scans
     already done for the same request (model, checkpoint, TTA, backend, region)
-    are skipped, the rest are predicted. ctseg replaces only files it wrote
-    (listed in --out's .ctseg-outputs.json), others only with --force.
+    are skipped, the rest are predicted; a scan whose content changed since (another
+    file of the same name) is predicted again. ctseg replaces only files it wrote,
+    as it wrote them (listed with their content in --out's .ctseg-outputs.json),
+    others only with --force.
     """
     console = Console(highlight=False)  # here, not at import: the terminal's width of now
     run_dirs = rundir.member_runs([run_dir, *(runs or [])])
@@ -285,7 +289,7 @@ def predict(
     with lock.hold(out, warn):
         # Libraries' own lines (ITK, GDCM, XLA) would land among and after ctseg's.
         with library_output.held(show=verbose):
-            scans, outcomes, skipped = _scans(inputs, out, output_type, roi)
+            scans, outcomes, skipped = _scans(inputs, out, output_type, roi, force)
             predictor = Predictor.from_run(run_dirs, options, configs, chosen.devices)
             if locate is not None or roi is not None:
                 margin = DEFAULT_MARGIN_MM if margin is None else margin
@@ -323,17 +327,25 @@ def _checked_options(
         raise CtsegError("give --locate COARSE_RUN or --roi MASK, not both")
     if roi is not None and not roi.exists():
         raise CtsegError(f"--roi {roi}: no such mask file or folder")
+    if roi is not None and not roi.is_dir():  # a pipe would hang the scan's reader
+        from ctseg.inference.inputs import check_mask
+
+        check_mask(roi)
     return options
 
 
 def _scans(
-    inputs: list[Path], out: Path, output_type: OutputType, roi: Path | None
+    inputs: list[Path], out: Path, output_type: OutputType, roi: Path | None, force: bool
 ) -> tuple[list[Path], list["ScanOutcome"], list]:
     """(scans to predict, failed outcomes, skipped files) of the inputs: every file found is
     a scan, a failed row or named; DICOM SEG needs DICOM inputs; each scan's --roi mask is
-    found before any is predicted, and never written over."""
-    from ctseg.inference.inputs import OwnOutputs, expand_inputs, keep_inputs, scan_masks
+    found before any is predicted, and never written over; --out's record is readable (or
+    `force` starts a new one)."""
+    from ctseg.inference.inputs import expand_inputs, keep_inputs, scan_masks
+    from ctseg.inference.outputs_record import OwnOutputs
 
+    own = OwnOutputs(out)
+    own.check(force)  # a record edited by hand: one line before the model loads
     scans, outcomes, skipped = expand_inputs(inputs, out)
     for line, _ in skipped:
         warn(line)
@@ -341,7 +353,7 @@ def _scans(
         for scan in scans:
             dicom_seg.check_dicom_source(scan)
     if roi is not None:
-        masks = scan_masks(roi, scans, OwnOutputs(out).owns)
+        masks = scan_masks(roi, scans, own.listed)
         scans, overwriting = keep_inputs(scans, out, list(masks.values()), "a --roi mask")
         outcomes += overwriting
     return scans, outcomes, skipped
@@ -423,6 +435,9 @@ def _print_results(console: Console, outcomes: list["ScanOutcome"]) -> None:
     for line in _quality_lines(outcomes):
         console.print(line, soft_wrap=True)
     for outcome in outcomes:  # in full, one paragraph each, however narrow the terminal
+        if outcome.again is not None and outcome.error is None:
+            text = f"[cyan]predicted again:[/] {escape(outcome.name)}: {escape(outcome.again)}"
+            console.print(text, soft_wrap=True)
         if outcome.error is not None:
             text = f"[bold red]failed:[/] {escape(outcome.name)}: {escape(outcome.error)}"
             console.print(text, soft_wrap=True)

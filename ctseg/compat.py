@@ -82,3 +82,17 @@ def quality_thresholds(raw: dict[str, Any], defaults: dict[str, float]) -> dict[
         return raw
     added = {name: defaults[name] for name in ("liver_disagreement", "tumour_disagreement")}
     return {**raw, "version": 2, "thresholds": {**added, **raw["thresholds"]}}
+
+
+def prediction_request(raw: dict[str, Any]) -> dict[str, Any]:
+    """The request of a `<name>_stats.json` (`ctseg.inference.requests`). Those written
+    before scans were known by their content record no "scan": None, the scan unknown (it
+    is predicted again rather than taken for the one it was predicted from)."""
+    return {"scan": None, **raw}
+
+
+def outputs_entry(raw: dict[str, Any]) -> dict[str, Any]:
+    """One file of a prediction folder's `.ctseg-outputs.json`. Entries written before
+    outputs were known by their content have no digest ("bytes", "sha256": None): the file
+    is ctseg's by its name alone, as it was then."""
+    return {"bytes": None, "sha256": None, **raw}

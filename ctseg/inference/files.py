@@ -11,17 +11,20 @@ Named after each input::
 A scan's outputs appear together, `_stats.json` last (`atomic.atomic_group`): a scan
 without its stats file is unfinished and is predicted again.
 
-Ownership: the folder's record (`inputs.OUTPUTS_RECORD`, `.ctseg-outputs.json`) lists
-every file ctseg predict wrote there, listed before it is written; a file of an
-output's name that it does not list is someone else's and is replaced only with
-`force`. An input of the call (a scan, a region mask) never, even with `force`
+Ownership: the folder's record (`outputs_record.OwnOutputs`, `.ctseg-outputs.json`) lists
+every file ctseg predict wrote there with its content (size and sha256), listed before it
+appears under its name; a file of an output's name that it does not list, or whose content
+is no longer what it lists (a label map corrected by hand), is someone else's and is
+replaced only with `force`. An input of the call (a scan, a region mask) never, even with `force`
 (`inputs.expand_inputs`, `inputs.keep_inputs`).
 
 Sameness: each stats file records what was asked (`ctseg.inference.requests`): the model (runs,
-checkpoint steps, TTA, an ensemble's members), the backend's exactness class and the
-region (the mask's path and content hash, or the locator run and step, and the
-margin). Outputs of another request are never taken for this one's: the scan fails
-naming the difference, and `force` replaces them.
+checkpoint steps, TTA, an ensemble's members), the scan by its content, the backend's
+exactness class and the region (the mask's path and content hash, or the locator run and
+step, and the margin). Outputs of another request are never taken for this one's: the scan
+fails naming the difference, and `force` replaces them. Outputs of this request over a scan
+whose content changed since (another scan of the same name, one replaced in place) are
+predicted again, the outcome saying why (`ScanOutcome.again`).
 """
 
 from __future__ import annotations
@@ -40,9 +43,10 @@ import numpy as np
 from ctseg import atomic
 from ctseg.errors import CtsegError
 from ctseg.inference import postprocess, quality, requests
-from ctseg.inference.inputs import OwnOutputs, ScanOutcome, foreign_outputs, output_paths
+from ctseg.inference.inputs import ScanOutcome, output_name, output_paths
 from ctseg.inference.jax_plans import is_out_of_memory
 from ctseg.inference.member import OnGrid
+from ctseg.inference.outputs_record import OwnOutputs
 from ctseg.inference.predictor import (
     PHASES,
     Prediction,
@@ -56,11 +60,11 @@ from ctseg.io.scans import (
     Scan,
     nifti_geometry,
     read_scan,
-    scan_name,
     write_labels,
     write_volume,
 )
 from ctseg.progress import FileProgress, StageProgress
+from ctseg.reading import sha256_of
 
 OUTPUT_TYPES = ("nifti", "dicom-seg")
 
@@ -96,10 +100,13 @@ def predict_files(
     A scan's outputs appear together, its stats file last: a scan whose stats
     file is missing is unfinished and predicted again. Without `force`, a scan
     whose outputs are all there, for the same request (`requests.request_of`: its runs,
-    checkpoint steps, TTA, backend class, region), is `done_earlier` and left alone;
-    outputs of another request fail the scan, naming the difference, rather than be
+    checkpoint steps, TTA, the scan's content, backend class, region), is `done_earlier`
+    and left alone; over a scan whose content changed, predicted again (`again` says
+    why); outputs of another request fail the scan, naming the difference, rather than be
     taken for this one's, and so does a file of an output's name that ctseg did not
-    write (`OwnOutputs`). The caller holds `out_dir`'s lock.
+    write or whose content changed since (`OwnOutputs`), and a stats file that is not as
+    ctseg wrote it. The caller holds `out_dir`'s lock; CtsegError, before any scan, if
+    the folder's record cannot be read (without `force`).
 
     `output_type`: the label map as NIfTI (`<name>_seg.nii.gz`), or as a DICOM
     Segmentation object referencing its source series (`<name>_seg.dcm`, `dicom-seg`:
@@ -111,6 +118,7 @@ def predict_files(
     out_dir = Path(out_dir)
     model = requests.model_of(predictor)
     own = OwnOutputs(out_dir)
+    own.check(force)
     read = functools.partial(_read, predictor, own)
     reference = quality.Reference.of_run(
         predictor.members[0].run_dir, ensemble=len(predictor.members) > 1
@@ -205,25 +213,24 @@ def _read(
     output_type: str,
     allow_non_ct: bool,
 ) -> tuple[ScanOutcome, Prepared | None]:
-    outcome = ScanOutcome(source, scan_name(source))
+    outcome = ScanOutcome(source, output_name(source))
 
     def read() -> Prepared | None:
         with_probabilities = predictor.config.predict.save_probabilities
         paths = output_paths(out_dir, outcome.name, with_probabilities, output_type)
-        foreign = foreign_outputs(list(paths.values()), own)
-        if foreign and not force:
-            raise CtsegError(
-                f"{foreign[0]} was not written by ctseg predict (the folder's record "
-                f"{own.path.name} does not list it; earlier versions kept none); use --force "
-                "to replace it, or another --out"
-            )
-        outcome.request = requests.request_of(predictor, source)
+        outcome.request = requests.request_of(predictor, source)  # hashes the scan
+        earlier = None
         # Without its stats file a scan is unfinished (see `_write_outputs`): predicted again.
-        if paths["stats"].exists() and not force:
+        # One of ours edited by hand names its key (before its content, changed, is not ours).
+        if paths["stats"].exists() and own.listed(paths["stats"]) and not force:
             earlier = requests.earlier_prediction(paths["stats"], model, outcome.request)
+            outcome.again = earlier.again
+        if not force and (refusal := own.refusal(list(paths.values()))):
+            raise CtsegError(refusal)
+        if earlier is not None and earlier.summary is not None:
             if all(path.exists() for path in paths.values()):
                 outcome.done_earlier = True
-                outcome.stats, outcome.outputs = earlier, list(paths.values())
+                outcome.stats, outcome.outputs = earlier.summary, list(paths.values())
                 return None
         with timed(outcome.seconds, "read"):
             scan = read_scan(source, allow_non_ct)
@@ -288,13 +295,15 @@ def _write_outputs(
     # Every output under a temporary name, then renamed with the stats file last: a kill
     # half-way leaves no stats file, so the next run predicts the scan again.
     order = [key for key in paths if key != "stats"] + ["stats"]
-    own.claim([paths[key] for key in order], outcome.source)  # listed before it is written
     with atomic.atomic_group([paths[key] for key in order]) as temporaries:
         tmp = dict(zip(order, temporaries, strict=True))
         with timed(seconds, "write"):
             _write_images(predictor, outcome, scan, prediction, tmp, output_type, judged)
         record = _stats_record(predictor, outcome, scan, prediction, stats, model, judged)
         tmp["stats"].write_text(json.dumps(record, indent=2) + "\n")
+        # Listed, with the content each will have, before it appears under its name.
+        own.claim({paths[key]: sha256_of(tmp[key]) for key in order}, outcome.source)
+    own.confirm([paths[key] for key in order])
     outcome.stats = {**stats, "quality": record["quality"]}  # as a done-earlier scan's
     outcome.outputs = list(paths.values())
 

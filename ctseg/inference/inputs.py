@@ -9,10 +9,8 @@ and what a command or the API asks of a run's model, checked before anything run
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,14 +18,18 @@ from typing import Any
 
 import numpy as np
 
-from ctseg import atomic
 from ctseg import config as cfg
 from ctseg.config import InferenceOptions, TileRequest
 from ctseg.data.manifest import MANIFEST
 from ctseg.errors import CtsegError
 from ctseg.inference.backends import BACKENDS
+from ctseg.inference.outputs_record import (  # noqa: F401  (OUTPUTS_RECORD: callers find it here)
+    OUTPUTS_RECORD,
+    OwnOutputs,
+)
 from ctseg.io.scans import Scan, Skipped, find_scans, geometry_difference, read_scan, scan_name
 from ctseg.parallel.devices import DEVICE_CHOICES
+from ctseg.reading import check_regular
 from ctseg.run import evaluations, rundir
 
 
@@ -49,53 +51,9 @@ class ScanOutcome:
     # What was asked of its prediction beyond the model (`ctseg.inference.files`): the
     # backend's exactness class and the region; recorded in its stats file.
     request: dict[str, Any] | None = None
-
-
-# The record, in an output folder, of the files `ctseg predict` wrote there: a file it
-# did not write is never replaced without --force.
-OUTPUTS_RECORD = ".ctseg-outputs.json"
-
-
-class OwnOutputs:
-    """The files `ctseg predict` wrote in `out_dir`, as its record (`OUTPUTS_RECORD`)
-    lists them with the scan each was predicted from: what a later call may replace.
-
-    A file is listed before it is written (`claim`), so a kill half-way leaves no file
-    of ours unlisted. Whoever writes holds the folder's lock (`ctseg.lock`); threads of
-    one call share one record."""
-
-    def __init__(self, out_dir: Path):
-        self.path = Path(out_dir) / OUTPUTS_RECORD
-        self._lock = threading.Lock()
-        self.files: dict[str, dict[str, Any]] = {}
-        try:
-            record = json.loads(self.path.read_text())
-            files = record.get("outputs") if isinstance(record, dict) else None
-            self.files = dict(files) if isinstance(files, dict) else {}
-        except (OSError, ValueError):
-            pass  # none yet (or unreadable): nothing here is ours
-
-    def owns(self, path: Path) -> bool:
-        """Whether `path` (a file of `out_dir`) is one that ctseg predict wrote there."""
-        path = Path(path)
-        with self._lock:
-            return path.parent.resolve() == self.path.parent.resolve() and path.name in self.files
-
-    def claim(self, paths: Sequence[Path], source: Path) -> None:
-        """List `paths` as ctseg's, the outputs of the scan read from `source`."""
-        entry = {"scan": str(Path(source).resolve())}
-        with self._lock:
-            if all(self.files.get(Path(path).name) == entry for path in paths):
-                return  # listed already (a re-run): the record stays as it is
-            for path in paths:
-                self.files[Path(path).name] = entry
-            record = {"written_by": "ctseg predict", "outputs": self.files}
-            atomic.write_json(self.path, record)
-
-
-def foreign_outputs(paths: Sequence[Path], own: OwnOutputs) -> list[Path]:
-    """Those of `paths` that exist (a dangling link too) and ctseg did not write."""
-    return [p for p in paths if os.path.lexists(p) and not own.owns(p)]
+    # Why its earlier outputs, of this request, were predicted again: the scan they were
+    # predicted from changed since (`requests.earlier_prediction`).
+    again: str | None = None
 
 
 def check_output_folder(out_dir: Path) -> None:
@@ -131,7 +89,7 @@ def expand_inputs(
             found = find_scans([Path(item)])
         except Exception as exc:  # an unreadable folder too: this input's row, not the call's
             error = str(exc) if isinstance(exc, CtsegError) else f"cannot list {item}: {exc}"
-            failed.append(ScanOutcome(Path(item), scan_name(Path(item)), error=error))
+            failed.append(ScanOutcome(Path(item), output_name(Path(item)), error=error))
             continue
         scans.extend(s for s in found.scans if not is_earlier_output(s))
         skipped.extend(found.skipped)
@@ -141,8 +99,12 @@ def expand_inputs(
     unique = []
     input_paths = {scan.resolve() for scan in scans}
     for scan in dict.fromkeys(scans):
-        name = scan_name(scan)
-        if name in first_of:
+        name = output_name(scan)
+        if not name:
+            reason = f"its outputs would have an empty name (the file is named {scan.name!r}, "
+            reason += "a scan suffix alone); rename it"
+            failed.append(ScanOutcome(scan, scan.name, error=reason))  # its row: the file
+        elif name in first_of:
             # Both paths: the table shows the two scans under the one name.
             reason = f"{scan} would write over the outputs of {first_of[name]} (both named "
             reason += f"{name!r}); predict it into another --out"
@@ -162,7 +124,8 @@ def is_earlier_output(path: Path) -> bool:
     match = re.fullmatch(r"(.+)_(seg|probs)\.nii\.gz", path.name)
     if match is None:
         return False
-    return (path.parent / f"{match[1]}_stats.json").is_file() or OwnOutputs(path.parent).owns(path)
+    stats = path.parent / f"{match[1]}_stats.json"
+    return stats.is_file() or OwnOutputs(path.parent).listed(path)
 
 
 def keep_inputs(
@@ -174,7 +137,7 @@ def keep_inputs(
     inputs = {Path(path).resolve() for path in protected}
     kept, failed = [], []
     for scan in scans:
-        name = scan_name(scan)
+        name = output_name(scan)
         if clash := _inputs_overwritten(name, out_dir, inputs):
             reason = f"its output {clash} would overwrite {what}, an input of this call"
             failed.append(ScanOutcome(scan, name, error=f"{reason}; use another --out"))
@@ -189,6 +152,13 @@ def _inputs_overwritten(name: str, out_dir: Path | None, inputs: set[Path]) -> P
         return None
     outputs = output_paths(Path(out_dir), name, with_probabilities=True).values()
     return next((path for path in outputs if path.resolve() in inputs), None)
+
+
+def output_name(scan: Path) -> str:
+    """The name of a scan's outputs: its file name without the scan suffix, or a DICOM
+    series folder's name, also where its path names none (`.` inside the series, `..`);
+    empty for a file named as a suffix alone (`.nii.gz`), which has none."""
+    return scan_name(Path(os.path.abspath(scan)))
 
 
 def output_paths(
@@ -260,7 +230,7 @@ def roi_mask(roi: Path, source: Path) -> Path:
     per-scan outputs)."""
     if not roi.is_dir():
         return roi
-    name = scan_name(source)
+    name = output_name(source)
     if candidates := mask_candidates(roi, source):
         return candidates[0]
     raise CtsegError(
@@ -295,10 +265,13 @@ def read_roi(path: Path, scan: Scan) -> np.ndarray:
 def mask_candidates(roi: Path, source: Path) -> list[Path]:
     """The files of mask folder `roi` named as the scan read from `source`, in the order
     `roi_mask` takes them: its file name, `<name>.nii.gz`,
-    `<name>.nii`, `<name>_seg.nii.gz`."""
-    name = scan_name(source)
-    names = (source.name, f"{name}.nii.gz", f"{name}.nii", f"{name}_seg.nii.gz")
-    return [roi / n for n in dict.fromkeys(names) if (roi / n).is_file()]
+    `<name>.nii`, `<name>_seg.nii.gz`. Whatever stands there but a folder: a pipe too,
+    which `scan_masks` refuses rather than look past."""
+    name = output_name(source)
+    file = Path(os.path.abspath(source)).name
+    names = (file, f"{name}.nii.gz", f"{name}.nii", f"{name}_seg.nii.gz")
+    paths = [roi / n for n in dict.fromkeys(names) if n]
+    return [path for path in paths if os.path.lexists(path) and not path.is_dir()]
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -320,7 +293,7 @@ def scan_masks(
     roi = Path(roi)
     if not roi.exists():
         raise CtsegError(f"--roi {roi}: no such mask file or folder")
-    if roi.is_file() and len(scans) != 1:
+    if not roi.is_dir() and len(scans) != 1:
         raise CtsegError(
             f"--roi {roi} is the mask of one scan; give that one scan, or a folder of masks "
             "named as the scans"
@@ -337,7 +310,7 @@ def scan_masks(
             )
         found = [path for path in candidates if not (roi.is_dir() and ours(path))]
         if not found:
-            name = scan_name(scan)
+            name = output_name(scan)
             own = [path.name for path in candidates if ours(path)]
             why = f"; {own[0]} is this --out's own earlier output" if own else ""
             raise CtsegError(
@@ -349,6 +322,15 @@ def scan_masks(
                 f"--roi {roi}: two masks for the scan {scan.name}, "
                 f"{found[0].name} and {found[1].name}; keep one of them"
             )
-        mask = found[0]
-        masks[scan] = mask
+        masks[scan] = check_mask(found[0])
     return masks
+
+
+def check_mask(mask: Path) -> Path:
+    """`mask` if it is (or links to) a regular file; CtsegError, one line, for a pipe (whose
+    reading would wait for a writer for ever), a device or a broken link."""
+    try:
+        check_regular(mask, "--roi mask")
+    except OSError as exc:
+        raise CtsegError(f"--roi mask {mask} cannot be read: {exc.strerror or exc}") from None
+    return mask
