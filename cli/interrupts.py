@@ -11,7 +11,8 @@ KeyboardInterrupt, as Ctrl-C always did (SIGTERM too, its number in the args), s
 checkpoint; one swallowed where Python cannot raise it (a gc callback, a `__del__`) is
 delivered again, and a command that ends after a signal ends as interrupted (`honoured`).
 
-Only the standard library here: this is imported before everything else.
+Only the standard library here (and training's stdlib-only signals): this is imported
+before everything else.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from ctseg.training.signals import STOP_SIGNALS  # the standard library only, as here
+
 # A gc callback or `__del__` that swallowed an interruption returns within this, as a rule.
 _REDELIVERY_SECONDS = 0.05
 
