@@ -34,6 +34,15 @@ STATS_SUFFIX = "_stats.json"
 REVIEW, UNLIKE, OK = "review", "unlike the training data", "ok"
 VERDICT_ORDER = (REVIEW, UNLIKE, None, OK)
 
+# A prediction's numbers, from its stats file (an evaluation's cases have none: None).
+NUMBERS = (
+    "liver_volume_ml",
+    "tumour_volume_ml",
+    "tumour_count",
+    "largest_tumour_diameter_mm",
+    "tumour_burden_percent",
+)
+
 # What a case's files are served as (`Case.files`' keys).
 SEG, PREVIEW, SCAN, REFERENCE = "seg", "preview", "scan", "reference"
 
@@ -65,7 +74,7 @@ class Case:
             "verdict": self.verdict,
             "score": self.score,
             "reasons": list(self.reasons),
-            **self.numbers,
+            **{key: self.numbers.get(key) for key in NUMBERS},
             "warnings": list(self.warnings),
             "tumours": list(self.tumours),
             "dice": self.dice or None,
@@ -141,15 +150,7 @@ def _predicted_case(folder: Path, name: str, listed: dict[str, Path | None]) -> 
 
 def _stats_fields(stats: Record) -> dict[str, Any]:
     """Verdict, reasons, numbers and warnings of a `<name>_stats.json`."""
-    numbers = {
-        key: stats.number(key, optional=True)
-        for key in (
-            "liver_volume_ml",
-            "tumour_volume_ml",
-            "largest_tumour_diameter_mm",
-            "tumour_burden_percent",
-        )
-    }
+    numbers = {key: stats.number(key, optional=True) for key in NUMBERS if key != "tumour_count"}
     count = stats.integer("tumour_count", optional=True, low=0)
     numbers["tumour_count"] = None if count is None else float(count)
     warnings = tuple(stats.texts("warnings", optional=True) or ())

@@ -4,8 +4,8 @@ A request names a case and a kind of file (`batch.SEG`, `PREVIEW`, `SCAN`, `REFE
 never a path: the path is the one the folder's records give (`Case.files`). Checked
 again on each request, since the folder may have changed since it was read:
 
-- an output (the labels, the preview) must be a regular file inside the folder itself,
-  not a link out of it;
+- an output (the labels, the preview) must be a regular file inside the folder, not a
+  link out of it;
 - a scan or a reference must be a regular file, or a DICOM series folder. NIfTI is sent
   as it is; any other format (NRRD, MHA, a DICOM series) is read by ctseg's reader and
   sent as NIfTI in the scan's own geometry, the format the viewer reads.
@@ -81,8 +81,9 @@ def _is_nifti(path: Path) -> bool:
 
 
 def _check_inside(folder: Path, path: Path) -> None:
-    """403 unless `path` is in `folder` itself, following every link on the way."""
-    if path.resolve().parent != Path(folder).resolve():
+    """403 unless `path` is inside `folder` (an evaluation's labels are in predictions/),
+    following every link on the way."""
+    if not path.resolve().is_relative_to(Path(folder).resolve()):
         raise Refused(403, f"{path.name} leads out of the folder")
 
 

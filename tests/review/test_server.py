@@ -70,9 +70,10 @@ def test_an_evaluation_folder_shows_dice_scan_and_reference(trained, tmp_path):
     assert case.dice["liver"] == summary["cases"][0]["liver"]["dice"]
     assert set(case.files) == {"seg", "scan", "reference"}
     client = _client(out)
-    reference = client.get(f"/files/{case.name}/reference.nii.gz")
-    assert reference.status_code == 200
-    assert reference.content == case.files["reference"].read_bytes()
+    for kind in ("reference", "seg", "scan"):
+        sent = client.get(f"/files/{case.name}/{kind}.nii.gz")
+        assert sent.status_code == 200 and sent.content == case.files[kind].read_bytes(), kind
+    assert case.files["seg"].parent == out / "predictions"
 
 
 def test_files_are_sent_as_written_and_a_dicom_series_as_nifti(batch, trained):

@@ -45,7 +45,9 @@ async function loadBatch() {
   state.kind = batch.kind;
   state.reviewer = batch.reviewer;
   $("folder").textContent = batch.folder;
-  document.body.classList.toggle("hidden-column", batch.kind !== "evaluate");
+  // An evaluation's cases have Dice but no stats files; a prediction's the other way round.
+  document.body.classList.toggle("predictions", batch.kind !== "evaluate");
+  document.body.classList.toggle("evaluation", batch.kind === "evaluate");
   renderTable();
 }
 
@@ -94,11 +96,11 @@ function row(c, index) {
   const reasonCell = element("td", (reasons[0] || "–") + more, "reasons");
   reasonCell.title = reasons.join("\n");
   tr.append(reasonCell);
-  tr.append(element("td", number(c.liver_volume_ml), "num"));
-  tr.append(element("td", number(c.tumour_volume_ml), "num"));
-  tr.append(element("td", number(c.tumour_count, 0), "num"));
-  tr.append(element("td", number(c.largest_tumour_diameter_mm), "num"));
-  tr.append(element("td", number(c.tumour_burden_percent, 2), "num"));
+  tr.append(element("td", number(c.liver_volume_ml), "num stat"));
+  tr.append(element("td", number(c.tumour_volume_ml), "num stat"));
+  tr.append(element("td", number(c.tumour_count, 0), "num stat"));
+  tr.append(element("td", number(c.largest_tumour_diameter_mm), "num stat"));
+  tr.append(element("td", number(c.tumour_burden_percent, 2), "num stat"));
   tr.append(element("td", number(c.dice?.liver, 3), "num dice"));
   tr.append(element("td", number(c.dice?.tumour, 3), "num dice"));
   const moreWarnings = c.warnings.length > 1 ? ` (+${c.warnings.length - 1} more)` : "";
@@ -308,15 +310,20 @@ function showDetails(c) {
   const list = $("numbers");
   list.replaceChildren();
   const rows = [
-    ["score", number(c.score, 2)],
-    ["liver", `${number(c.liver_volume_ml)} mL`],
-    ["tumour", `${number(c.tumour_volume_ml)} mL`],
-    ["tumours", number(c.tumour_count, 0)],
-    ["largest tumour", `${number(c.largest_tumour_diameter_mm)} mm`],
-    ["burden", `${number(c.tumour_burden_percent, 2)} %`],
+    ["score", c.score, 2, ""],
+    ["liver", c.liver_volume_ml, 1, " mL"],
+    ["tumour", c.tumour_volume_ml, 1, " mL"],
+    ["tumours", c.tumour_count, 0, ""],
+    ["largest tumour", c.largest_tumour_diameter_mm, 1, " mm"],
+    ["burden", c.tumour_burden_percent, 2, " %"],
+    ["Dice liver", c.dice?.liver, 3, ""],
+    ["Dice tumour", c.dice?.tumour, 3, ""],
   ];
-  if (c.dice) rows.push(["Dice liver", number(c.dice.liver, 3)], ["Dice tumour", number(c.dice.tumour, 3)]);
-  for (const [term, value] of rows) list.append(element("dt", term), element("dd", value));
+  for (const [term, value, digits, unit] of rows) {
+    if (value !== null && value !== undefined) {
+      list.append(element("dt", term), element("dd", number(value, digits) + unit));
+    }
+  }
   const tumours = $("tumours");
   tumours.replaceChildren();
   c.tumours.forEach((t, index) => {
