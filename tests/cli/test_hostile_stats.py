@@ -4,7 +4,10 @@ traceback or nonsense, and the outputs it speaks for are not ctseg's to keep or 
 the scan is predicted again only with --force."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -145,3 +148,29 @@ def test_an_unreadable_outputs_record_is_one_line_before_anything_is_written(
     code, output, _ = _predict(run_dir, volume, "--out", out, "--force")
     assert code == 0, output
     assert "volume-0_seg.nii.gz" in json.loads((out / OUTPUTS_RECORD).read_text())["outputs"]
+
+
+def test_a_record_or_stats_file_that_is_a_fifo_is_one_line_not_a_hang(predicted, tmp_path):
+    """Run as the console script under a timeout: a FIFO's open for reading waits for a
+    writer for ever (it hung predict, on the reader's thread or before any scan)."""
+    run_dir, volume, out = predicted
+    for file, code, where in ((OUTPUTS_RECORD, 2, "error: "), ("volume-0_stats.json", 1, "")):
+        folder = shutil.copytree(out, tmp_path / file)
+        (folder / file).unlink()
+        os.mkfifo(folder / file)
+        command = [sys.executable, "-m", "ctseg", "predict", str(run_dir), str(volume)]
+        try:
+            done = subprocess.run(
+                [*command, "--out", str(folder), "--tile", "0"],
+                capture_output=True,
+                text=True,
+                timeout=90,
+                env={**os.environ, "COLUMNS": "400"},
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{file} as a FIFO hung ctseg predict")
+        output = done.stdout + done.stderr
+        assert done.returncode == code, output
+        line = f"{where}{'failed: volume-0: ' * (code == 1)}"
+        lines = [text for text in output.splitlines() if text.startswith(line)]
+        assert len(lines) == 1 and "pipe (FIFO)" in lines[0] and str(folder / file) in lines[0]
