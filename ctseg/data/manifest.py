@@ -22,6 +22,7 @@ import numpy as np
 from ctseg.atomic import write_json
 from ctseg.data.grids import GridSpec
 from ctseg.errors import CtsegError
+from ctseg.reading import read_json
 
 
 class Entry(Protocol):
@@ -65,10 +66,10 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
     file = manifest_file(path)
     if file is None:
         return None
-    try:
-        manifest = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CtsegError(f"cannot read {file}: {exc}") from None
+    try:  # never a FIFO's wait, a 5,000-digit number's or deep nesting's traceback
+        manifest = read_json(file, "store manifest")
+    except FileNotFoundError:
+        return None  # removed since it was found
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CtsegError(f"{file} is not a ctseg store manifest")
     if manifest.get("version") != VERSION:

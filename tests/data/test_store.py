@@ -256,7 +256,7 @@ def test_missing_and_empty(tmp_path):
     with pytest.raises(CtsegError, match="holds no cases"):
         Store.open(empty)
     (empty / "manifest.json").write_text("{not json")
-    with pytest.raises(CtsegError, match="cannot read"):
+    with pytest.raises(CtsegError, match="manifest.json is not valid JSON"):
         Store.open(empty)
 
 
