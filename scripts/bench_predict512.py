@@ -70,7 +70,7 @@ fails later keeps what was measured; the last version is also printed. A later r
 same WORKDIR reuses its run and scans only where they are what it asks for (the same
 config, the same `--host-figures-only`, the same `--size`), and otherwise refuses, naming
 what differs: give it a new WORKDIR. A mistake in the arguments is one line, `error: …`
-(exit status 2), before anything is made.
+(exit status 2), before anything is made; Ctrl-C is one line too (exit status 130).
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -283,7 +284,12 @@ def measured(command: list[str], env: dict[str, str] | None = None) -> tuple[int
     `wait4` reports it for this child and its children; not another run's)."""
     began = time.perf_counter()
     child = subprocess.Popen(command, env=env)
-    _, status, usage = os.wait4(child.pid, 0)
+    try:
+        _, status, usage = os.wait4(child.pid, 0)
+    except KeyboardInterrupt:  # Ctrl-C here only (not from the terminal): the child too
+        child.kill()
+        child.wait()
+        raise
     wall = time.perf_counter() - began
     return os.waitstatus_to_exitcode(status), wall, usage.ru_maxrss / 2**20
 
@@ -559,4 +565,9 @@ if __name__ == "__main__":
         except CtsegError as exc:
             _refuse(str(exc))
     else:
-        main()
+        try:
+            main()
+        except KeyboardInterrupt:
+            # What was measured before is in result.json.
+            print("interrupted (SIGINT)", file=sys.stderr)
+            sys.exit(128 + signal.SIGINT)

@@ -33,7 +33,7 @@ keeps ctseg's own figures); `--mirror DIR` copies the JSON and the logs (packed)
 after every check.
 A mistake in the arguments (an unknown check, a work or mirror folder that cannot be
 written) is one line, `error: …` (exit status 2), before any check runs; the script exits
-with status 1 when a check it ran failed.
+with status 1 when a check it ran failed, and on Ctrl-C with one line and status 130.
 Record each run in docs/experiments/gpu.md.
 """
 
@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -502,4 +503,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        # The check under way was stopped with it (`subprocess.run` kills its command); what
+        # the checks before it measured is in gpu_check.json.
+        print("interrupted (SIGINT)", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)

@@ -7,8 +7,10 @@ working folder, and a work folder of another request is refused, not measured as
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nibabel as nib
@@ -208,3 +210,46 @@ def test_bench_makes_its_scan_with_this_python_s_ctseg(bench, tmp_path, monkeypa
     scans = bench.make_scans(tmp_path / "w" / "scan", 2, 16)
     assert [nib.load(scan).shape[:2] for scan in scans] == [(16, 16), (16, 16)]
     assert (tmp_path / "w" / "liver-mask.nii.gz").is_file()
+
+
+# ------------------------------------------------------------------ Ctrl-C
+
+
+def _interrupted_once(command: list, ready, cwd: Path) -> subprocess.CompletedProcess:
+    """`command` sent SIGINT (it alone, not a terminal's group) once `ready()`."""
+    launcher = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    launcher += "os.execv(sys.argv[1], sys.argv[1:])"  # Ctrl-C's default, as in a terminal
+    proc = subprocess.Popen(
+        [sys.executable, "-c", launcher, sys.executable, *map(str, command)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+    )
+    deadline = time.monotonic() + 60
+    while not ready() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def test_the_scripts_stop_on_ctrl_c_in_one_line(tmp_path, tiny_toml):
+    work = tmp_path / "gc"
+    done = _interrupted_once(
+        [GPU_CHECK, work, "--only", "train", "--device", "cpu", "--quick"],
+        lambda: (work / "train-raw").exists(),  # its first command runs
+        tmp_path,
+    )
+    assert done.returncode == 130 and done.stderr.splitlines() == ["interrupted (SIGINT)"], (
+        done.stderr[-3000:]
+    )
+    work = tmp_path / "bench"
+    done = _interrupted_once(
+        [BENCH, work, "--config", tiny_toml, "--device", "cpu", "--size", "16", "--cold-only"],
+        lambda: (work / "run").exists(),  # its child makes the run
+        tmp_path,
+    )
+    assert done.returncode == 130 and done.stderr.splitlines() == ["interrupted (SIGINT)"], (
+        done.stderr[-3000:]
+    )
