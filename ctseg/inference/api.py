@@ -62,6 +62,7 @@ from ctseg.io.scans import (
 )
 from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_cache_dir, use_compile_cache
+from ctseg.reading import check_regular
 from ctseg.run.rundir import CONFIG, load_config, member_runs
 
 _log = logging.getLogger(__name__)
@@ -73,9 +74,10 @@ DESCRIPTION = b"ctseg labels"
 def _is_our_labels(path: Path) -> bool:
     """Whether `path` is a NIfTI label map that `Segmentation.save` wrote."""
     try:
+        check_regular(path)  # a FIFO's open would wait for a writer for ever
         header = nib.load(path).header
         return bytes(header["descrip"]).startswith(DESCRIPTION)
-    except Exception:  # not NIfTI, unreadable: not ours
+    except Exception:  # not a regular file, not NIfTI, unreadable: not ours
         return False
 
 

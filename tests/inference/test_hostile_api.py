@@ -129,3 +129,26 @@ def test_segment_out_is_checked_before_the_model_loads(trained, volume, tmp_path
     assert path.read_bytes() == kept and list(tmp_path.iterdir()) == []
     # The run and the scan swapped: said as such, not as a scan that is no run directory.
     _one_line(lambda: segment(run_dir, path), "is a run directory, given as the scan")
+
+
+def test_saving_over_a_fifo_is_one_line_without_waiting(tmp_path):
+    """A FIFO where the labels would go is no label map ctseg wrote: refused in one line,
+    never opened (its open would wait for a writer for ever)."""
+    import os
+    import signal
+
+    from ctseg.inference.api import check_out
+
+    fifo = tmp_path / "labels.nii.gz"
+    os.mkfifo(fifo)
+
+    def hung(*_):
+        raise TimeoutError("check_out waited on the FIFO")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    try:
+        _one_line(lambda: check_out(fifo), "is not a label map ctseg wrote")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
