@@ -141,11 +141,14 @@ def _predicted_case(folder: Path, name: str, listed: dict[str, Path | None]) -> 
     scan = listed.get(f"{name}{STATS_SUFFIX}")
     if scan is not None:
         files[SCAN] = scan
+    problems = []
+    if f"{name}_seg.dcm" in listed:
+        problems.append("its labels are a DICOM SEG object, which the viewer does not draw yet")
     try:
         stats = Record.read(folder / f"{name}{STATS_SUFFIX}", "stats file")
-        return Case(name, **_stats_fields(stats), files=files)
+        return Case(name, **_stats_fields(stats), files=files, problems=tuple(problems))
     except (CtsegError, OSError) as exc:
-        return Case(name, files=files, problems=(str(exc),))
+        return Case(name, files=files, problems=(*problems, str(exc)))
 
 
 def _stats_fields(stats: Record) -> dict[str, Any]:

@@ -57,6 +57,15 @@ def test_an_unreadable_stats_file_is_a_row_that_says_so(batch):
     assert [c.name for c in read_batch(batch).cases][-2:] == ["volume-1", "volume-0"]
 
 
+def test_a_dicom_seg_prediction_shows_its_scan_and_says_why_not_its_labels(batch):
+    record = json.loads((batch / ".ctseg-outputs.json").read_text())
+    record["outputs"]["series_seg.dcm"] = record["outputs"].pop("series_seg.nii.gz")
+    (batch / ".ctseg-outputs.json").write_text(json.dumps(record))
+    case = read_batch(batch).case("series")
+    assert set(case.files) == {"scan", "preview"} and "DICOM SEG" in case.problems[0]
+    assert case.verdict == "review"
+
+
 def test_an_evaluation_folder_shows_dice_scan_and_reference(trained, tmp_path):
     run_dir, store, _ = trained
     out = tmp_path / "eval"

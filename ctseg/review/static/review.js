@@ -1,7 +1,7 @@
 // ctseg review: the batch's table (worst first), the viewer (NiiVue), the reviewer's marks.
 // Every value shown is set as text, never as HTML: names and comments are the user's.
 // NiiVue's bundle (a classic script before this module) sets window.niivue.
-const { Niivue, MULTIPLANAR_TYPE, SHOW_RENDER, SLICE_TYPE } = window.niivue;
+const { DRAG_MODE, Niivue, MULTIPLANAR_TYPE, SHOW_RENDER, SLICE_TYPE } = window.niivue;
 
 // Label colours (0 background, 1 liver, 2 tumour): the same in the CSS swatches.
 const COLOURS = { 1: [230, 80, 60], 2: [255, 215, 0] };
@@ -91,7 +91,7 @@ function row(c, index) {
   verdict.append(element("span", c.verdict || "no verdict", `verdict ${VERDICT_CLASS[c.verdict] || ""}`));
   tr.append(verdict, element("td", number(c.score, 2), "num"));
   // The verdict's reason in the row; all of them in its tooltip and in the viewer.
-  const reasons = [...c.problems, ...c.reasons];
+  const reasons = [...c.reasons, ...c.problems];
   const more = reasons.length > 1 ? ` (+${reasons.length - 1} more)` : "";
   const reasonCell = element("td", (reasons[0] || "–") + more, "reasons");
   reasonCell.title = reasons.join("\n");
@@ -155,6 +155,7 @@ async function viewer() {
     multiplanarShowRender: SHOW_RENDER.ALWAYS,
     multiplanarLayout: MULTIPLANAR_TYPE.GRID,
     isRadiologicalConvention: true, // as 3D Slicer, ITK-SNAP and OHIF show CT
+    dragMode: DRAG_MODE.windowing, // right-drag: width and level, as in a PACS viewer
   });
   await nv.attachToCanvas($("gl"));
   nv.onLocationChange = (data) => showValues(data.values?.map((v) => v.value));
