@@ -235,8 +235,14 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
 def review_url(host: str, port: int, token: str) -> str:
-    shown = f"[{host}]" if ":" in host else host
+    """The page's link; for every address of the machine (0.0.0.0), by its name, as other
+    machines reach it (browsers refuse 0.0.0.0 itself)."""
+    shown = socket.gethostname() if host in WILDCARDS else host
+    shown = f"[{shown}]" if ":" in shown else shown
     return f"http://{shown}:{port}/?token={token}"
 
 

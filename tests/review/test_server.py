@@ -5,6 +5,11 @@ import csv
 import io
 import json
 import os
+import re
+import signal
+import socket
+import subprocess
+import sys
 import threading
 
 import nibabel as nib
@@ -259,6 +264,19 @@ def test_a_marks_file_not_of_ctseg_review_is_one_line(batch):
     (batch / MARKS_FILE).write_text('{"written_by": "ctseg review", "marks": {"a": {"mark": 1}}}')
     with pytest.raises(CtsegError, match=r"marks\.a\.mark"):
         Marks(batch, "x")
+
+
+def test_the_one_line_says_when_other_machines_can_reach_the_page(batch):
+    command = [sys.executable, "-m", "ctseg", "review", str(batch), "--host", "0.0.0.0"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(30)
+    host = re.escape(socket.gethostname())
+    assert re.fullmatch(rf"review: http://{host}:\d+/\?token=[\w-]{{32}}  .*\n", line), line
+    assert "listening on 0.0.0.0, not only this machine" in line
 
 
 def test_review_of_a_folder_without_predictions_is_one_line(tmp_path):

@@ -447,7 +447,14 @@ function wire() {
   });
   document.addEventListener("keydown", onKey);
   // Another tab's marks: fetched again whenever this one comes back to the front.
-  window.addEventListener("focus", () => loadBatch().catch((e) => showError(e.message)));
+  window.addEventListener("focus", async () => {
+    try {
+      await loadBatch();
+      if (state.viewing) showMark(state.cases[state.current].name);
+    } catch (error) {
+      showError(error.message);
+    }
+  });
 }
 
 async function start() {
