@@ -23,7 +23,7 @@ from ctseg.errors import CtsegError
 from ctseg.io.scans import read_scan
 from ctseg.review.batch import read_batch
 from ctseg.review.marks import MARKS_FILE, Marks
-from ctseg.review.server import BODY_LIMIT, make_app
+from ctseg.review.server import BODY_LIMIT, bind, make_app
 
 TOKEN = "t0ken-of-the-test"
 
@@ -206,8 +206,8 @@ def test_marks_are_saved_with_who_and_when_and_survive_a_restart(batch, page_ord
     assert not list(batch.glob(".ctseg-tmp*"))
 
 
-def test_saves_from_many_tabs_at_once_lose_no_mark(batch):
-    marks = Marks(batch, "x")
+def test_saves_from_many_tabs_at_once_lose_no_mark(tmp_path):
+    marks = Marks(tmp_path, "x")
     names = [f"scan-{i}" for i in range(24)]
 
     def save(name):
@@ -219,7 +219,7 @@ def test_saves_from_many_tabs_at_once_lose_no_mark(batch):
         t.start()
     for t in threads:
         t.join()
-    saved = Marks(batch, "y").read()
+    saved = Marks(tmp_path, "y").read()
     assert {n: m.mark for n, m in saved.items()} == dict.fromkeys(names, "accept")
 
 
@@ -277,6 +277,16 @@ def test_the_one_line_says_when_other_machines_can_reach_the_page(batch):
     host = re.escape(socket.gethostname())
     assert re.fullmatch(rf"review: http://{host}:\d+/\?token=[\w-]{{32}}  .*\n", line), line
     assert "listening on 0.0.0.0, not only this machine" in line
+
+
+def test_a_port_in_use_or_a_host_unknown_is_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(CtsegError, match=r"cannot listen on 127\.0\.0\.1 port \d+"):
+            bind("127.0.0.1", taken.getsockname()[1])
+    with pytest.raises(CtsegError, match="cannot listen on no-such-host.invalid"):
+        bind("no-such-host.invalid", 0)
 
 
 def test_review_of_a_folder_without_predictions_is_one_line(tmp_path):
