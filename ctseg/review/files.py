@@ -63,6 +63,8 @@ def sendable(folder: Path, case: Case, kind: str) -> Sendable:
         return Sendable(name, path=path)
     if not path.exists():
         raise Refused(404, f"{path} is gone")
+    if not path.is_dir():  # a DICOM series is a folder; any other scan a regular file
+        _check_file(path)
     return Sendable(name, data=_as_nifti(str(path), *_identity(path)))
 
 

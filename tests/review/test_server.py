@@ -174,8 +174,11 @@ def test_a_scan_that_is_gone_or_replaced_by_a_folder_is_not_sent(batch, trained,
     record["outputs"]["volume-2_stats.json"]["scan"] = str(gone)
     record["outputs"]["volume-0_stats.json"]["scan"] = str(tmp_path)  # no DICOM series
     record["outputs"]["volume-1_stats.json"]["scan"] = "relative/volume-1.nii.gz"
+    os.mkfifo(tmp_path / "pipe.mha")  # read by ctseg's reader: never opened to wait
+    record["outputs"]["series_stats.json"]["scan"] = str(tmp_path / "pipe.mha")
     (batch / ".ctseg-outputs.json").write_text(json.dumps(record))
     client = _client(batch)
+    assert client.get("/files/series/scan.nii").status_code == 403
     assert client.get("/files/volume-2/scan.nii.gz").status_code == 404
     assert client.get("/files/volume-0/scan.nii").status_code == 404
     assert client.get("/files/volume-1/scan.nii.gz").status_code == 404  # never relative
