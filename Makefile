@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 CTSEG  := $(VENV)/bin/ctseg
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test demo bench bench-predict512 bench-augment bench-windows gpu-check gpu-wheels lint clean experiment-resolution experiment-geometry experiment-robustness experiment-quality targets-table
+.PHONY: install test demo bench bench-predict512 bench-augment bench-windows gpu-check gpu-wheels lint clean experiment-resolution experiment-geometry experiment-robustness experiment-quality experiment-realct targets-table
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -13,11 +13,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# ctseg, then Debian's Chromium and its driver for the browser tests (tests/review), where
+# they are missing (apt-get, as root or through sudo; elsewhere those tests are skipped).
 install: $(STAMP)
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif command -v apt-get >/dev/null; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -q chromium chromium-driver; \
+	else echo "note: no apt-get: install Chromium and chromedriver for tests/review"; fi
 
 # Two workers, one test file each at a time (module fixtures are built once): most of
 # the suite is single-threaded compiling, so the two cores of CI both work.
-test: $(STAMP)
+test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 demo: $(STAMP)
@@ -89,6 +97,11 @@ experiment-robustness: $(STAMP)
 # first) on 176 phantoms of 11 sets; chooses the thresholds (about 5 minutes).
 experiment-quality: $(STAMP)
 	bash scripts/experiment_quality.sh
+
+# The demo's model (make demo first) on a real CT: TotalSegmentator's example (scripts/realct/),
+# liver Dice, volumes and verdict, HU per tissue, slices as PNG (a minute; RUN=… another run).
+experiment-realct: $(STAMP)
+	bash scripts/experiment_realct.sh
 
 # Every shipped config compiled for the main GPUs and a TPU slice, without them
 # (docs/reference/targets.md; cells already compiled are kept; XLA for TPUs is slow).

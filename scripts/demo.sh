@@ -4,8 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CTSEG=${CTSEG:-.venv/bin/ctseg}
-CONFIG=configs/demo.toml
-OUT=demo
+CONFIG=${DEMO_CONFIG:-configs/demo.toml}
+OUT=${DEMO_OUT:-demo}  # DEMO_OUT=… and DEMO_CONFIG=… run it elsewhere, on another config
 start=$(date +%s)
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
@@ -36,6 +36,10 @@ Done in $(( $(date +%s) - start )) s. Artefacts:
   $OUT/pred/volume-0_seg.nii.gz    predicted labels in the scan's own geometry
   $OUT/pred/volume-0_stats.json    liver and tumour volumes, tumour count, burden
   $OUT/pred/volume-0_preview.png   axial, coronal and sagittal overlay
+
+Review the predictions in the browser (a local page; Ctrl-C stops it):
+  $CTSEG review $OUT/eval          the validation scans, worst first, with their Dice
+  $CTSEG review $OUT/pred          the held-out scan
 
 Next, full resolution only where the liver is (about 5 minutes more on 2 cores): a
 coarse locator run finds the liver, the demo's model predicts its box alone, with the
