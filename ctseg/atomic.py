@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ctseg.errors import CtsegError
+from ctseg.reading import read_json
 
 
 def _read_umask() -> int:
@@ -28,8 +29,6 @@ _FILE_MODE = 0o666 & ~_read_umask()
 # Every temporary file starts so: a killed command's leftovers are recognisably ours, and the
 # next command that takes the folder's lock (`ctseg.lock.hold`) removes them.
 TEMP_PREFIX = ".ctseg-tmp."
-# Reports are kilobytes; a larger file is no report of ours (and is not read whole to find out).
-_REPORT_BYTES = 64 << 20
 LOCK_NAME = ".ctseg-lock"  # the file `ctseg.lock.hold` locks in a folder being written
 
 
@@ -178,12 +177,11 @@ def claim_report(
 
 
 def is_json_with(path: Path, keys: Iterable[str]) -> bool:
-    """Whether `path` holds a JSON object with (at least) these top-level keys."""
+    """Whether `path` holds a JSON object with (at least) these top-level keys (a FIFO,
+    a file past a record's size or JSON nested past Python's recursion holds none)."""
     try:
-        with path.open("rb") as f:
-            data = f.read(_REPORT_BYTES + 1)
-        obj = json.loads(data) if len(data) <= _REPORT_BYTES else None
-    except (OSError, ValueError):
+        obj = read_json(path, "report")
+    except (OSError, CtsegError):
         return False
     return isinstance(obj, dict) and set(keys) <= set(obj)
 

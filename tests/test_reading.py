@@ -102,3 +102,17 @@ def test_a_files_digest_is_its_size_and_sha256_and_never_waits_on_a_fifo(tmp_pat
     for key in "bc":
         with pytest.raises(CtsegError, match=f"key '{key}' must be a"):
             record.sha256(key)
+
+
+def test_a_report_that_is_a_fifo_or_nested_too_deeply_is_none_of_ours(tmp_path):
+    from ctseg.atomic import is_json_with
+
+    fifo = tmp_path / "bench.json"
+    os.mkfifo(fifo)
+    deep = tmp_path / "plan.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert not is_json_with(fifo, ["config"])  # answered at once, not on a writer's arrival
+    assert not is_json_with(deep, ["config"])
+    good = tmp_path / "ok.json"
+    good.write_text('{"config": 1}')
+    assert is_json_with(good, ["config"])

@@ -280,13 +280,18 @@ def test_scans_outside_what_a_ct_can_be_are_warned_about(tmp_path):
     cases = {
         "ok": ((64, 64, 40), [0.8, 0.8, 2.5], 0),
         "tiny": ((64, 64, 40), [0.001, 0.001, 0.001], 2),  # spacing and extent
-        "huge": ((64, 64, 40), [100.0, 100.0, 100.0], 2),
+        "coarse": ((64, 64, 40), [15.0, 15.0, 15.0], 1),  # spacing only: 960 mm across
         "slices": ((64, 64, 4), [0.8, 0.8, 2.5], 1),  # fewer than 3 slices are refused
+        "huge": ((64, 64, 40), [100.0, 100.0, 100.0], None),  # 6.4 m: the reader refuses it
     }
     for name, (shape, spacing, count) in cases.items():
         nib.save(
             nib.Nifti1Image(_ct(rng, shape), np.diag([*spacing, 1.0])), tmp_path / f"{name}.nii"
         )
+        if count is None:
+            with pytest.raises(CtsegError, match="no CT's"):
+                read_scan(tmp_path / f"{name}.nii")
+            continue
         warnings = geometry_warnings(read_scan(tmp_path / f"{name}.nii"))
         assert len(warnings) == count, (name, warnings)
     assert volume_warnings({"liver_volume_ml": 1500.0}) == []

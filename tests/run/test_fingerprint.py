@@ -147,13 +147,11 @@ def test_ten_times_the_training_spacing_is_checked_and_held_out_scans_are_not(tr
         # The scan and its true liver are what the model trained on: nothing to say.
         assert scan_checks.checks(known, scan, reference) == [], index
 
-    image = nib.load(held_out / "volume-0.nii.gz")
-    affine = image.affine.copy()
-    affine[:3, :3] *= 10
-    far = nib.Nifti1Image(np.asarray(image.dataobj), affine)
-    nib.save(far, tmp_path / "far.nii.gz")
-    scan = read_scan(tmp_path / "far.nii.gz")
-    found = scan_checks.geometry_checks(known, scan.spacing, scan.array.shape)
+    # Ten times the spacing: metres of field of view, which the reader refuses as no CT's
+    # header (tests/cli/test_hostile_headers.py); the checks still say why on their own.
+    scan = read_scan(held_out / "volume-0.nii.gz")
+    far = tuple(10 * s for s in scan.spacing)
+    found = scan_checks.geometry_checks(known, far, scan.array.shape)
     assert len(found) == 2
     assert found[0].startswith("voxel spacing ") and "3× outside the training scans'" in found[0]
     assert found[1].startswith("field of view ")
