@@ -12,9 +12,9 @@ liver lies at high x. Organs keep their size whatever the field of view, the
 matrix or the slice thickness:
 
 - body 280–380 mm wide and 200–280 mm deep with an 8–30 mm fat layer, a muscle
-  wall (25–45 HU, drawn per case) with ribs (down to the costal margin) and a sternum; the spine runs the
-  whole length of chest, abdomen and pelvis (vertebrae and discs, canal,
-  posterior elements); the aorta in front of it;
+  wall (25–45 HU, drawn per case) with ribs (down to the costal margin) and a
+  sternum; the spine runs the whole length of chest, abdomen and pelvis (vertebrae
+  and discs, canal, posterior elements); the aorta in front of it;
 - above the diaphragm (z > 0): lungs (about -850 HU) inside the ribcage, the
   heart on the left dome, the trachea;
 - below it: the liver (1.3–2.1 L in all, 145–205 mm tall, on the right, its left
