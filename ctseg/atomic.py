@@ -113,6 +113,22 @@ def _outside_checkpoints(path: Path) -> None:
             )
 
 
+def check_writable(path: str | Path) -> None:
+    """CtsegError if `path` cannot be a folder this process writes in (a file, a folder it
+    cannot write in, or inside one), found before anything is made rather than as a
+    traceback later. Creates nothing."""
+    existing = Path(path).resolve()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CtsegError(f"{existing} is a file, not a folder: give a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise CtsegError(f"cannot write in {existing}: {exc.strerror or exc}") from None
+
+
 def output_folder(path: str | Path) -> Path:
     """Create folder `path` (with its parents) for outputs; CtsegError if it cannot be one.
 

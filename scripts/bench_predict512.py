@@ -82,7 +82,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -454,25 +453,9 @@ def checked_request(args: argparse.Namespace) -> None:
             f"liver-following network needs {len(RAMPS_HU)} or more"
         )
     check_size(args.size)
-    check_writable(args.workdir)
+    atomic.check_writable(args.workdir)
     args.workdir = atomic.output_folder(args.workdir).resolve()
     check_reused(args.workdir, config, args.size)
-
-
-def check_writable(path: Path) -> None:
-    """CtsegError if `path` cannot be a folder this process writes in (a file, a folder it
-    cannot write in, or inside one), found before anything is made rather than as a
-    traceback later. Creates nothing."""
-    existing = path.resolve()
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise CtsegError(f"{existing} is a file, not a folder: give a folder")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as exc:
-        raise CtsegError(f"cannot write in {existing}: {exc.strerror or exc}") from None
 
 
 def _header(args: argparse.Namespace) -> dict:

@@ -47,7 +47,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -415,22 +414,6 @@ def _refuse(message: str) -> NoReturn:
     sys.exit(2)
 
 
-def check_writable(path: Path) -> None:
-    """CtsegError if `path` cannot be a folder this process writes in (a file, a folder it
-    cannot write in, or inside one), found before anything is made rather than as a
-    traceback later. Creates nothing."""
-    existing = path.resolve()
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise CtsegError(f"{existing} is a file, not a folder: give a folder")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as exc:
-        raise CtsegError(f"cannot write in {existing}: {exc.strerror or exc}") from None
-
-
 def chosen_checks(only: str | None, checks: list[str]) -> list[str]:
     """The checks `--only` names, in its order (all of them without it); CtsegError for a
     name that is empty or no check's."""
@@ -480,7 +463,7 @@ def main() -> None:
         chosen = chosen_checks(args.only, list(checks))
         folders = [args.workdir, *([] if args.mirror is None else [args.mirror])]
         for folder in folders:
-            check_writable(folder)
+            atomic.check_writable(folder)
         s.work, *mirrored = [atomic.output_folder(folder).resolve() for folder in folders]
     except CtsegError as exc:
         _refuse(str(exc))

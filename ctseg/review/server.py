@@ -35,7 +35,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ctseg.errors import CtsegError
-from ctseg.review.batch import Batch, Case, read_batch
+from ctseg.review.batch import Case, read_batch
 from ctseg.review.files import Refused, sendable, served_name
 from ctseg.review.marks import BadMark, Marks
 
@@ -47,82 +47,67 @@ BODY_LIMIT = 16 << 10  # a mark and a comment of `marks.COMMENT_CHARS`, with roo
 _NO_STORE = {"Cache-Control": "no-store"}
 
 
-class _Folder:
-    """The folder served: its batch, read again when the page asks for it (predictions
-    finished since appear), and its marks."""
+class _Review:
+    """The folder served and the routes' answers: its batch, read again when the page asks
+    for it (predictions finished since appear), and its marks."""
 
     def __init__(self, folder: Path, reviewer: str):
         self.batch = read_batch(folder)
         self.marks = Marks(self.batch.folder, reviewer)
 
-    def reread(self) -> Batch:
-        self.batch = read_batch(self.batch.folder)  # one assignment: requests see either
-        return self.batch
-
-
-def make_app(folder: Path, token: str, reviewer: str) -> ASGIApp:
-    """The review server's application over `folder` (a predict or evaluate folder),
-    answering only requests with `token`; CtsegError if the folder holds no batch."""
-    served = _Folder(folder, reviewer)
-
-    async def page(request: Request) -> Response:
+    async def page(self, request: Request) -> Response:
         return FileResponse(STATIC / "index.html", headers=_NO_STORE)
 
-    async def niivue(request: Request) -> Response:
+    async def niivue(self, request: Request) -> Response:
         headers = {"Content-Encoding": "gzip", "Cache-Control": "max-age=86400"}
         return Response(NIIVUE_GZ.read_bytes(), media_type="text/javascript", headers=headers)
 
-    def batch(request: Request) -> Response:
+    def cases(self, request: Request) -> Response:
         try:
-            current = served.reread()
-            marks = served.marks.read()
+            self.batch = current = read_batch(self.batch.folder)  # one assignment
+            marks = self.marks.read()
         except CtsegError as exc:
             return JSONResponse({"error": str(exc)}, 409, headers=_NO_STORE)
         return JSONResponse(
             {
                 "folder": str(current.folder),
                 "kind": current.kind,
-                "reviewer": served.marks.reviewer,
+                "reviewer": self.marks.reviewer,
                 "cases": [_case_json(case) for case in current.cases],
                 "marks": {name: mark.to_json() for name, mark in marks.items()},
             },
             headers=_NO_STORE,
         )
 
-    async def save_mark(request: Request) -> Response:
+    async def save_mark(self, request: Request) -> Response:
         name = request.path_params["name"]
-        if served.batch.case(name) is None:
+        if self.batch.case(name) is None:
             return _error(404, f"no scan {name!r} in this batch")
         body = await _limited_body(request)
         if body is None:
             return _error(413, f"a mark's request is at most {BODY_LIMIT} bytes")
         try:
-            asked = json.loads(body)
-            if not isinstance(asked, dict):
-                raise ValueError("not an object")
-            mark, comment = asked.get("mark"), asked.get("comment", "")
-            if not isinstance(comment, str) or not (mark is None or isinstance(mark, str)):
-                raise BadMark("mark is a string or null, comment a string")
+            mark, comment = _asked_mark(body)
         except (ValueError, RecursionError) as exc:
             return _error(400, f"the body is not a mark: {exc}"[:200])
         try:
-            kept = served.marks.save(name, mark, comment)  # blocking: a short atomic write
+            kept = self.marks.save(name, mark, comment)  # blocking: a short atomic write
         except BadMark as exc:
             return _error(422, str(exc))
         return JSONResponse({"name": name, "mark": kept and kept.to_json()}, headers=_NO_STORE)
 
-    def export(request: Request) -> Response:
-        names = [case.name for case in served.batch.cases]
+    def export(self, request: Request) -> Response:
+        names = [case.name for case in self.batch.cases]
         headers = {**_NO_STORE, "Content-Disposition": 'attachment; filename="review.csv"'}
-        return Response(served.marks.to_csv(names), media_type="text/csv", headers=headers)
+        return Response(self.marks.to_csv(names), media_type="text/csv", headers=headers)
 
-    def file(request: Request) -> Response:
+    def file(self, request: Request) -> Response:
         name, asked = request.path_params["name"], request.path_params["file"]
-        case = served.batch.case(name)
+        case = self.batch.case(name)
         if case is None:
             return _error(404, f"no scan {name!r} in this batch")
         try:
-            send = sendable(served.batch.folder, case, asked.split(".", 1)[0])
+            send = sendable(self.batch.folder, case, asked.split(".", 1)[0])
         except Refused as exc:
             return _error(exc.status, str(exc))
         if send.name != asked:
@@ -131,14 +116,30 @@ def make_app(folder: Path, token: str, reviewer: str) -> ASGIApp:
             return FileResponse(send.path, headers=_NO_STORE, filename=None)
         return Response(send.data, media_type="application/octet-stream", headers=_NO_STORE)
 
+
+def _asked_mark(body: bytes) -> tuple[str | None, str]:
+    """The mark and comment a request's body asks for; ValueError if it asks for none."""
+    asked = json.loads(body)
+    if not isinstance(asked, dict):
+        raise ValueError("not an object")
+    mark, comment = asked.get("mark"), asked.get("comment", "")
+    if not isinstance(comment, str) or not (mark is None or isinstance(mark, str)):
+        raise ValueError("mark is a string or null, comment a string")
+    return mark, comment
+
+
+def make_app(folder: Path, token: str, reviewer: str) -> ASGIApp:
+    """The review server's application over `folder` (a predict or evaluate folder),
+    answering only requests with `token`; CtsegError if the folder holds no batch."""
+    review = _Review(folder, reviewer)
     routes = [
-        Route("/", page),
-        Route("/static/niivue.js", niivue),
+        Route("/", review.page),
+        Route("/static/niivue.js", review.niivue),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
-        Route("/api/batch", batch),
-        Route("/api/marks/{name}", save_mark, methods=["PUT"]),
-        Route("/marks.csv", export),
-        Route("/files/{name}/{file}", file),
+        Route("/api/batch", review.cases),
+        Route("/api/marks/{name}", review.save_mark, methods=["PUT"]),
+        Route("/marks.csv", review.export),
+        Route("/files/{name}/{file}", review.file),
     ]
     return _TokenGate(Starlette(routes=routes), token)
 
