@@ -248,16 +248,17 @@ def predict(
 ) -> None:
     """Segment liver and tumours: <name>_seg.nii.gz, _stats.json and _preview.png per scan.
 
-    Runs on the GPUs or TPUs that are here, whatever layout trained the model
-    (else on the CPU, with ONNX Runtime when installed); the first line says
-    what runs where. The segmentation has exactly the input's geometry, so it
-    overlays on the scan in ITK-SNAP or 3D Slicer. Exits 1 when any scan
-    failed; the others are written. Run again after an interruption: scans
-    already done for the same request (model, checkpoint, TTA, backend, region)
-    are skipped, the rest are predicted; a scan whose content changed since (another
-    file of the same name) is predicted again. ctseg replaces only files it wrote,
-    as it wrote them (listed with their content in --out's .ctseg-outputs.json),
-    others only with --force.
+    Runs on the GPUs or TPUs that are here, whatever layout trained the
+    model (else on the CPU, with ONNX Runtime when installed); the first
+    line says what runs where. The segmentation has exactly the input's
+    geometry, so it overlays on the scan in ITK-SNAP or 3D Slicer. Exits 1
+    when any scan failed; the others are written. Run again after an
+    interruption: scans already done for the same request (model,
+    checkpoint, TTA, backend, region) are skipped, the rest are predicted; a
+    scan whose content changed since (another file of the same name) is
+    predicted again. ctseg replaces only files it wrote, as it wrote them
+    (listed with their content in --out's .ctseg-outputs.json), others only
+    with --force.
     """
     console = Console(highlight=False)  # here, not at import: the terminal's width of now
     run_dirs = rundir.member_runs([run_dir, *(runs or [])])

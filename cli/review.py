@@ -50,11 +50,12 @@ def review(
 ) -> None:
     """Review a batch of predictions in the browser, the worst first, marks kept.
 
-    The page lists the scans by verdict (review, unlike the training data, ok) and score,
-    shows each scan with its labels in 2-D and 3-D (NiiVue), and keeps your marks (accept,
-    reject, needs correction, a comment) in OUT_DIR/review.json. It starts a local web
-    server and prints one line with the page's link, which carries a random token: the
-    server answers nothing without it. Needs the review extra: pip install
+    The page lists the scans by verdict (review, unlike the training data,
+    ok) and score, shows each scan with its labels in 2-D and 3-D (NiiVue),
+    and keeps your marks (accept, reject, needs correction, a comment) in
+    OUT_DIR/review.json. It starts a local web server and prints one line
+    with the page's link, which carries a random token: the server answers
+    nothing without it. Needs the review extra: pip install
     'ctseg\\[review]'. Ctrl-C stops it.
     """
     try:
