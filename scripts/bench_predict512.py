@@ -470,6 +470,26 @@ def _header(args: argparse.Namespace) -> dict:
     return header
 
 
+def _roi_runs(
+    args: argparse.Namespace, run_dir: Path, scans: list[Path], result: dict, whole: dict
+) -> None:
+    """The liver's region alone (`--roi`) at each asked tile, and against the whole scan;
+    `result` written after each."""
+    mask = args.workdir / "liver-mask.nii.gz"
+    result["roi"], result["roi_vs_whole"] = [], []
+    for tile in args.roi_tile or [args.tile]:
+        run = predict(args, run_dir, scans, args.workdir / "pred-roi", mask, tile)
+        result["roi"].append({"tile": tile, **run})
+        result["roi_vs_whole"].append(
+            {
+                "tile": tile,
+                "wall": run["wall_seconds"] / whole["wall_seconds"],
+                "peak": run["peak_gib"] / whole["peak_gib"],
+            }
+        )
+        atomic.write_json(args.result, result)
+
+
 def main() -> None:
     args = _arguments()
     try:
@@ -502,20 +522,7 @@ def main() -> None:
         result["warm"]["not_overlapped_seconds_per_scan"] = per_scan - network
         atomic.write_json(args.result, result)
     if args.roi:
-        mask = args.workdir / "liver-mask.nii.gz"
-        whole = result[kinds[-1]]
-        result["roi"], result["roi_vs_whole"] = [], []
-        for tile in args.roi_tile or [args.tile]:
-            run = predict(args, run_dir, scans, args.workdir / "pred-roi", mask, tile)
-            result["roi"].append({"tile": tile, **run})
-            result["roi_vs_whole"].append(
-                {
-                    "tile": tile,
-                    "wall": run["wall_seconds"] / whole["wall_seconds"],
-                    "peak": run["peak_gib"] / whole["peak_gib"],
-                }
-            )
-            atomic.write_json(args.result, result)
+        _roi_runs(args, run_dir, scans, result, whole=result[kinds[-1]])
     if args.anchor:
         result["anchor"] = anchor(args, scans[0])
         theirs = result["anchor"].get("seconds")

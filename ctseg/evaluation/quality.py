@@ -268,9 +268,7 @@ def _calibration_cases(cases: Sequence[dict[str, Any]]) -> tuple[list[dict[str, 
     judged = [c for c in labelled if not _unusable(c["quality"])]
     left_out = len(labelled) - len(judged)
     if len(judged) < MIN_CASES:
-        spoilt = (
-            f" ({left_out} more left out: their concerns are NaN or missing)" if left_out else ""
-        )
+        spoilt = f" ({left_out} more left out: concerns NaN or missing)" if left_out else ""
         raise CtsegError(
             f"calibrating the quality thresholds needs at least {MIN_CASES} labelled cases "
             f"with a prediction quality; there are {len(judged)}{spoilt}"
