@@ -4,15 +4,33 @@ import typer
 from typer.core import TyperGroup
 
 import ctseg
+from ctseg.cli.flags import FLAGS
+from ctseg.errors import CtsegError, OptionError
 
 # The order `ctseg --help` lists the commands in: the pipeline's, then the sizing tools.
-COMMANDS = ("synth", "preprocess", "folds", "train", "evaluate", "predict", "review", "plan",
-            "bench")
+COMMANDS = (
+    "synth",
+    "preprocess",
+    "folds",
+    "train",
+    "evaluate",
+    "predict",
+    "review",
+    "plan",
+    "bench",
+)
 
 
 class _PipelineOrder(TyperGroup):
     def list_commands(self, ctx: typer.Context) -> list[str]:
         return sorted(self.commands, key=COMMANDS.index)
+
+    def invoke(self, ctx: typer.Context) -> object:
+        """Every command's run: an `OptionError` said with the flags the user typed."""
+        try:
+            return super().invoke(ctx)
+        except OptionError as exc:
+            raise CtsegError(exc.respelled(FLAGS)) from None
 
 
 app = typer.Typer(

@@ -17,7 +17,7 @@ from ctseg.cli.predict import BackendOption, TtaOption
 from ctseg.cli.progress import counting
 from ctseg.config import InferenceOptions
 from ctseg.errors import CtsegError
-from ctseg.evaluation import quality as quality_power
+from ctseg.evaluation import calibration as quality_power
 from ctseg.evaluation.cross_validation import evaluate_cross_validation
 from ctseg.evaluation.reports import (
     CrossValidationReport,

@@ -51,7 +51,7 @@ class OutputType(StrEnum):
 
 
 class Backend(StrEnum):
-    """`ctseg.inference.backends.BACKENDS`, as a choice for the command line."""
+    """`ctseg.inference.network.backends.BACKENDS`, as a choice for the command line."""
 
     jax = "jax"
     onnx = "onnx"
@@ -79,7 +79,7 @@ TtaOption = Annotated[
 ]
 
 
-# The quality verdicts (`ctseg.inference.quality.VERDICTS`) as the table shows them.
+# The quality verdicts (`ctseg.inference.quality.scores.VERDICTS`) as the table shows them.
 _VERDICT_STYLES = {"ok": "green", "review": "yellow", "unlike the training data": "red"}
 
 
@@ -130,7 +130,7 @@ def _stats_table(outcomes: list) -> Table:
 def _quality_lines(outcomes: list) -> list[str]:
     """Below the table: why each flagged scan is flagged, and the batch's count, e.g.
     `quality: 3 of 40 to review`."""
-    from ctseg.inference.quality import OK, batch_line
+    from ctseg.inference.quality.scores import OK, batch_line
 
     lines = []
     verdicts = []
@@ -317,7 +317,7 @@ def _checked_options(
 ) -> InferenceOptions:
     """The request's `InferenceOptions`, every option checked (one line for a mistake)."""
     from ctseg.inference.inputs import inference_options
-    from ctseg.inference.region import check_margin
+    from ctseg.inference.scan.region import check_margin
 
     names = {key: f"--{key}" for key in ("checkpoint", "tile", "backend", "device", "tta")}
     options = inference_options(

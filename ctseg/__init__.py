@@ -1,7 +1,6 @@
 """ctseg: liver and liver-tumour segmentation with a spatially partitioned 3D U-Net."""
 
 
-
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -25,6 +24,5 @@ def __getattr__(name: str):
         # say on stderr that this machine has no GPU: held, as the commands hold it.
         with held_start_output():
             from ctseg.inference import api
-
         return getattr(api, name)
     raise AttributeError(f"module 'ctseg' has no attribute {name!r}")

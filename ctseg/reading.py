@@ -142,8 +142,10 @@ def _describe(value: Any) -> str:
 
 
 def _plain(value: Any) -> bool:
-    return value is None or isinstance(value, bool | str) or (
-        isinstance(value, int | float) and len(str(value)) <= 40
+    return (
+        value is None
+        or isinstance(value, bool | str)
+        or (isinstance(value, int | float) and len(str(value)) <= 40)
     )
 
 

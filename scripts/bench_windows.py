@@ -66,8 +66,8 @@ def main() -> None:
     import numpy as np
 
     from ctseg import config as cfg
-    from ctseg.inference.engine import Engine
-    from ctseg.inference.jax_backend import JaxBackend
+    from ctseg.inference.network.engine import Engine
+    from ctseg.inference.network.jax_backend import JaxBackend
     from ctseg.model import unet
     from ctseg.parallel.compile_cache import compile_clock
     from ctseg.run.trained import TrainedModel

@@ -112,6 +112,7 @@ def figures(pred_dir: Path, scan: Path, ref: Path, out: Path) -> list[Path]:
     predicted, _ = _canonical(pred_dir / f"{name}_seg.nii.gz")
     slices = range(0, hu.shape[2], 3)
     fig, axes = plt.subplots(2, (len(slices) + 1) // 2, figsize=(3 * len(slices) / 2, 6.5))
+
     def radiological(plane: np.ndarray) -> np.ndarray:
         """A RAS slice as radiologists look at it: anterior up, the patient's right left."""
         return plane[::-1, ::-1].T

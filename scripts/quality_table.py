@@ -4,7 +4,7 @@
 
 OUT/scores/SET.json are `ctseg evaluate --pred/--ref` reports whose cases carry the quality
 `ctseg predict` recorded. The cases of every set are pooled and the thresholds chosen on
-them (`ctseg.evaluation.quality.choose_thresholds`, starting from the hand-chosen ones,
+them (`ctseg.evaluation.calibration.choose_thresholds`, starting from the hand-chosen ones,
 as `ctseg evaluate --calibrate` does); then, per set and pooled, under the thresholds the
 predictions were judged by (as recorded), under the chosen ones, and under thresholds
 chosen without the set (leave one set out: how the choice holds on a kind of scan it
@@ -23,8 +23,8 @@ import json
 from datetime import date
 from pathlib import Path
 
-from ctseg.evaluation import quality as power
-from ctseg.inference.thresholds import HAND_CHOSEN
+from ctseg.evaluation import calibration as power
+from ctseg.inference.quality.thresholds import HAND_CHOSEN
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:

@@ -7,7 +7,7 @@ resampled onto g grid voxels, with the voxel-centre convention
     grid voxel i  <->  source voxel coordinate (i + 0.5) * n / g - 0.5
 
 so the first and last voxel faces of the scan and the grid coincide, and the way back
-(`ctseg.inference.scan_space`, by `linear_weights`) is the exact inverse coordinate map of
+(`ctseg.inference.scan.way_back`, by `linear_weights`) is the exact inverse coordinate map of
 `to_grid`. Two grids (`data.grid`):
 
 - ``cube``: g = R on every axis, the field of view stretched onto R³ (an anisotropic

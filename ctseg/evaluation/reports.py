@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ctseg.evaluation import calibration as quality_power
 from ctseg.evaluation import metrics
-from ctseg.evaluation import quality as quality_power
 
 Json = dict[str, Any]
 GRID_DICE_KEYS = ("liver", "tumour")

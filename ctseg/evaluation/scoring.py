@@ -45,7 +45,7 @@ from ctseg.progress import Progress
 from ctseg.reading import Record, open_regular, read_json
 
 CSV_SECTIONS = ("liver", "tumour", "detection", "burden")
-# A case's prediction quality (`ctseg.inference.quality`) in metrics.csv, where it has one.
+# A case's prediction quality (`ctseg.inference.quality.scores`) in metrics.csv, where it has one.
 QUALITY_COLUMNS = ("verdict", "score", "liver", "tumour")
 Case = TypeVar("Case")
 
@@ -135,8 +135,7 @@ def read_recorded(pred: Path) -> Recorded | None:
         json.dumps(judged.value, allow_nan=False)
     except ValueError:
         raise CtsegError(
-            f"the prediction's stats {stats_path}: key 'quality' holds a number that is not "
-            "finite"
+            f"the prediction's stats {stats_path}: key 'quality' holds a number that is not finite"
         ) from None
     return Recorded(model, judged.value)
 

@@ -30,9 +30,9 @@ from ctseg.data.store import CaseEntry, Store
 from ctseg.errors import CtsegError
 from ctseg.evaluation.reports import Engine, Json, Report
 from ctseg.evaluation.scoring import evaluate_arrays, score_cases, write_reports
-from ctseg.inference import quality
-from ctseg.inference.region import check_margin
-from ctseg.inference.thresholds import read_thresholds
+from ctseg.inference.quality import scores
+from ctseg.inference.quality.thresholds import read_thresholds
+from ctseg.inference.scan.region import check_margin
 from ctseg.io import scans
 from ctseg.io.orientation import voxels_difference
 from ctseg.io.scans import Scan
@@ -200,7 +200,7 @@ def score_run(
 ) -> tuple[list[Json], list[Json]]:
     """Predict and score `cases` with one model (`score_cases` over `evaluate_case`); each
     case's scan and reference are read in a thread while the case before it predicts."""
-    training = quality.Reference.of_run(
+    training = scores.Reference.of_run(
         predictor.members[0].run_dir, ensemble=len(predictor.members) > 1
     )
     after = {case.id: following for case, following in zip(cases, cases[1:], strict=False)}
@@ -245,7 +245,7 @@ def evaluate_case(
     store: Store,
     case: CaseEntry,
     predictions: Path,
-    training: quality.Reference | None = None,
+    training: scores.Reference | None = None,
     read: tuple[Scan, Scan] | None = None,
 ) -> Json:
     """Predict one case from its original scan and score it there and on the grid, with
@@ -262,7 +262,7 @@ def evaluate_case(
     if prediction.located is not None:  # a locator's region, or why the whole scan
         record["located"] = prediction.located
     # What the training data says of it (`training`: the run's fingerprint).
-    record["quality"] = quality.of_prediction(prediction, scan, training).to_json()
+    record["quality"] = scores.of_prediction(prediction, scan, training).to_json()
     # On the grid (the run's and the store's: the same scan, the same resampling), against
     # the store's labels. An ensemble has no one grid, nor has a prediction on a region's
     # window of it.

@@ -14,7 +14,7 @@
 Each call reads (or takes) one scan, predicts it exactly as `ctseg predict` does
 (the same device policy, grid, tiles, TTA and post-processing), and returns the label
 map in the scan's own geometry with its statistics and its quality (`result.quality`,
-`ctseg.inference.quality.Quality`: the verdict, the one reason that weighs most, the
+`ctseg.inference.quality.scores.Quality`: the verdict, the one reason that weighs most, the
 scores, under the calibrated thresholds or the run's own), writing nothing. `segment`
 does it once; `Segmenter.map` pipelines many files.
 
@@ -45,13 +45,14 @@ import numpy as np
 from ctseg import atomic
 from ctseg.config import TileRequest
 from ctseg.errors import CtsegError
-from ctseg.inference import postprocess, quality
 from ctseg.inference.inputs import inference_options
 from ctseg.inference.member import OnGrid
 from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Prediction, Predictor, Seconds
-from ctseg.inference.quality import Quality
-from ctseg.inference.region import check_margin
-from ctseg.inference.scan_checks import volume_warnings
+from ctseg.inference.quality import scores
+from ctseg.inference.quality.scan_checks import volume_warnings
+from ctseg.inference.quality.scores import Quality
+from ctseg.inference.scan import postprocess
+from ctseg.inference.scan.region import check_margin
 from ctseg.io.scans import (
     Scan,
     nifti_geometry,
@@ -115,7 +116,7 @@ class Segmentation:
     probabilities: np.ndarray | None = None  # [..., 3] float32, when asked for
     scan: Scan | None = field(default=None, repr=False)  # the input, as read
     # Whether to trust it: verdict ("ok", "review", "unlike the training data"), reason,
-    # scores (`ctseg.inference.quality`: calibrated thresholds, or the run's own).
+    # scores (`ctseg.inference.quality.scores`: calibrated thresholds, or the run's own).
     quality: Quality | None = None
 
     def to_nifti(self) -> nib.Nifti1Image:
@@ -174,7 +175,7 @@ class Segmenter:
         dev.start_quietly(options.device)  # before JAX starts: its plugins' lines held
         self.predictor = Predictor.from_run(run_dirs, options, configs)
         # What the quality compares with, and its thresholds (a lone run's or an ensemble's).
-        self.reference = quality.Reference.of_run(run_dirs[0], ensemble=len(run_dirs) > 1)
+        self.reference = scores.Reference.of_run(run_dirs[0], ensemble=len(run_dirs) > 1)
         if locate is not None:
             margin_mm = DEFAULT_MARGIN_MM if margin_mm is None else margin_mm
             self.predictor.predict_region(Path(locate), None, margin_mm, options)
@@ -267,7 +268,7 @@ class Segmenter:
         """The result of a scan's prediction, in the scan's own voxel order."""
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
         stats["located"] = prediction.located  # as _stats.json: the region, if one was used
-        judged = quality.of_prediction(prediction, scan, self.reference)
+        judged = scores.of_prediction(prediction, scan, self.reference)
         probabilities = prediction.probabilities
         return Segmentation(
             labels=to_original_order(scan, prediction.labels),

@@ -42,10 +42,10 @@ import numpy as np
 
 from ctseg import atomic
 from ctseg.errors import CtsegError
-from ctseg.inference import postprocess, quality, requests
+from ctseg.inference import requests
 from ctseg.inference.inputs import ScanOutcome, output_name, output_paths
-from ctseg.inference.jax_plans import is_out_of_memory
 from ctseg.inference.member import OnGrid
+from ctseg.inference.network.jax_plans import is_out_of_memory
 from ctseg.inference.outputs_record import OwnOutputs
 from ctseg.inference.predictor import (
     PHASES,
@@ -53,7 +53,9 @@ from ctseg.inference.predictor import (
     Predictor,
     timed,
 )
-from ctseg.inference.scan_checks import volume_warnings
+from ctseg.inference.quality import scores
+from ctseg.inference.quality.scan_checks import volume_warnings
+from ctseg.inference.scan import postprocess
 from ctseg.io import dicom_seg, pictures
 from ctseg.io.readers import one_line
 from ctseg.io.scans import (
@@ -120,7 +122,7 @@ def predict_files(
     own = OwnOutputs(out_dir)
     own.check(force)
     read = functools.partial(_read, predictor, own)
-    reference = quality.Reference.of_run(
+    reference = scores.Reference.of_run(
         predictor.members[0].run_dir, ensemble=len(predictor.members) > 1
     )
     # The batch's extents from the NIfTI headers, before its first scan: where the backend
@@ -248,7 +250,7 @@ def _write(
     out_dir: Path,
     model: dict[str, Any],
     output_type: str,
-    reference: quality.Reference,
+    reference: scores.Reference,
 ) -> ScanOutcome:
     if prepared is not None and probabilities is not None:
         _guarded(
@@ -277,7 +279,7 @@ def _write_outputs(
     out_dir: Path,
     model: dict[str, Any],
     output_type: str,
-    reference: quality.Reference,
+    reference: scores.Reference,
 ) -> None:
     scan, seconds = prepared.scan, outcome.seconds
     with_probabilities = predictor.config.predict.save_probabilities
@@ -287,7 +289,7 @@ def _write_outputs(
     del probabilities
     with timed(seconds, "postprocess"):
         stats = postprocess.scan_stats(prediction.labels, scan.affine)
-        judged = quality.of_prediction(prediction, scan, reference)
+        judged = scores.of_prediction(prediction, scan, reference)
     prediction.grid_probabilities = None  # freed before writing
     outcome.warnings += prediction.warnings + volume_warnings(stats)
     outcome.checks += prediction.checks
@@ -315,7 +317,7 @@ def _write_images(
     prediction: Prediction,
     tmp: dict[str, Path],
     output_type: str,
-    judged: quality.Quality,
+    judged: scores.Quality,
 ) -> None:
     """The label map (NIfTI or DICOM SEG), the probabilities where asked, the preview."""
     if output_type == "dicom-seg":
@@ -341,7 +343,7 @@ def _stats_record(
     prediction: Prediction,
     stats: dict[str, Any],
     model: dict[str, Any],
-    judged: quality.Quality,
+    judged: scores.Quality,
 ) -> dict[str, Any]:
     """The scan's `_stats.json` (docs/reference/file-formats.md)."""
     seconds = outcome.seconds
@@ -364,7 +366,7 @@ def _stats_record(
         "warnings": outcome.warnings,
         "checks": outcome.checks,  # where it lies far outside the training data
         # Whether to trust it: ok, review or unlike the training data, the reason, the
-        # scores and their components (`ctseg.inference.quality`).
+        # scores and their components (`ctseg.inference.quality.scores`).
         "quality": judged.to_json(),
         # The region predicted at full resolution (`--locate`, `--roi`): its source,
         # margin, scan voxels [lo, hi), or why the whole scan was predicted.

@@ -22,7 +22,7 @@ from ctseg import config as cfg
 from ctseg.config import InferenceOptions, TileRequest
 from ctseg.data.manifest import MANIFEST
 from ctseg.errors import CtsegError
-from ctseg.inference.backends import BACKENDS
+from ctseg.inference.network.backends import BACKENDS
 from ctseg.inference.outputs_record import (  # noqa: F401  (OUTPUTS_RECORD: callers find it here)
     OUTPUTS_RECORD,
     OwnOutputs,

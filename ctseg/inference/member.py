@@ -21,13 +21,14 @@ from ctseg.config import TileRequest
 from ctseg.data import grids
 from ctseg.data.grids import GridSpec
 from ctseg.errors import CtsegError
-from ctseg.inference import tiling, to_grid
-from ctseg.inference.backends import Backend
-from ctseg.inference.canvas import Canvas
-from ctseg.inference.engine import Engine, class_probabilities, fixed_window_core
-from ctseg.inference.jax_plans import is_out_of_memory
-from ctseg.inference.region import GridWindow, Region, window_of
-from ctseg.inference.tiling import Shape, Span, TileProgress
+from ctseg.inference.network import tiling
+from ctseg.inference.network.backends import Backend
+from ctseg.inference.network.engine import Engine, class_probabilities, fixed_window_core
+from ctseg.inference.network.jax_plans import is_out_of_memory
+from ctseg.inference.network.tiling import Shape, Span, TileProgress
+from ctseg.inference.scan import to_grid
+from ctseg.inference.scan.canvas import Canvas
+from ctseg.inference.scan.region import GridWindow, Region, window_of
 from ctseg.io.scans import Scan
 from ctseg.model import unet
 from ctseg.parallel import devices as dev
@@ -148,7 +149,7 @@ class Member:
         ladder where the backend compiles programs (`Backend.ladder`, JAX:
         `grids.inference_box`'s programs serve scans of other extents), else to the next
         multiple of `BOX_MULTIPLE`; with a `region`, only the box of the grid that gives
-        its labels exactly (`ctseg.inference.region`)."""
+        its labels exactly (`ctseg.inference.scan.region`)."""
         grid = self.grid.grid_of(scan.array.shape, scan.spacing)
         box, offset, window, need = grid, (0, 0, 0), None, None
         multiple = max(self.config.alignment, BOX_MULTIPLE)

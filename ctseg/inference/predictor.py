@@ -4,7 +4,7 @@ One scan goes: read (canonical RAS, `ctseg.io.scans`) → the training preproces
 (resampling to the run's grid as int16 HU, the HU window: `Predictor.to_grid`) → the
 inference engine (whole or exactly tiled, `Predictor.infer`) → class probabilities on
 the grid → resampled linearly back to the scan's own voxels and argmax
-(`ctseg.inference.scan_space`) → post-processing and the scan's checks
+(`ctseg.inference.scan.way_back`) → post-processing and the scan's checks
 (`Predictor.to_scan`). `Predictor.predict` does all of it; `ctseg.inference.files`
 writes the outputs of many scans, and `ctseg.evaluation.runs` scores a store's split
 with the same pipeline.
@@ -24,14 +24,15 @@ import numpy as np
 
 from ctseg.config import Config, InferenceOptions, TileRequest
 from ctseg.errors import CtsegError
-from ctseg.inference import postprocess, scan_checks, scan_space, to_grid
-from ctseg.inference.backends import choose_backend, onnx_available
-from ctseg.inference.engine import Engine, backend_named
 from ctseg.inference.inputs import read_roi, roi_mask
 from ctseg.inference.member import Member, OnGrid
-from ctseg.inference.region import Region, region_of
-from ctseg.inference.tiling import Shape
-from ctseg.inference.uncertainty import Uncertainty
+from ctseg.inference.network.backends import choose_backend, onnx_available
+from ctseg.inference.network.engine import Engine, backend_named
+from ctseg.inference.network.tiling import Shape
+from ctseg.inference.quality import scan_checks
+from ctseg.inference.quality.uncertainty import Uncertainty
+from ctseg.inference.scan import postprocess, to_grid, way_back
+from ctseg.inference.scan.region import Region, region_of
 from ctseg.io.readers import check_extent
 from ctseg.io.scans import Scan
 from ctseg.parallel import devices as dev
@@ -69,7 +70,7 @@ class Prediction:
     located: dict[str, Any] | None = None
     grid: Shape | None = None  # the run's grid of the scan, the first voxels of the box
     # The model's uncertainty, measured on the scan's voxels (a region's: those it predicts
-    # exactly) by the way back (`ctseg.inference.scan_space`); None where not measured.
+    # exactly) by the way back (`ctseg.inference.scan.way_back`); None where not measured.
     uncertainty: Uncertainty | None = None
 
     @property
@@ -78,7 +79,7 @@ class Prediction:
         None for an ensemble (its members' grids differ)."""
         if self.grid_probabilities is None:
             return None
-        return scan_space.ON_DEVICES.grid_labels(self.grid_probabilities, self.grid)
+        return way_back.ON_DEVICES.grid_labels(self.grid_probabilities, self.grid)
 
 
 @contextlib.contextmanager
@@ -305,7 +306,7 @@ class Predictor:
         return padded if canvas is None else canvas.holding(padded)
 
     def expect(self, geometries: Iterable[tuple[Shape, Sequence[float]]]) -> None:
-        """Size the canvases, where the backend has them (`ctseg.inference.canvas`), for
+        """Size the canvases, where the backend has them (`ctseg.inference.scan.canvas`), for
         scans of these canonical shapes and spacings before they come: a batch then
         compiles nothing after its first scan's programs. A locator predicts the same
         scans: its canvases too. Without canvases, `geometries` is never iterated (no

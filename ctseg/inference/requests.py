@@ -24,7 +24,7 @@ from ctseg import compat
 from ctseg.errors import CtsegError
 from ctseg.inference.inputs import roi_mask
 from ctseg.inference.predictor import Predictor
-from ctseg.inference.quality import VERDICTS
+from ctseg.inference.quality.scores import VERDICTS
 from ctseg.reading import Record, sha256_of
 
 T = TypeVar("T")
@@ -235,9 +235,7 @@ class Earlier:
     again: str | None = None
 
 
-def earlier_prediction(
-    stats_path: Path, model: dict[str, Any], request: dict[str, Any]
-) -> Earlier:
+def earlier_prediction(stats_path: Path, model: dict[str, Any], request: dict[str, Any]) -> Earlier:
     """Whether the earlier prediction whose stats file is `stats_path` answers this `model`
     and `request`: its summary; or why the scan is predicted again (the same request over
     a scan whose content changed). CtsegError, naming the difference, for another model or

@@ -108,7 +108,7 @@ def write_dicom_seg(
     (Patient), whatever the file names' order. New series and instance UIDs; the
     study, patient and frame of reference are the source's. `algorithm_version`
     defaults to ctseg's version. `verdict`, the prediction's quality verdict
-    (`ctseg.inference.quality`: ok, review, unlike the training data), is written into the
+    (`ctseg.inference.quality.scores`: ok, review, unlike the training data), is written into the
     Content Description (`content_description`: a DICOM LO, 64 characters at most), where
     a viewer shows it beside the segments. The file appears complete or not at all
     (`atomic_path`). CtsegError, in one line, for a source that is no DICOM series,

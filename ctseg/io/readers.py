@@ -176,8 +176,10 @@ def check_stored_bytes(path: Path, voxel_bytes: int, offset: int = 0) -> None:
     room = size * DEFLATE_RATIO + _GZIP_SLACK if compressed else size - offset
     if voxel_bytes <= room:
         return
-    holds = f"{human_bytes(size)} compressed, at most {human_bytes(room)}" if compressed else (
-        human_bytes(max(room, 0))
+    holds = (
+        f"{human_bytes(size)} compressed, at most {human_bytes(room)}"
+        if compressed
+        else (human_bytes(max(room, 0)))
     )
     raise CtsegError(
         f"{path} is cut short or its header lies: the header claims "

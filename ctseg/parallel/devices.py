@@ -10,7 +10,7 @@ The choices are pure functions of device lists (`choose`, `describe`,
 command chooses once, when it starts JAX (`ctseg.cli.options.start_jax` returns the
 `ChosenDevices`), and hands the choice down. What runs on the chosen devices is decided
 elsewhere: the layout of a training run in `ctseg.parallel.layouts`, the inference
-backend in `ctseg.inference.backends`.
+backend in `ctseg.inference.network.backends`.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ OUTPUTS_RECORD = ".ctseg-outputs.json"  # `ctseg.inference.inputs.OUTPUTS_RECORD
 EVALUATED, SUMMARY, PREDICTIONS = "evaluated.json", "summary.json", "predictions"
 STATS_SUFFIX = "_stats.json"
 
-# The quality's verdicts (`ctseg.inference.quality.VERDICTS`), worst first: the order of
+# The quality's verdicts (`ctseg.inference.quality.scores.VERDICTS`), worst first: the order of
 # the page. A scan without one (an earlier ctseg's, or unreadable) comes before the ok ones.
 REVIEW, UNLIKE, OK = "review", "unlike the training data", "ok"
 VERDICT_ORDER = (REVIEW, UNLIKE, None, OK)
@@ -226,8 +226,12 @@ def _evaluated_cases(folder: Path) -> list[Case]:
             for structure in ("liver", "tumour")
         }
         cases.append(
-            Case(name, **_quality_fields(entry.record("quality", optional=True)), dice=dice,
-                 files=files)  # fmt: skip
+            Case(
+                name,
+                **_quality_fields(entry.record("quality", optional=True)),
+                dice=dice,
+                files=files,
+            )  # fmt: skip
         )
     return cases
 

@@ -211,7 +211,6 @@ def _with_headers(send: Send, cookie: str, token: str | None) -> Callable[[Messa
     return sending
 
 
-
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 

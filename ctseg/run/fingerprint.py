@@ -26,7 +26,7 @@ at most `_SAMPLED_GRID` per axis): the liver's bounding box is then good to a
 stride, its volume stays exact (the manifest's `label_counts`).
 
 `ctseg predict` compares each scan and its predicted liver with the fingerprint
-(`ctseg.inference.scan_checks`) and says, beside the other warnings, where they lie
+(`ctseg.inference.quality.scan_checks`) and says, beside the other warnings, where they lie
 far outside what the model was trained on. A run trained before the fingerprint
 existed has none, and its scans are not compared.
 

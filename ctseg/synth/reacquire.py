@@ -13,7 +13,7 @@ runs it); `make experiment-robustness` scores models on every set.
 `OTHER_SCANS` are not acquisitions a CT model should cope with but scans it was not made
 for, with their truth: another modality (`mr`: the HU remapped to a T1-weighted MR's
 intensities) and a chest scan that holds only the liver's dome (`chest`). `make
-experiment-quality` asks whether the prediction quality (`ctseg.inference.quality`) flags
+experiment-quality` asks whether the prediction quality (`ctseg.inference.quality.scores`) flags
 them; `write_sets` writes them only when asked for by name.
 """
 

@@ -19,8 +19,8 @@ from ctseg.config import InferenceOptions
 from ctseg.data.store import Store
 from ctseg.errors import CtsegError
 from ctseg.inference.api import Segmenter
-from ctseg.inference.canvas import Canvas
 from ctseg.inference.predictor import Predictor
+from ctseg.inference.scan.canvas import Canvas
 from ctseg.io import readers
 from ctseg.io.scans import nifti_geometry, read_scan
 from ctseg.model import unet
@@ -139,9 +139,7 @@ def test_a_canvas_never_grows_past_the_largest_scan_read(monkeypatch):
     assert canvas.shape == (8, 8, 8)
 
 
-def test_segmenter_map_yields_what_it_made_before_a_lying_scan(
-    tmp_path, monkeypatch, trained
-):
+def test_segmenter_map_yields_what_it_made_before_a_lying_scan(tmp_path, monkeypatch, trained):
     """`Segmenter.map` over [good, 3000³ claimed in 136 bytes, good]: the first scan's
     result, then the lying scan's one-line error (the documented behaviour: its error when
     its turn comes); the canvas never held 3000³."""

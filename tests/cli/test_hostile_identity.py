@@ -139,9 +139,12 @@ def test_a_label_map_corrected_by_hand_is_never_replaced_without_force(scans, tm
         assert "--force" in output and seg.read_bytes() == kept
     code, output = _predict(run_dir, volume, "--out", out, "--force")
     assert code == 0, output
-    assert _sha256(seg) == json.loads((out / OUTPUTS_RECORD).read_text())["outputs"][
-        "volume-0_seg.nii.gz"
-    ]["sha256"]
+    assert (
+        _sha256(seg)
+        == json.loads((out / OUTPUTS_RECORD).read_text())["outputs"]["volume-0_seg.nii.gz"][
+            "sha256"
+        ]
+    )
 
 
 def test_records_of_an_earlier_ctseg_still_read(scans, tmp_path):
@@ -160,9 +163,9 @@ def test_records_of_an_earlier_ctseg_still_read(scans, tmp_path):
     (out / "volume-0_stats.json").write_text(json.dumps(stats))
     code, output = _predict(run_dir, volume, "--out", out)
     assert code == 0 and "its scan's content is not recorded" in output, output
-    assert "sha256" in json.loads((out / OUTPUTS_RECORD).read_text())["outputs"][
-        "volume-0_seg.nii.gz"
-    ]
+    assert (
+        "sha256" in json.loads((out / OUTPUTS_RECORD).read_text())["outputs"]["volume-0_seg.nii.gz"]
+    )
     assert _predict(run_dir, volume, "--out", out)[1].count("done earlier") == 1
 
 

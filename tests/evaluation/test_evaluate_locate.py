@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg.cli.app import app
 from ctseg.errors import CtsegError
-from ctseg.inference import postprocess
 from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Predictor
+from ctseg.inference.scan import postprocess
 from ctseg.io.scans import read_scan
 
 runner = CliRunner()

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from ctseg.cli.main import app  # every command registered
 from ctseg.errors import CtsegError
-from ctseg.evaluation import quality as power
-from ctseg.inference import quality, thresholds
+from ctseg.evaluation import calibration as power
+from ctseg.inference.quality import scores, thresholds
 from ctseg.run import evaluations, fingerprint, rundir
 
 runner = CliRunner(env={"COLUMNS": "400"})
@@ -75,7 +75,7 @@ def test_a_hostile_thresholds_file_is_one_line(tmp_path, content, ensemble):
     _write(path, content)
     _one_line(_in_time(lambda: thresholds.read_thresholds(tmp_path, ensemble)), path)
     # The same through what predict and evaluate read: the run's reference.
-    _one_line(_in_time(lambda: quality.Reference.of_run(tmp_path, ensemble)), path)
+    _one_line(_in_time(lambda: scores.Reference.of_run(tmp_path, ensemble)), path)
 
 
 @pytest.mark.parametrize(
@@ -256,7 +256,7 @@ def _case(name, liver_dice, **values):
         concern: {"structure": "liver", "value": value, "concern": 0.0, "reason": concern}
         for concern, value in values.items()
     }
-    judged = quality.rejudged({"concerns": concerns, "checks": []}, thresholds.HAND_CHOSEN)
+    judged = scores.rejudged({"concerns": concerns, "checks": []}, thresholds.HAND_CHOSEN)
     return {
         "case": name,
         "liver": {"dice": liver_dice},

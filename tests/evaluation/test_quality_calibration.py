@@ -1,6 +1,7 @@
-"""Calibrating the prediction quality's thresholds (`ctseg.evaluation.quality.choose_thresholds`)
-on hand-built cases; the thresholds file (`ctseg.inference.thresholds.Thresholds`) and a run's
-own thresholds (`Reference.of_run`); `ctseg evaluate RUN --calibrate`."""
+"""Calibrating the prediction quality's thresholds
+(`ctseg.evaluation.calibration.choose_thresholds`) on hand-built cases; the thresholds file
+(`ctseg.inference.quality.thresholds.Thresholds`) and a run's own
+thresholds (`Reference.of_run`); `ctseg evaluate RUN --calibrate`."""
 
 import dataclasses
 import json
@@ -13,9 +14,9 @@ from typer.testing import CliRunner
 import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg.cli.app import app
 from ctseg.errors import CtsegError
-from ctseg.evaluation import quality as power
+from ctseg.evaluation import calibration as power
 from ctseg.evaluation.scoring import evaluate_arrays
-from ctseg.inference import quality, thresholds
+from ctseg.inference.quality import scores, thresholds
 from ctseg.run import rundir
 
 runner = CliRunner()
@@ -35,7 +36,7 @@ def _case(name, liver, tumour=0.8, missed=False, checks=(), **values):
         for name, value in values.items()
     }
     recorded = {"concerns": concerns, "checks": list(checks), "verdict": "ok"}
-    judged = quality.rejudged(recorded, thresholds.DEFAULT_THRESHOLDS).to_json()
+    judged = scores.rejudged(recorded, thresholds.DEFAULT_THRESHOLDS).to_json()
     return {
         "case": name,
         "liver": {"dice": liver},
@@ -109,16 +110,16 @@ def test_choosing_thresholds_refuses_too_few_cases_or_no_bad_ones():
 
 def test_a_case_judged_again_and_the_always_flagged_ones():
     case = _case("c", 0.9, intensity=0.5)
-    assert case["quality"]["verdict"] == quality.REVIEW  # 0.5 SD: beyond the default's
+    assert case["quality"]["verdict"] == scores.REVIEW  # 0.5 SD: beyond the default's
     lenient = thresholds.DEFAULT_THRESHOLDS.replace(intensity=1.0)
-    again = quality.rejudged(case["quality"], lenient)
-    assert again.verdict == quality.OK and again.concerns[1].concern == pytest.approx(0.25)
+    again = scores.rejudged(case["quality"], lenient)
+    assert again.verdict == scores.OK and again.concerns[1].concern == pytest.approx(0.25)
     unlike = _case("u", 0.9, checks=["a spacing far outside the training data's"])
-    assert quality.rejudged(unlike["quality"], lenient).verdict == quality.UNLIKE
-    old = {"verdict": quality.UNLIKE, "reason": "far", "concerns": {}}  # no "checks" recorded
-    assert quality.rejudged(old, lenient).reason == "far"
+    assert scores.rejudged(unlike["quality"], lenient).verdict == scores.UNLIKE
+    old = {"verdict": scores.UNLIKE, "reason": "far", "concerns": {}}  # no "checks" recorded
+    assert scores.rejudged(old, lenient).reason == "far"
     none = {"verdict": "review", "concerns": {"no_liver": {"value": 1.0, "concern": 1.0}}}
-    assert quality.rejudged(none, lenient).verdict == quality.REVIEW
+    assert scores.rejudged(none, lenient).verdict == scores.REVIEW
 
 
 def test_the_thresholds_file_round_trip_and_malformed_ones(tmp_path):
@@ -166,7 +167,7 @@ def test_a_first_version_thresholds_file_reads_with_the_ensembles_defaults(tmp_p
 def test_a_runs_own_thresholds_change_its_verdicts(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    assert quality.Reference.of_run(run_dir).thresholds == thresholds.DEFAULT_THRESHOLDS
+    assert scores.Reference.of_run(run_dir).thresholds == thresholds.DEFAULT_THRESHOLDS
     liver = np.zeros((20, 20, 10), np.uint8)
     liver[4:16, 4:16, 2:8] = 1
     hu = np.where(liver > 0, 80.0, -100.0).astype(np.float32)  # 20 HU off: 0.67 SD
@@ -174,18 +175,18 @@ def test_a_runs_own_thresholds_change_its_verdicts(tmp_path):
 
     def judged(reference):
         training = dataclasses.replace(reference, liver_hu_median=60.0, liver_hu_sd=30.0)
-        return quality.assess(liver, affine, hu, reference=training)
+        return scores.assess(liver, affine, hu, reference=training)
 
-    assert judged(quality.Reference.of_run(run_dir)).verdict == quality.REVIEW
+    assert judged(scores.Reference.of_run(run_dir)).verdict == scores.REVIEW
     own = thresholds.DEFAULT_THRESHOLDS.replace(intensity=1.0, calibrated_on="the user's cases")
     own.write(thresholds.thresholds_path(run_dir))
-    reference = quality.Reference.of_run(run_dir)
+    reference = scores.Reference.of_run(run_dir)
     assert reference.thresholds == own
     verdict = judged(reference)
-    assert verdict.verdict == quality.OK and verdict.to_json()["thresholds"] == "the user's cases"
+    assert verdict.verdict == scores.OK and verdict.to_json()["thresholds"] == "the user's cases"
     thresholds.thresholds_path(run_dir).write_text('{"format": "ctseg-quality-thresholds"}')
     with pytest.raises(CtsegError, match="quality.json is not a ctseg quality thresholds"):
-        quality.Reference.of_run(run_dir)
+        scores.Reference.of_run(run_dir)
 
 
 def _evaluated(cases):
@@ -263,8 +264,8 @@ def test_an_ensembles_thresholds_are_its_own_and_calibrate_into_its_first_run(
         run_dir.mkdir()
         rundir.write_or_check_config(run_dir, tiny_config())
     # Without files of their own: a lone run's defaults, and an ensemble's.
-    assert quality.Reference.of_run(runs[0]).thresholds == thresholds.DEFAULT_THRESHOLDS
-    ensemble = quality.Reference.of_run(runs[0], ensemble=True).thresholds
+    assert scores.Reference.of_run(runs[0]).thresholds == thresholds.DEFAULT_THRESHOLDS
+    ensemble = scores.Reference.of_run(runs[0], ensemble=True).thresholds
     assert ensemble == thresholds.DEFAULT_ENSEMBLE_THRESHOLDS != thresholds.DEFAULT_THRESHOLDS
     monkeypatch.setattr(command, "evaluate_run", lambda *a, **k: _evaluated(_cohort()))
     args = ["evaluate", *map(str, runs), "--data", str(tmp_path / "s"), "--out", str(tmp_path)]
@@ -276,8 +277,8 @@ def test_an_ensembles_thresholds_are_its_own_and_calibrate_into_its_first_run(
     assert not thresholds.thresholds_path(runs[0]).exists()  # the run alone: as it was
     written = thresholds.Thresholds.read(path)
     assert "an ensemble of 2 runs led by a" in written.calibrated_on
-    assert quality.Reference.of_run(runs[0], ensemble=True).thresholds == written
-    assert quality.Reference.of_run(runs[0]).thresholds == thresholds.DEFAULT_THRESHOLDS
+    assert scores.Reference.of_run(runs[0], ensemble=True).thresholds == written
+    assert scores.Reference.of_run(runs[0]).thresholds == thresholds.DEFAULT_THRESHOLDS
     refused = runner.invoke(app, [*args, "--calibrate"])
     assert "of the ensembles it leads already" in str(refused.exception)
 

@@ -1,4 +1,4 @@
-"""The prediction quality against the truth (`ctseg.evaluation.quality`): the AUROC by hand,
+"""The prediction quality against the truth (`ctseg.evaluation.calibration`): the AUROC by hand,
 the bad cases' rules, and each case's quality beside its Dice in `ctseg evaluate`'s
 reports (a run on a store's split, and `--pred/--ref` beside `ctseg predict`'s stats)."""
 
@@ -9,7 +9,7 @@ import pytest
 from helpers import SPACING, labels, liver_with_tumour, save
 from scipy.stats import rankdata
 
-from ctseg.evaluation import quality as power
+from ctseg.evaluation import calibration as power
 from ctseg.evaluation.scoring import evaluate_folders, is_cases_csv, write_reports
 
 
@@ -123,7 +123,7 @@ def test_pred_ref_reports_carry_the_quality_ctseg_predict_recorded(tmp_path):
 
 def test_evaluate_run_records_each_cases_quality_beside_its_dice(trained, tmp_path, monkeypatch):
     from ctseg.evaluation.runs import evaluate_run
-    from ctseg.inference import postprocess
+    from ctseg.inference.scan import postprocess
 
     monkeypatch.setattr(postprocess, "clean_labels", liver_with_tumour)  # a liver to judge
     run_dir, store, _ = trained

@@ -1,4 +1,4 @@
-"""Canvases (`ctseg.inference.canvas`): where the backend holds its scans in a canvas (fixed
+"""Canvases (`ctseg.inference.scan.canvas`): where the backend holds its scans in a canvas (fixed
 windows: JAX on accelerators, here forced on the CPU), a batch of scans of ten extents
 compiles nothing after its first scan, and a scan's probabilities on its grid do not
 depend on the canvas that held it: they are those of a box of its own."""
@@ -12,11 +12,13 @@ import pytest
 from helpers import fixed_windows_everywhere, tiny_config
 
 from ctseg.config import InferenceOptions
-from ctseg.inference import files, tiling, to_grid
+from ctseg.inference import files
 from ctseg.inference.api import Segmenter
-from ctseg.inference.canvas import Canvas
-from ctseg.inference.engine import Engine
+from ctseg.inference.network import tiling
+from ctseg.inference.network.engine import Engine
 from ctseg.inference.predictor import Predictor
+from ctseg.inference.scan import to_grid
+from ctseg.inference.scan.canvas import Canvas
 from ctseg.io.scans import nifti_geometry, read_scan
 from ctseg.model import unet
 from ctseg.parallel.compile_cache import compile_clock

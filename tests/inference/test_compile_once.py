@@ -13,9 +13,10 @@ from helpers import from_grid, rotation_z, tiny_config
 
 from ctseg.config import InferenceOptions
 from ctseg.data import grids
-from ctseg.inference import scan_space, to_grid, uncertainty
 from ctseg.inference.member import OnGrid
 from ctseg.inference.predictor import Predictor
+from ctseg.inference.quality import uncertainty
+from ctseg.inference.scan import to_grid, way_back
 from ctseg.io.scans import read_scan
 from ctseg.model.step import init_state
 from ctseg.run import rundir
@@ -79,7 +80,7 @@ def test_the_way_back_from_a_padded_box_equals_the_grid_s():
     grid = (21, 30, 11)
     cropped = box[: grid[0], : grid[1], : grid[2]]
     for shape in [(50, 17, 40), (21, 30, 11), (9, 64, 5)]:
-        back = scan_space.ON_DEVICES.scan_labels(jax.device_put(box), shape, True, grid)
+        back = way_back.ON_DEVICES.scan_labels(jax.device_put(box), shape, True, grid)
         labels, on_scan = back.labels, back.probabilities
         expected = from_grid(cropped, shape, order=1)
         assert labels.shape == shape and on_scan.shape == (*shape, 3)
@@ -89,7 +90,7 @@ def test_the_way_back_from_a_padded_box_equals_the_grid_s():
         host_sums = uncertainty.probability_sums(expected, np)
         np.testing.assert_allclose(back.uncertainty.sums, host_sums, rtol=1e-4)
     np.testing.assert_array_equal(
-        scan_space.ON_DEVICES.grid_labels(jax.device_put(box), grid), cropped.argmax(-1)
+        way_back.ON_DEVICES.grid_labels(jax.device_put(box), grid), cropped.argmax(-1)
     )
 
 
@@ -111,7 +112,7 @@ def test_a_trained_model_s_labels_are_those_of_the_host_s_preprocessing(trained)
         labels = []
         for on_grid in (host, device):
             (probabilities,) = predictor.infer([on_grid], {})
-            labels.append(scan_space.ON_DEVICES.scan_labels(probabilities, scan.array.shape).labels)
+            labels.append(way_back.ON_DEVICES.scan_labels(probabilities, scan.array.shape).labels)
         assert np.ptp(labels[0]) > 0  # a labelling to compare
         np.testing.assert_array_equal(labels[1], labels[0])
 

@@ -21,8 +21,8 @@ from ctseg import Segmenter, segment
 from ctseg.cli.app import app
 from ctseg.config import DataConfig, InferenceOptions
 from ctseg.errors import CtsegError
-from ctseg.inference import postprocess
 from ctseg.inference.predictor import Predictor
+from ctseg.inference.scan import postprocess
 from ctseg.io import scans
 
 runner = CliRunner(env={"COLUMNS": "400"})  # no line of the output folded

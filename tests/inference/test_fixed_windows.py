@@ -16,10 +16,10 @@ from helpers import REPO, no_host_transfers, random_model, tiny_config
 
 from ctseg import config as cfg
 from ctseg.config import TileRequest
-from ctseg.inference import jax_windows, tiling, window_programs
-from ctseg.inference.engine import Engine, class_probabilities, fixed_window_core
-from ctseg.inference.jax_backend import JaxBackend
 from ctseg.inference.member import Member
+from ctseg.inference.network import jax_windows, tiling, window_programs
+from ctseg.inference.network.engine import Engine, class_probabilities, fixed_window_core
+from ctseg.inference.network.jax_backend import JaxBackend
 from ctseg.io.scans import Scan
 from ctseg.model import unet
 from ctseg.parallel import devices as dev

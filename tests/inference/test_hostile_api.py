@@ -11,7 +11,7 @@ import pytest
 from ctseg import Segmenter, segment
 from ctseg.errors import CtsegError
 from ctseg.inference import inputs
-from ctseg.inference.region import check_margin, region_of
+from ctseg.inference.scan.region import check_margin, region_of
 
 
 @pytest.fixture(scope="module")

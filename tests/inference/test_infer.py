@@ -7,10 +7,11 @@ import pytest
 from helpers import RESOLUTION, from_grid, no_host_transfers, random_model
 
 from ctseg.errors import CtsegError
-from ctseg.inference import probability_ops, scan_space, tiling
-from ctseg.inference.engine import Engine, class_probabilities
-from ctseg.inference.jax_plans import COMPILED_SHARE
-from ctseg.inference.onnx_backend import OnnxBackend
+from ctseg.inference.network import probability_ops, tiling
+from ctseg.inference.network.engine import Engine, class_probabilities
+from ctseg.inference.network.jax_plans import COMPILED_SHARE
+from ctseg.inference.network.onnx_backend import OnnxBackend
+from ctseg.inference.scan import way_back
 from ctseg.memory import aligned_zeros
 from ctseg.model import unet
 from ctseg.parallel import devices as dev
@@ -284,13 +285,13 @@ def test_labels_on_the_scan_are_resampled_on_the_device_as_on_the_host():
     probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(16, 16, 16, 3)), jnp.float32), axis=-1)
     host = np.asarray(probs)
     for shape in [(16, 40, 5), (7, 16, 33)]:
-        back = scan_space.ON_DEVICES.scan_labels(probs, shape, with_probabilities=True)
+        back = way_back.ON_DEVICES.scan_labels(probs, shape, with_probabilities=True)
         labels, on_scan = back.labels, back.probabilities
         expected = from_grid(host, shape, order=1)
         np.testing.assert_allclose(on_scan, expected, rtol=0, atol=1e-6)
         assert labels.dtype == np.uint8 and labels.shape == shape
         assert (labels == expected.argmax(-1)).mean() > 0.999  # ties may break either way
-    np.testing.assert_array_equal(scan_space.ON_DEVICES.grid_labels(probs), host.argmax(-1))
+    np.testing.assert_array_equal(way_back.ON_DEVICES.grid_labels(probs), host.argmax(-1))
 
 
 def test_a_model_trained_with_remat_tiles_exactly(image):

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from ctseg.cli.main import app  # every command registered
 from ctseg.errors import CtsegError
-from ctseg.inference import tiling
-from ctseg.inference.engine import Engine
+from ctseg.inference.network import tiling
+from ctseg.inference.network.engine import Engine
 from ctseg.labels import NUM_CLASSES
 from ctseg.model import unet
 from ctseg.parallel.partition import LOCAL
@@ -48,7 +48,7 @@ def test_onnx_logits_equal_jax_inference_mode(depth):
     import onnx
     import onnxruntime as ort
 
-    from ctseg.inference import onnx_export
+    from ctseg.inference.network import onnx_export
 
     model = with_head_bias(random_model(depth))
     proto = onnx_export.export(model.graphdef, model.params, model.stats)
@@ -70,7 +70,7 @@ def test_onnx_stage_graphs_equal_jax_stages():
     import onnx
     import onnxruntime as ort
 
-    from ctseg.inference import onnx_export
+    from ctseg.inference.network import onnx_export
 
     model = with_head_bias(random_model(3))
     net = nnx.merge(model.graphdef, model.params, model.stats)

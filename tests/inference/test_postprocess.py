@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import ndimage, spatial
 
-from ctseg.inference.postprocess import (
+from ctseg.inference.scan.postprocess import (
     MEASURED_TUMOURS,
     clean_labels,
     components,

@@ -25,7 +25,7 @@ from ctseg.config import InferenceOptions
 from ctseg.errors import CtsegError
 from ctseg.inference.inputs import expand_inputs
 from ctseg.inference.predictor import PHASES, Predictor
-from ctseg.inference.scan_checks import hu_warnings
+from ctseg.inference.quality.scan_checks import hu_warnings
 from ctseg.model.step import TrainState
 from ctseg.run.checkpoints import Checkpoints
 from ctseg.run.trained import load_model
@@ -273,7 +273,7 @@ def test_force_never_overwrites_an_input_and_outputs_are_not_inputs(trained, tmp
 
 
 def test_scans_outside_what_a_ct_can_be_are_warned_about(tmp_path):
-    from ctseg.inference.scan_checks import geometry_warnings, volume_warnings
+    from ctseg.inference.quality.scan_checks import geometry_warnings, volume_warnings
     from ctseg.io.scans import read_scan
 
     rng = np.random.default_rng(0)

@@ -10,9 +10,9 @@ from helpers import fixed_windows_everywhere, random_model
 
 from ctseg import config as cfg
 from ctseg.config import InferenceOptions
-from ctseg.inference import postprocess
 from ctseg.inference.predictor import Predictor
-from ctseg.inference.region import Region, region_of, window_of
+from ctseg.inference.scan import postprocess
+from ctseg.inference.scan.region import Region, region_of, window_of
 from ctseg.io.scans import scan_from_image
 from ctseg.model import unet
 

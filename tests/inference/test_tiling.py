@@ -9,7 +9,7 @@ from helpers import REPO, tiny_config
 
 from ctseg import config as cfg
 from ctseg.data import grids
-from ctseg.inference import tile_memory, tiling
+from ctseg.inference.network import tile_memory, tiling
 
 
 @pytest.mark.parametrize(

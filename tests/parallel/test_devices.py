@@ -11,7 +11,7 @@ import pytest
 
 from ctseg import config as cfg
 from ctseg.errors import CtsegError
-from ctseg.inference.backends import choose_backend
+from ctseg.inference.network.backends import choose_backend
 from ctseg.memory import host_memory
 from ctseg.parallel import devices as dev
 from ctseg.parallel import xla_options

@@ -11,7 +11,7 @@ from helpers import itk_image
 from typer.testing import CliRunner
 
 from ctseg.cli.main import app
-from ctseg.inference.postprocess import scan_stats
+from ctseg.inference.scan.postprocess import scan_stats
 from ctseg.io.scans import read_scan
 
 # The verdicts given to the batch's scans (the tiny run finds no liver: all would be

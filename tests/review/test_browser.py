@@ -233,4 +233,3 @@ def _saved(batch: Path) -> dict:
     with contextlib.suppress(FileNotFoundError, ValueError):
         return json.loads((batch / MARKS_FILE).read_text())["marks"]
     return {}
-

@@ -17,9 +17,10 @@ from ctseg.cli.predict import _stats_table
 from ctseg.data.grids import grid_affine
 from ctseg.data.store import Store, array_path
 from ctseg.errors import CtsegError
-from ctseg.inference import postprocess, scan_checks
 from ctseg.inference.inputs import ScanOutcome
-from ctseg.inference.quality import UNLIKE
+from ctseg.inference.quality import scan_checks
+from ctseg.inference.quality.scores import UNLIKE
+from ctseg.inference.scan import postprocess
 from ctseg.io.scans import read_scan
 from ctseg.run import fingerprint, rundir
 from ctseg.synth.dataset import write_dataset

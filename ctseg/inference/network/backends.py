@@ -2,16 +2,17 @@
 
 JAX (XLA) runs on the chosen devices; ONNX Runtime on the host's CPU cores, where XLA:CPU's
 3-D convolutions are several times slower. Both are a `Backend`
-(`ctseg.inference.jax_backend.JaxBackend`, `ctseg.inference.onnx_backend.OnnxBackend`):
+(`ctseg.inference.network.jax_backend.JaxBackend`,
+`ctseg.inference.network.onnx_backend.OnnxBackend`):
 its name, dtype and exactness class, where the scan is brought to the grid and how the
 backend reads it, a compiled `Plan` per box shape (logits, whole or tiled), the mirrored
 passes' flips, and the logits handed to JAX (on the host CPU's device for ONNX Runtime,
-without a copy), where the class probabilities (`ctseg.inference.probability_ops`, the one
-loop `ctseg.inference.engine.class_probabilities`) and the way back to the scan's voxels
-(`ctseg.inference.scan_space`) run for both. Callers hold a backend, never ask which.
+without a copy), where the class probabilities (`ctseg.inference.network.probability_ops`, the one
+loop `ctseg.inference.network.engine.class_probabilities`) and the way back to the scan's voxels
+(`ctseg.inference.scan.way_back`) run for both. Callers hold a backend, never ask which.
 
 This module imports no JAX (the CLI checks `--backend` before it starts JAX): the two
-backends are made by `ctseg.inference.engine.backend_named`, above them.
+backends are made by `ctseg.inference.network.engine.backend_named`, above them.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ctseg.config import Config
-    from ctseg.inference.canvas import Canvas
-    from ctseg.inference.scan_space import Space
-    from ctseg.inference.tiling import Shape, Span, Stage, TileProgress
+    from ctseg.inference.network.tiling import Shape, Span, Stage, TileProgress
+    from ctseg.inference.scan.canvas import Canvas
+    from ctseg.inference.scan.way_back import Space
     from ctseg.run.trained import TrainedModel
 
 BACKENDS = ("jax", "onnx")
@@ -94,7 +95,7 @@ class Backend(ABC):
     # depend on the box (`tiling.fixed_stages`, `window_plan`): where a compiled program per
     # box shape costs more than the windows' overlap (JAX on one accelerator).
     fixed_windows: bool = False
-    # Where every scan is held in one canvas on the devices (`ctseg.inference.canvas`):
+    # Where every scan is held in one canvas on the devices (`ctseg.inference.scan.canvas`):
     # with fixed windows, whose programs already serve every box; None elsewhere.
     scan_canvas: Canvas | None = None
 
@@ -148,7 +149,7 @@ class Backend(ABC):
     @abstractmethod
     def adopt_logits(self, logits: Any) -> Any:
         """A plan's logits as a JAX array, where the class probabilities' operations
-        (`ctseg.inference.probability_ops`) and the way back to the scan run."""
+        (`ctseg.inference.network.probability_ops`) and the way back to the scan run."""
 
     @abstractmethod
     def flip(self, placed: Any, axes: tuple[int, ...]) -> Any:

@@ -1,7 +1,7 @@
 """Geometry of exact level-wise tiled inference.
 
 Pure functions of a config and a grid's shape (x, y, z voxels): no device is
-touched here. `ctseg.inference.engine` runs what this module plans.
+touched here. `ctseg.inference.network.engine` runs what this module plans.
 
 Tiling the whole network would give every window a margin of the receptive-field
 radius (56 voxels for depth 4), so at 512³ the windows would hold 6–15× the grid's
@@ -38,7 +38,7 @@ cores of the asked size at level 0, deeper levels' cores as large as fit the lev
 smallest box they take (`window_floor`, boxes padded to it), the last window of an axis
 shifted inwards. More overlap than balanced cores, but one program per stage for all boxes.
 
-The tiles that fit a device's memory are chosen by `ctseg.inference.tile_memory`'s first
+The tiles that fit a device's memory are chosen by `ctseg.inference.network.tile_memory`'s first
 guess.
 """
 
@@ -302,7 +302,7 @@ def fixed_stages(config: Config, core: int, shape: Shape) -> list[Stage]:
     """Every stage of a box of `shape` with windows whose extents do not depend on the box:
     cores of `fixed_core` along every axis (not balanced to it), the last window of an
     axis shifted inwards, so one compiled program per stage serves boxes of any shape
-    (`ctseg.inference.jax_backend`). The box must be at least `window_floor` a side."""
+    (`ctseg.inference.network.jax_backend`). The box must be at least `window_floor` a side."""
     floor = window_floor(config, core)
     if min(shape) < floor:
         raise ValueError(f"box {shape_text(shape)} is below fixed windows' {floor} a side")

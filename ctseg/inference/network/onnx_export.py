@@ -9,7 +9,7 @@ convolution. Inference-mode batch norm is an affine map per channel, so folding
 it into the preceding bias-free convolution is exact up to float32 rounding.
 
 `export` builds the whole network; `export_stage` one stage of level-wise tiled
-inference (`ctseg.inference.engine`: a down, bottom or up stage of one level), from the same
+inference (`ctseg.inference.network.engine`: a down, bottom or up stage of one level), from the same
 weights and the same layer builders. Graphs take and return the JAX layout,
 channels last (image [batch, x, y, z, 1] → logits [batch, x, y, z, 3], a stage's
 level activations [batch, x, y, z, C]); inside they run NCDHW, the layout ONNX

@@ -4,7 +4,8 @@ Whole volume (no stages): one pass over the devices, the grid split over them wh
 they are several (`ctseg.parallel.layouts.fit_split`: halo exchange, exactly as in training),
 whatever mesh trained the model.
 
-Level-wise tiles (the geometry in `ctseg.inference.tiling`): everything stays on the devices.
+Level-wise tiles (the geometry in `ctseg.inference.network.tiling`): everything stays on
+the devices.
 Each stage is one program that takes its whole input level(s), cuts its windows,
 runs them and stitches their cores into its whole output level, a loop over the
 windows inside the program (`_stage_program`). With several devices the windows are
@@ -12,10 +13,11 @@ dealt out over them, each device stitches the cores it computed into its own cop
 the level, and a sum over the devices (the cores are disjoint) gives every device the
 whole level for the next stage. The levels kept for the up stages stay on the devices
 while they fit, and are moved to the host whole (never per window) when they do not.
-The levels' shapes and the window cut: `ctseg.inference.levels`, shared with fixed
-windows (`ctseg.inference.jax_windows`).
+The levels' shapes and the window cut: `ctseg.inference.network.levels`, shared with fixed
+windows (`ctseg.inference.network.jax_windows`).
 
-Planning (no stages given): the hand formula of `ctseg.inference.tile_memory` proposes candidates
+Planning (no stages given): the hand formula of `ctseg.inference.network.tile_memory`
+proposes candidates
 (the whole volume, then tiles); the candidates' programs are compiled, all of a plan
 at once (XLA compiles them in parallel threads), and the compiler's own memory
 analysis of each, with the levels alive beside it, decides against the devices' free
@@ -38,8 +40,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ctseg.config import Config
 from ctseg.errors import CtsegError
-from ctseg.inference import tile_memory, tiling
-from ctseg.inference.levels import (
+from ctseg.inference.network import tile_memory, tiling
+from ctseg.inference.network.levels import (
     as_batch,
     below_level,
     cut,
@@ -50,7 +52,7 @@ from ctseg.inference.levels import (
     post_bytes,
     stage_needs,
 )
-from ctseg.inference.tiling import Shape, Stage, TileProgress
+from ctseg.inference.network.tiling import Shape, Stage, TileProgress
 from ctseg.memory import human_bytes
 from ctseg.model import aot
 from ctseg.model.step import make_predict

@@ -1,6 +1,6 @@
 """From the run's grid back to a scan's own voxels, where the backend runs.
 
-(The way there, and the resampling on the devices both ways use: `ctseg.inference.to_grid`.)
+(The way there, and the resampling on the devices both ways use: `ctseg.inference.scan.to_grid`.)
 The way back: class probabilities of the box cropped to the scan's grid, resampled
 linearly, argmax, an ensemble's mean, the model's uncertainty measured there, all on the
 JAX device that holds the probabilities (`Space`, `ON_DEVICES`: the accelerators under the
@@ -8,7 +8,7 @@ JAX backend, the host CPU's device for ONNX Runtime's). What comes back to the h
 uint8 label map, the uncertainty's sums, and probabilities only where a caller asks.
 
 On the devices a scan is padded to a rung of a ladder of sizes (`to_grid.padded`), or held
-in the backend's canvas (`ctseg.inference.canvas`), and the resampling reads tables of
+in the backend's canvas (`ctseg.inference.scan.canvas`), and the resampling reads tables of
 source voxels and weights as arguments, so every program depends on the padded shapes and
 the box, not on the scan's extent: scans of other extents reuse the programs the first
 one compiled. The crop is the host's view.
@@ -27,9 +27,9 @@ import numpy as np
 
 from ctseg.data import grids
 from ctseg.data.grids import linear_weights
-from ctseg.inference import uncertainty as unc
-from ctseg.inference.to_grid import Tables, lerp, padded, resampled, tables_of
-from ctseg.inference.uncertainty import Uncertainty
+from ctseg.inference.quality import uncertainty as unc
+from ctseg.inference.quality.uncertainty import Uncertainty
+from ctseg.inference.scan.to_grid import Tables, lerp, padded, resampled, tables_of
 
 
 def axis_order(scan_shape: Sequence[int], grid: Sequence[int]) -> tuple[int, ...]:
@@ -109,8 +109,8 @@ class OnScan:
 class Space:
     """The way back from a box of the grid to the scan's voxels, on the JAX device that
     holds the probabilities, by programs that depend on the box and the padded scan's shape
-    only; a backend holds it (`ctseg.inference.backends.Backend.space`). Each way back
-    measures the model's uncertainty there (`ctseg.inference.uncertainty`)."""
+    only; a backend holds it (`ctseg.inference.network.backends.Backend.space`). Each way back
+    measures the model's uncertainty there (`ctseg.inference.quality.uncertainty`)."""
 
     def __init__(self, order: tuple[int, ...] | None = None):
         """`order`: the axes every way back resamples in (`SLICES_FIRST`); None: each
@@ -192,7 +192,7 @@ class Space:
         """Probabilities [..., C] on the scan voxels [`lo`, `hi`) from a window's box (box
         voxel b = grid voxel b + `offset`), computed as `scan_labels` computes them from the
         whole grid: the same neighbours, weights and order of axes, so the labels are the
-        same wherever the box holds what the whole pass holds (`ctseg.inference.region`)."""
+        same wherever the box holds what the whole pass holds (`ctseg.inference.scan.region`)."""
         scan_shape = tuple(int(n) for n in scan_shape)
         grid = tuple(int(n) for n in grid)
         x = probabilities

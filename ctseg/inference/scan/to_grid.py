@@ -3,10 +3,10 @@
 The way there (`unit_box`): the scan's int16 HU sent to the devices once, resampled
 linearly onto a box of the grid, rounded to int16 HU and HU-windowed, as training's
 preprocessing does on the host (`ctseg.data.grids`). The way back is
-`ctseg.inference.scan_space`'s.
+`ctseg.inference.scan.way_back`'s.
 
 On the devices a scan is padded to a rung of a ladder of sizes (`padded`), or held in the
-backend's canvas (`ctseg.inference.canvas`), and the resampling (`resampled`) reads
+backend's canvas (`ctseg.inference.scan.canvas`), and the resampling (`resampled`) reads
 tables of source voxels and weights (`grids.axis_table`) as arguments, so every program
 depends on the padded shapes and the box, not on the scan's extent: scans of other
 extents reuse the programs the first one compiled.
@@ -59,7 +59,7 @@ def resampled(x: jax.Array, tables: Tables, order: tuple[int, ...]) -> jax.Array
 def lerp(x: jax.Array, first: Any, second: Any, weight: Any, axis: int) -> jax.Array:
     """`x` along `axis` at the voxels between `first` and `second`, `weight` of the way: the
     one blend of every path (`resampled`, and a window's way back,
-    `scan_space.Space.window_probabilities`)."""
+    `way_back.Space.window_probabilities`)."""
     weight = jnp.reshape(weight, [-1 if a == axis else 1 for a in range(x.ndim)])
     return jnp.take(x, first, axis=axis) * (1 - weight) + jnp.take(x, second, axis=axis) * weight
 

@@ -1,4 +1,4 @@
-"""How well the prediction quality (`ctseg.inference.quality`) finds the bad predictions.
+"""How well the prediction quality (`ctseg.inference.quality.scores`) finds the bad predictions.
 
 Each evaluated case carries its quality (its verdict and scores, 0 good … 1 bad) beside
 its Dice. Against the truth a case is *bad*
@@ -20,7 +20,7 @@ cost of the flags.
 `choose_thresholds` calibrates the verdict on labelled cases (`make experiment-quality`
 chose the defaults with it; `ctseg evaluate RUN --data STORE --calibrate` a run's own,
 RUN_DIR/quality.json): every case's recorded concerns are judged again
-(`ctseg.inference.quality.rejudged`) under candidate thresholds, starting above every good
+(`ctseg.inference.quality.scores.rejudged`) under candidate thresholds, starting above every good
 case's value (or at the hand-chosen `HAND_CHOSEN`, where that is higher), then lowered greedily, one
 concern at a time, to wherever flags the most bad cases per good case flagged, while at
 most `GOOD_FLAGGED_TARGET` of the good cases are flagged; then lowered further, whatever
@@ -42,13 +42,13 @@ import numpy as np
 
 from ctseg.errors import CtsegError
 from ctseg.evaluation.metrics import MEASURABLE_MM
-from ctseg.inference.quality import (
+from ctseg.inference.quality.scores import (
     OK,  # the one verdict that flags nothing
     REVIEW_AT,
     UNLIKE,
     rejudged,
 )
-from ctseg.inference.thresholds import HAND_CHOSEN, Thresholds, thresholds_path
+from ctseg.inference.quality.thresholds import HAND_CHOSEN, Thresholds, thresholds_path
 
 LIVER_BAD_BELOW = 0.85
 TUMOUR_BAD_BELOW = 0.5

@@ -3,8 +3,8 @@ window and the levels it keeps alive take, and the tiles (`choose_stages`) that 
 device's memory by it.
 
 A hand formula, per voxel and channel of each level's width, in the compute dtype: it picks
-the candidate programs; `ctseg.inference.engine` then decides from the compiled programs'
-own memory analysis. The geometry it plans with is `ctseg.inference.tiling`'s.
+the candidate programs; `ctseg.inference.network.engine` then decides from the compiled programs'
+own memory analysis. The geometry it plans with is `ctseg.inference.network.tiling`'s.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from ctseg.config import Config
-from ctseg.inference.tiling import (
+from ctseg.inference.network.tiling import (
     Shape,
     Stage,
     grid_shape,

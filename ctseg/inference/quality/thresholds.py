@@ -1,4 +1,4 @@
-"""The review thresholds of the per-scan quality (`ctseg.inference.quality`), and their file.
+"""The review thresholds of the per-scan quality (`ctseg.inference.quality.scores`), and their file.
 
 Each concern's threshold is where its raw measure sends a scan to review. The defaults
 were calibrated by `make experiment-quality` (docs/experiments/quality.md); a run may hold
@@ -106,6 +106,7 @@ class Thresholds:
         """From `to_json`'s form; CtsegError (one line naming `source` and the key) for
         anything else: another format or version, a missing or unknown concern, a threshold
         that is not a positive finite number (the volume's: above 1)."""
+
         def refuse(why: str) -> CtsegError:
             return CtsegError(f"{source} is not a ctseg quality thresholds file: {why}")
 
@@ -151,7 +152,7 @@ class Thresholds:
 
 
 # The first version's thresholds, chosen by hand: where calibration starts
-# (`ctseg.evaluation.quality.choose_thresholds`).
+# (`ctseg.evaluation.calibration.choose_thresholds`).
 HAND_CHOSEN = Thresholds(
     liver_uncertainty=0.10,
     tumour_uncertainty=0.50,

@@ -3,7 +3,7 @@
 Every prediction gets a `Quality` (`assess`): a few *concerns*, each a number in
 [0, 1] with a name and a sentence, from three sources —
 
-- the model's own uncertainty (`ctseg.inference.uncertainty`, measured on the scan's
+- the model's own uncertainty (`ctseg.inference.quality.uncertainty`, measured on the scan's
   voxels by the way back, where the probabilities are: only a few sums leave the devices):
   `liver_uncertainty`, `tumour_uncertainty`, one minus the Dice the class probabilities
   expect of the predicted structure (mirrored TTA's and an ensemble's disagreement show in
@@ -11,7 +11,7 @@ Every prediction gets a `Quality` (`assess`): a few *concerns*, each a number in
   `liver_disagreement`, `tumour_disagreement`, one minus the Dice of its members' argmaxes
   with each other's;
 - how unlike the training data the scan is: the run's fingerprint checks
-  (`ctseg.inference.scan_checks.checks`, any of which makes the verdict
+  (`ctseg.inference.quality.scan_checks.checks`, any of which makes the verdict
   `unlike the training data`), and the median HU inside the predicted liver against the
   training livers' (`intensity`, in the training voxels' standard deviations);
 - plausibility: no liver at all (`no_liver`), a liver too large or too small against the
@@ -30,7 +30,7 @@ The thresholds (`Thresholds`: where each concern reaches its review point) are
 CALIBRATED against the truth: `DEFAULT_THRESHOLDS` were chosen by `make
 experiment-quality` (docs/experiments/quality.md: the demo's model on held-out phantoms
 re-acquired seven ways and on scans it was not made for: MR, chest-only, other contrast
-phases) with `ctseg.evaluation.quality.choose_thresholds`, starting from the first
+phases) with `ctseg.evaluation.calibration.choose_thresholds`, starting from the first
 version's hand-chosen ones (`HAND_CHOSEN`). A run may hold its own (RUN_DIR/quality.json,
 `THRESHOLDS_FILE`: a version and what they were calibrated on), written by `ctseg
 evaluate RUN --data STORE --calibrate` from the user's labelled cases; `Reference.of_run`
@@ -55,13 +55,13 @@ from typing import Any
 import numpy as np
 from scipy import ndimage
 
-from ctseg.inference.thresholds import (
+from ctseg.inference.quality.thresholds import (
     DEFAULT_ENSEMBLE_THRESHOLDS,
     DEFAULT_THRESHOLDS,
     Thresholds,
     read_thresholds,
 )
-from ctseg.inference.uncertainty import Uncertainty
+from ctseg.inference.quality.uncertainty import Uncertainty
 from ctseg.labels import liver_mask
 from ctseg.run import rundir
 from ctseg.run.fingerprint import liver_body_share, sample_step
@@ -163,7 +163,7 @@ class Reference:
     def of_run(cls, run_dir: Path | None, ensemble: bool = False) -> Reference:
         """The (first) run's reference: its fingerprint (none compared for a run without
         one, or no run) and its thresholds, for itself or for an `ensemble` it leads
-        (`ctseg.inference.thresholds.read_thresholds`: `ctseg evaluate --calibrate`'s; the
+        (`ctseg.inference.quality.thresholds.read_thresholds`: `ctseg evaluate --calibrate`'s; the
         defaults where it has none). CtsegError (one line) for a thresholds file that
         cannot be read or is malformed."""
         if run_dir is None:

@@ -1,16 +1,16 @@
 """The inference engine: logits and class probabilities of whole boxes of the grid.
 
-An `Engine` runs a trained model on one backend: ``jax`` (`ctseg.inference.jax_backend`,
+An `Engine` runs a trained model on one backend: ``jax`` (`ctseg.inference.network.jax_backend`,
 its plans in `jax_plans` and `jax_windows`: the whole volume partitioned over the
 devices, exact level-wise tiles or fixed windows, all on the devices) or ``onnx``
-(`ctseg.inference.onnx_backend`: ONNX Runtime on the host's CPU cores). Level-wise tiles
-are cut as `ctseg.inference.tiling` plans them; stitched, they equal one whole-volume
+(`ctseg.inference.network.onnx_backend`: ONNX Runtime on the host's CPU cores). Level-wise tiles
+are cut as `ctseg.inference.network.tiling` plans them; stitched, they equal one whole-volume
 pass.
 
 Softmax and the mean of the mirrored passes (test-time augmentation) run on JAX arrays
-for both backends (`class_probabilities`, `ctseg.inference.probability_ops`): on the
+for both backends (`class_probabilities`, `ctseg.inference.network.probability_ops`): on the
 devices under JAX, on the host CPU's device for ONNX Runtime's logits, adopted without a
-copy. So does the way back to the scan's voxels (`ctseg.inference.scan_space`).
+copy. So does the way back to the scan's voxels (`ctseg.inference.scan.way_back`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import numpy as np
 from ctseg.config import Config, TileRequest
 from ctseg.config.tile import SIZE, WHOLE
 from ctseg.errors import CtsegError
-from ctseg.inference import probability_ops, tiling
-from ctseg.inference.backends import BACKENDS, Backend
-from ctseg.inference.jax_backend import JaxBackend
-from ctseg.inference.jax_plans import COMPILED_SHARE
-from ctseg.inference.onnx_backend import OnnxBackend
-from ctseg.inference.tiling import Shape, Span, Stage, TileProgress
+from ctseg.inference.network import probability_ops, tiling
+from ctseg.inference.network.backends import BACKENDS, Backend
+from ctseg.inference.network.jax_backend import JaxBackend
+from ctseg.inference.network.jax_plans import COMPILED_SHARE
+from ctseg.inference.network.onnx_backend import OnnxBackend
+from ctseg.inference.network.tiling import Shape, Span, Stage, TileProgress
 from ctseg.run.trained import TrainedModel
 
 AUTO = TileRequest.auto()
@@ -141,7 +141,7 @@ class Engine:
         """Logits [x, y, z, 3] float32 of a unit-scaled image [x, y, z] (`hu_to_unit`) of the
         engine's shape, or of an image already `place`d; a device array under JAX.
 
-        `need`: the voxels wanted, per axis [lo, hi) (a region's, `ctseg.inference.region`);
+        `need`: the voxels wanted, per axis [lo, hi) (a region's, `ctseg.inference.scan.region`);
         level-wise tiles then compute only their cone (`tiling.stage_spans`), exact there,
         and leave zeros where nothing wanted depends on them. A whole pass computes all.
         """

@@ -1,7 +1,7 @@
 """Inference in ONNX Runtime on the host's CPU cores (several times faster than XLA:CPU).
 
-The same inference-mode network as under JAX, exported by `ctseg.inference.onnx_export`:
-whole, or one ONNX graph per level-wise stage (the geometry in `ctseg.inference.tiling`),
+The same inference-mode network as under JAX, exported by `ctseg.inference.network.onnx_export`:
+whole, or one ONNX graph per level-wise stage (the geometry in `ctseg.inference.network.tiling`),
 run one window at a time on host arrays and stitched on the host (host memory is
 this backend's device). The logits equal the JAX pass's to float32 rounding. From them
 on, JAX on the host CPU's device (`OnnxBackend.adopt_logits`, no copy): the class
@@ -19,9 +19,10 @@ import numpy as np
 
 from ctseg.config import Config
 from ctseg.errors import CtsegError
-from ctseg.inference import scan_space, tile_memory, tiling
-from ctseg.inference.backends import Backend
-from ctseg.inference.tiling import Shape, Span, Stage, TileProgress
+from ctseg.inference.network import tile_memory, tiling
+from ctseg.inference.network.backends import Backend
+from ctseg.inference.network.tiling import Shape, Span, Stage, TileProgress
+from ctseg.inference.scan import way_back
 from ctseg.memory import aligned_zeros, host_memory, human_bytes
 from ctseg.model.unet import BOTTOM, DOWN, UP
 from ctseg.run.trained import TrainedModel
@@ -74,7 +75,7 @@ def _onnx_forwards(model: TrainedModel, stages: list[Stage]) -> list[Callable[..
     try:
         import onnxruntime  # noqa: F401
 
-        from ctseg.inference import onnx_export
+        from ctseg.inference.network import onnx_export
     except ImportError:
         raise CtsegError(
             "the onnx backend needs the onnx and onnxruntime packages: pip install 'ctseg[onnx]'"
@@ -165,7 +166,7 @@ class OnnxBackend(Backend):
     there JAX on the host CPU's device, as under the JAX backend."""
 
     name, runtime, ladder = "onnx", "ONNX Runtime", False
-    space = scan_space.ON_DEVICES  # on the host CPU's JAX device
+    space = way_back.ON_DEVICES  # on the host CPU's JAX device
 
     def __init__(self) -> None:
         self.devices: list[Any] = []  # the host's CPU cores, no JAX device

@@ -2,7 +2,7 @@
 so that scans of every extent run the programs the first scan compiled.
 
 A compiled program takes arrays of one shape. Fixed windows make the network's programs
-independent of the box (`ctseg.inference.jax_windows`), but the programs around them
+independent of the box (`ctseg.inference.network.jax_windows`), but the programs around them
 follow the scan's and the box's shapes: the way to the grid, the windows' driver, the
 softmax, the way back. On an accelerator each new shape compiles them anew. A canvas
 holds every scan, and every box of a member's grid, in the largest shape asked of it
@@ -23,7 +23,7 @@ are memory-bound resampling and a softmax, milliseconds on an accelerator. The n
 windows cover only the grid's cone (`tiling.stage_spans`), whatever the canvas. The box
 reaches the network's receptive field beyond the grid (`Member.to_grid`), so a voxel of
 the grid sees the same air whatever canvas holds it, and a scan's labels do not depend
-on the scans before it (the argument of `ctseg.inference.region`).
+on the scans before it (the argument of `ctseg.inference.scan.region`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 to the labels.
 
 A box runs as the whole volume partitioned over the devices, or in level-wise tiles
-(`ctseg.inference.jax_plans`), or in fixed windows whose programs do not depend on the
-box (`ctseg.inference.jax_windows`, dealt out over the devices): the default for the
+(`ctseg.inference.network.jax_plans`), or in fixed windows whose programs do not depend on the
+box (`ctseg.inference.network.jax_windows`, dealt out over the devices): the default for the
 spacing grid on accelerators, where compiling per box shape costs minutes and the
 windows' overlap milliseconds (`JaxBackend.fixed_windows`).
 """
@@ -19,18 +19,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from ctseg.config import Config
-from ctseg.inference import scan_space, tile_memory, tiling
-from ctseg.inference.backends import Backend
-from ctseg.inference.canvas import Canvas
-from ctseg.inference.jax_plans import JaxPlan
-from ctseg.inference.jax_windows import WindowPlan
-from ctseg.inference.tiling import Shape, Stage
-from ctseg.inference.window_programs import (
+from ctseg.inference.network import tile_memory, tiling
+from ctseg.inference.network.backends import Backend
+from ctseg.inference.network.jax_plans import JaxPlan
+from ctseg.inference.network.jax_windows import WindowPlan
+from ctseg.inference.network.tiling import Shape, Stage
+from ctseg.inference.network.window_programs import (
     MAX_WINDOW_BATCH,
     WINDOW_CORES,
     WindowPrograms,
     window_batch,
 )
+from ctseg.inference.scan import way_back
+from ctseg.inference.scan.canvas import Canvas
 from ctseg.model.unet import UP
 from ctseg.parallel import devices as dev
 from ctseg.run.trained import TrainedModel
@@ -40,7 +41,7 @@ class JaxBackend(Backend):
     """JAX (XLA) on its devices: every array stays there, from the scan's HU to the labels."""
 
     name, runtime, ladder = "jax", "XLA", True
-    space = scan_space.ON_DEVICES
+    space = way_back.ON_DEVICES
 
     def __init__(
         self,
@@ -69,7 +70,7 @@ class JaxBackend(Backend):
             # Every scan in one canvas, every box of a grid in another (`Member`), so that a
             # batch compiles nothing after its first scan; the way back in one order of axes.
             self.scan_canvas = Canvas()
-            self.space = scan_space.CANVAS_SPACE
+            self.space = way_back.CANVAS_SPACE
         self.most_batched = most_batched
         # Window programs by model, stage and device: every box shape reuses them.
         self.window_programs = WindowPrograms()

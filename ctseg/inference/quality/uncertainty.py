@@ -1,7 +1,7 @@
 """The model's own uncertainty about a prediction: a few sums over the scan's voxels.
 
 Two measures, each reduced where the probabilities are (on the devices under JAX: only
-the sums come back), by the way back to the scan (`ctseg.inference.scan_space`) and for
+the sums come back), by the way back to the scan (`ctseg.inference.scan.way_back`) and for
 every prediction alike — a lone run's, an ensemble's, a region's:
 
 - **the Dice the probabilities expect** of each predicted structure (`Uncertainty.expected`):
@@ -9,7 +9,7 @@ every prediction alike — a lone run's, an ensemble's, a region's:
   structure summed where the argmax predicted it and wherever it is likely. Mirrored TTA's
   and an ensemble's disagreement show in the mean as probabilities near ½ and lower it
   (so an ensemble's expected Dice is on its own scale, with its own thresholds:
-  `ctseg.inference.thresholds`);
+  `ctseg.inference.quality.thresholds`);
 - **the members' agreement** where several predictions are averaged (an ensemble's
   members; `Uncertainty.agreement`): the Dice of each member's argmax with every other
   member's, pooled over the pairs, from each voxel's vote count k (how many members
@@ -102,7 +102,7 @@ def smoothing(scan_shape: Sequence[int], grid: Sequence[int]) -> float:
 
 @dataclass(frozen=True)
 class Uncertainty:
-    """The sums a prediction's uncertainty is judged from (`ctseg.inference.quality`)."""
+    """The sums a prediction's uncertainty is judged from (`ctseg.inference.quality.scores`)."""
 
     sums: (
         np.ndarray
