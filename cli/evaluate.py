@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from ctseg.cli.app import app
 from ctseg.cli.evaluate_report import auroc_of, fmt, print_result
-from ctseg.cli.options import CompileCacheOption, DeviceChoice, start_jax, warn
+from ctseg.cli.options import CompileCacheOption, DeviceChoice, start_inference, warn
 from ctseg.cli.predict import BackendOption, TtaOption
 from ctseg.cli.progress import counting
 from ctseg.config import InferenceOptions
@@ -62,9 +62,7 @@ def _evaluate_run(
     """The RUN_DIR form: predict the store's split with the run's model (or the mean of an
     ensemble's), on the located liver's region with `locate`, then score it."""
     configs = [rundir.load_config(run_dir) for run_dir in run_dirs]
-    chosen = start_jax(
-        configs[0], cpu_devices=1, device=options.device, compile_cache=compile_cache
-    )
+    backend = start_inference(configs[0], options, compile_cache)
     out = evaluations.evaluation_dir(run_dirs[0], out)
     run = partial(
         evaluate_run,
@@ -78,7 +76,7 @@ def _evaluate_run(
         margin,
         force=force,
         warn=warn,
-        devices=chosen.devices,
+        backend=backend,
     )
     result = _run_with_progress(run)
     head = result.run
@@ -115,9 +113,7 @@ def _evaluate_cross_validation(
 ) -> CrossValidationReport:
     """The --cross-validation form: each fold run predicts its fold, scored as one table."""
     configs = [rundir.load_config(run_dir) for run_dir in run_dirs]
-    chosen = start_jax(
-        configs[0], cpu_devices=1, device=options.device, compile_cache=compile_cache
-    )
+    backend = start_inference(configs[0], options, compile_cache)
     run = partial(
         evaluate_cross_validation,
         run_dirs,
@@ -127,7 +123,7 @@ def _evaluate_cross_validation(
         configs,
         force=force,
         warn=warn,
-        devices=chosen.devices,
+        backend=backend,
     )
     result = _run_with_progress(run)
     for entry in result.runs:

@@ -1,11 +1,28 @@
 """The command line's words for the options the library names in its errors.
 
-The library names an option as its Python API or config spells it (`OptionError`:
-`` `margin_mm` must not be negative``); a command line user typed a flag, and reads the
-same message with the flag in its place (`cli/app.py` respells every command's
-`OptionError`). One table for every command: a library name means one flag everywhere.
+The library names an option as its Python API or config spells it, in backquotes
+(`OptionError`: `` `margin_mm` must not be negative``); a command-line user typed a flag,
+and reads the same message with the flag in its place: every command's `OptionError`
+(`cli/app.py`) and a scan's failed row (`said`). One table for every command: a library
+name means one flag everywhere.
 """
 
+from ctseg.errors import respelled
+
 FLAGS = {
+    "backend": "--backend",
+    "checkpoint": "--checkpoint",
+    "device": "--device",
+    "force": "--force",
+    "locate": "--locate",
     "margin_mm": "--margin",
+    "out_dir": "--out",
+    "roi": "--roi",
+    "tile": "--tile",
+    "tta": "--tta",
 }
+
+
+def said(message: str) -> str:
+    """A library's message with the options it names as this command line's flags."""
+    return respelled(message, FLAGS)

@@ -1,8 +1,10 @@
 """Options shared by several commands, and the helpers that turn them into library calls."""
 
+from __future__ import annotations
+
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -13,6 +15,9 @@ from ctseg.cli import interrupts
 from ctseg.cli.library_output import held
 from ctseg.parallel.compile_cache import compile_cache_dir, use_compile_cache
 from ctseg.parallel.devices import DEVICE_CHOICES, ChosenDevices
+
+if TYPE_CHECKING:
+    from ctseg.inference.network.backends import Backend
 
 _stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -127,3 +132,20 @@ def start_jax(
         if line is not None:
             warn(line)
     return chosen
+
+
+def start_inference(
+    config: cfg.Config,
+    options: cfg.InferenceOptions,
+    compile_cache: str | None = None,
+    verbose: bool = False,
+) -> Backend:
+    """`start_jax` for a command that predicts (one CPU device: inference never simulates a
+    mesh), and the backend its options ask for built on the devices chosen: what runs where,
+    decided once, handed down to the predictor."""
+    chosen = start_jax(
+        config, cpu_devices=1, device=options.device, compile_cache=compile_cache, verbose=verbose
+    )
+    from ctseg.inference.network.choice import backend_for  # imports JAX: after its start
+
+    return backend_for(options.backend, chosen)

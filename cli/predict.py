@@ -14,13 +14,21 @@ from rich.table import Table
 from ctseg import lock
 from ctseg.cli import STARTED, library_output
 from ctseg.cli.app import app
-from ctseg.cli.options import CompileCacheOption, DeviceChoice, DeviceOption, start_jax, warn
+from ctseg.cli.flags import said
+from ctseg.cli.options import (
+    CompileCacheOption,
+    DeviceChoice,
+    DeviceOption,
+    start_inference,
+    warn,
+)
 from ctseg.config import Config, InferenceOptions
 from ctseg.errors import CtsegError
+from ctseg.inference.network.backends import BACKENDS
 from ctseg.io import dicom, dicom_seg
 from ctseg.run import rundir
 
-if TYPE_CHECKING:  # the pipeline imports JAX: only after start_jax
+if TYPE_CHECKING:  # the pipeline imports JAX: only after start_inference
     from ctseg.inference.inputs import ScanOutcome
     from ctseg.inference.predictor import Predictor
 
@@ -50,15 +58,12 @@ class OutputType(StrEnum):
     dicom_seg = "dicom-seg"
 
 
-class Backend(StrEnum):
-    """`ctseg.inference.network.backends.BACKENDS`, as a choice for the command line."""
-
-    jax = "jax"
-    onnx = "onnx"
+# `ctseg.inference.network.backends.BACKENDS`, as a choice for the command line.
+BackendChoice = StrEnum("BackendChoice", {name: name for name in BACKENDS})
 
 
 BackendOption = Annotated[
-    Backend | None,  # None: the device policy chooses
+    BackendChoice | None,  # None: the device policy chooses
     typer.Option(
         help="Inference backend: jax (XLA on the chosen devices) or onnx (ONNX Runtime on "
         "the CPU, several times faster than XLA there; needs pip install 'ctseg\\[onnx]'). "
@@ -268,11 +273,9 @@ def predict(
         configs[0], checkpoint, tile, backend, device, tta, margin, locate, roi
     )
     devices_began = time.perf_counter()
-    chosen = start_jax(
-        configs[0], cpu_devices=1, device=device, compile_cache=compile_cache, verbose=verbose
-    )
+    backend = start_inference(configs[0], options, compile_cache, verbose)
     devices_seconds = time.perf_counter() - devices_began
-    # After start_jax: importing the pipeline starts JAX.
+    # After JAX started: importing the pipeline imports it.
     from ctseg.inference.inputs import check_output_folder
     from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Predictor
 
@@ -291,7 +294,7 @@ def predict(
         # Libraries' own lines (ITK, GDCM, XLA) would land among and after ctseg's.
         with library_output.held(show=verbose):
             scans, outcomes, skipped = _scans(inputs, out, output_type, roi, force)
-            predictor = Predictor.from_run(run_dirs, options, configs, chosen.devices)
+            predictor = Predictor.from_run(run_dirs, backend, options, configs)
             if locate is not None or roi is not None:
                 margin = DEFAULT_MARGIN_MM if margin is None else margin
                 predictor.predict_region(locate, roi, margin, options)
@@ -308,7 +311,7 @@ def _checked_options(
     config: Config,
     checkpoint: str,
     tile: int | None,
-    backend: Backend | None,
+    backend: BackendChoice | None,
     device: DeviceChoice,
     tta: bool | None,
     margin: float | None,
@@ -319,10 +322,8 @@ def _checked_options(
     from ctseg.inference.inputs import inference_options
     from ctseg.inference.scan.region import check_margin
 
-    names = {key: f"--{key}" for key in ("checkpoint", "tile", "backend", "device", "tta")}
-    options = inference_options(
-        config, checkpoint, tile, backend and backend.value, device.value, tta, names
-    )
+    asked_backend = backend and backend.value
+    options = inference_options(config, checkpoint, tile, asked_backend, device.value, tta)
     check_margin(margin, locate is not None or roi is not None)
     if locate is not None and roi is not None:
         raise CtsegError("give --locate COARSE_RUN or --roi MASK, not both")
@@ -440,5 +441,5 @@ def _print_results(console: Console, outcomes: list["ScanOutcome"]) -> None:
             text = f"[cyan]predicted again:[/] {escape(outcome.name)}: {escape(outcome.again)}"
             console.print(text, soft_wrap=True)
         if outcome.error is not None:
-            text = f"[bold red]failed:[/] {escape(outcome.name)}: {escape(outcome.error)}"
+            text = f"[bold red]failed:[/] {escape(outcome.name)}: {escape(said(outcome.error))}"
             console.print(text, soft_wrap=True)

@@ -23,8 +23,11 @@ class OptionError(CtsegError):
     (`respelled`), so that each reader sees the names they typed."""
 
     def respelled(self, spellings: Mapping[str, str]) -> str:
-        """The message with each backquoted option that `spellings` knows in its spelling
-        (`{"margin_mm": "--margin"}`); others keep the library's."""
-        return re.sub(
-            r"`([\w.]+)`", lambda m: spellings.get(m.group(1), m.group(0)), str(self)
-        )
+        """The message in a caller's words (`respelled`)."""
+        return respelled(str(self), spellings)
+
+
+def respelled(message: str, spellings: Mapping[str, str]) -> str:
+    """`message` with each backquoted option that `spellings` knows in its spelling
+    (`{"margin_mm": "--margin"}`); others keep the library's."""
+    return re.sub(r"`([\w.]+)`", lambda m: spellings.get(m.group(1), m.group(0)), message)

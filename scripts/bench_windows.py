@@ -88,7 +88,7 @@ def main() -> None:
             image = np.random.default_rng(0).uniform(-1, 1, box).astype(np.float32)
             seconds, programs = clock.seconds, dict(clock.by_name)
             start = time.perf_counter()
-            engine = Engine(model, backend=backend, shape=box, **MODES[mode](args.core))
+            engine = Engine(model, backend, shape=box, **MODES[mode](args.core))
             placed = engine.place(image)
             jax.block_until_ready(engine.logits(placed))
             first = time.perf_counter() - start

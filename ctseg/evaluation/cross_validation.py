@@ -29,6 +29,7 @@ from ctseg.progress import Progress
 from ctseg.run import evaluations, rundir
 
 if TYPE_CHECKING:
+    from ctseg.inference.network.backends import Backend
     from ctseg.inference.predictor import Predictor
 
 
@@ -125,14 +126,14 @@ def evaluate_cross_validation(
     progress: Progress | None = None,
     force: bool = False,
     warn: Callable[[str], None] | None = None,
-    devices: Sequence[Any] | None = None,
+    backend: Backend | None = None,
 ) -> CrossValidationReport:
     """Every labelled case of the store predicted by the fold run that did not train on
     it, scored as `evaluate_run` scores a run's cases; one report in `out_dir`.
 
     `run_dirs`: one fold run per fold of the store (`fold_runs` checks them). Each
-    run's model is loaded in turn (on `devices`, a command's, chosen when it started
-    JAX; default: those `options.device` asks for) and predicts its fold's cases (its
+    run's model is loaded in turn (on `backend`, a command's, chosen when it started JAX;
+    default: started as the API starts it, from `options`) and predicts its fold's cases (its
     "val" split), through the skeleton of `evaluate_run` (`ctseg.evaluation.skeleton`).
     `out_dir` holds one evaluation, under its lock, by the rules of `evaluate_run`
     (`evaluations.EVALUATED` records the runs, their checkpoints and the store). Returns
@@ -143,7 +144,7 @@ def evaluate_cross_validation(
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     store = Store.open(data_dir)
     runs = fold_runs(store, run_dirs, configs)
-    evaluation = _CrossValidation(store, runs, data_dir, options or InferenceOptions(), devices)
+    evaluation = _CrossValidation(store, runs, data_dir, options or InferenceOptions(), backend)
     return evaluate(evaluation, out_dir, force, progress, warn)
 
 
@@ -155,12 +156,17 @@ class _CrossValidation:
     runs: list[FoldRun]
     data_dir: Path
     options: InferenceOptions
-    devices: Sequence[Any] | None
+    backend: Backend | None
 
     def _load(self, run: FoldRun) -> Callable[[], Predictor]:
+        from ctseg.inference.network.choice import start_backend
         from ctseg.inference.predictor import Predictor
 
-        return lambda: Predictor.from_run(run.run_dir, self.options, run.config, self.devices)
+        def load() -> Predictor:
+            backend = self.backend or start_backend(self.options)
+            return Predictor.from_run(run.run_dir, backend, self.options, run.config)
+
+        return load
 
     @property
     def parts(self) -> list[Part]:

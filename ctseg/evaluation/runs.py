@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ctseg.config import Config, InferenceOptions
 from ctseg.data.manifest import SPLITS
@@ -38,6 +38,7 @@ from ctseg.progress import Progress
 from ctseg.run import evaluations, rundir
 
 if TYPE_CHECKING:
+    from ctseg.inference.network.backends import Backend
     from ctseg.inference.predictor import Predictor
 
 
@@ -65,14 +66,15 @@ def evaluate_run(
     progress: Progress | None = None,
     force: bool = False,
     warn: Callable[[str], None] | None = None,
-    devices: Sequence[Any] | None = None,
+    backend: Backend | None = None,
 ) -> RunReport:
     """Predict a store's split with a run (or an ensemble of runs) and score it; writes
     summary.json and metrics.csv.
 
-    `options`: checkpoint, tiles, backend, devices and TTA (`ctseg.inference.predictor.Predictor`);
-    `configs`: the runs' config.toml if already read; `devices`: the devices a command
-    chose when it started JAX (default: those `options.device` asks for). `locate`: a
+    `options`: checkpoint, tiles and TTA (`ctseg.inference.predictor.Predictor`), and the
+    backend and device asked for; `configs`: the runs' config.toml if already read;
+    `backend`: where the network runs, as the command chose it when it started JAX (default:
+    started as the API starts it, `choice.start_backend`, from `options`). `locate`: a
     coarse run that finds the liver first, with `margin_mm` around it (default
     `predictor.DEFAULT_MARGIN_MM`, as `ctseg predict`): `Predictor.predict_region`. Each
     case's record then holds the predictor's `located` (its region, or why the whole scan
@@ -111,7 +113,7 @@ def evaluate_run(
         configs,
         None if locate is None else Path(locate),
         margin_mm,
-        devices,
+        backend,
     )
     out_dir = evaluations.evaluation_dir(run_dirs[0], out_dir)
     return evaluate(evaluation, out_dir, force, progress, warn)
@@ -132,17 +134,19 @@ class _RunEvaluation:
     configs: Config | Sequence[Config] | None
     locate: Path | None
     margin_mm: float | None
-    devices: Sequence[Any] | None
+    backend: Backend | None
     predictor: Predictor | None = field(default=None, init=False)
 
     def loaded(self) -> Predictor:
         """The runs' model (and locator), loaded once."""
         # Imported here: the prediction pipeline starts JAX, which must not start before the
         # CLI has chosen the devices.
+        from ctseg.inference.network.choice import start_backend
         from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Predictor
 
         if self.predictor is None:
-            predictor = Predictor.from_run(self.run_dirs, self.options, self.configs, self.devices)
+            backend = self.backend or start_backend(self.options or InferenceOptions())
+            predictor = Predictor.from_run(self.run_dirs, backend, self.options, self.configs)
             if self.locate is not None:  # exactly as `ctseg predict --locate` (its checkpoint too)
                 margin = DEFAULT_MARGIN_MM if self.margin_mm is None else float(self.margin_mm)
                 predictor.predict_region(self.locate, None, margin, self.options)

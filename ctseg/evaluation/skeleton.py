@@ -68,7 +68,7 @@ def check_request(
     belong to no one run); runs whose records can be read (`check_records`). `names`: how
     the caller spells each option (default `NAMES`)."""
     names = {**NAMES, **(names or {})}
-    check_margin(margin_mm, locate is not None, names["margin_mm"], names["locate"])
+    check_margin(margin_mm, locate is not None)
     if locate is not None:
         try:
             rundir.load_config(Path(locate))
@@ -188,7 +188,7 @@ def score_parts(
 
 def engine_of(predictor: Predictor) -> Engine:
     """How a model predicted: tiles, backend, TTA and devices."""
-    return Engine(predictor.plan, predictor.backend, predictor.tta, predictor.summary)
+    return Engine(predictor.plan, predictor.backend.name, predictor.tta, predictor.summary)
 
 
 def score_run(

@@ -47,6 +47,7 @@ from ctseg.config import TileRequest
 from ctseg.errors import CtsegError
 from ctseg.inference.inputs import inference_options
 from ctseg.inference.member import OnGrid
+from ctseg.inference.network.choice import start_backend
 from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Prediction, Predictor, Seconds
 from ctseg.inference.quality import scores
 from ctseg.inference.quality.scan_checks import volume_warnings
@@ -61,7 +62,6 @@ from ctseg.io.scans import (
     scan_from_image,
     to_original_order,
 )
-from ctseg.parallel import devices as dev
 from ctseg.parallel.compile_cache import compile_cache_dir, use_compile_cache
 from ctseg.reading import check_regular
 from ctseg.run.rundir import CONFIG, load_config, member_runs
@@ -168,12 +168,12 @@ class Segmenter:
         run_dirs = member_runs([Path(path) for path in paths])  # each run once, as the CLI
         configs = [load_config(run_dir) for run_dir in run_dirs]
         options = inference_options(configs[0], checkpoint, tile, backend, device, tta)
-        check_margin(margin_mm, locate is not None, "margin_mm", "locate=COARSE_RUN")
+        check_margin(margin_mm, locate is not None)
         problem = use_compile_cache(compile_cache_dir(compile_cache))
         if problem is not None:
             _log.warning("%s", problem)
-        dev.start_quietly(options.device)  # before JAX starts: its plugins' lines held
-        self.predictor = Predictor.from_run(run_dirs, options, configs)
+        backend = start_backend(options)  # before JAX starts: its plugins' lines held
+        self.predictor = Predictor.from_run(run_dirs, backend, options, configs)
         # What the quality compares with, and its thresholds (a lone run's or an ensemble's).
         self.reference = scores.Reference.of_run(run_dirs[0], ensemble=len(run_dirs) > 1)
         if locate is not None:

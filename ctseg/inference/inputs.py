@@ -21,7 +21,7 @@ import numpy as np
 from ctseg import config as cfg
 from ctseg.config import InferenceOptions, TileRequest
 from ctseg.data.manifest import MANIFEST
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.inference.network.backends import BACKENDS
 from ctseg.inference.outputs_record import (  # noqa: F401  (OUTPUTS_RECORD: callers find it here)
     OUTPUTS_RECORD,
@@ -69,7 +69,7 @@ def check_output_folder(out_dir: Path) -> None:
         what = "the folder of a `ctseg evaluate RUN_DIR`"
     else:
         return
-    raise CtsegError(f"--out {out_dir} is {what}; give a folder for the predictions")
+    raise OptionError(f"`out_dir` {out_dir} is {what}; give a folder for the predictions")
 
 
 def expand_inputs(
@@ -185,38 +185,29 @@ def inference_options(
     backend: str | None = None,
     device: str = "auto",
     tta: bool | None = None,
-    names: dict[str, str] | None = None,
 ) -> InferenceOptions:
     """`InferenceOptions` of a request on a run of `config`, each value checked before any
     model loads, one line for each mistake: the CLI's and the API's one check.
 
     `checkpoint`: best, latest or a step number (an int too); `tile`: a `TileRequest`,
     or its int read once as the config's predict.tile is (`TileRequest.from_int`): the
-    options carry the request; `names`: how the caller spells each option in messages
-    (default the API's keywords, e.g. {"tile": "--tile"} for the CLI).
+    options carry the request. Each mistake names the option as the API spells it
+    (`OptionError`; the command line says its flag).
     """
-    keys = ("checkpoint", "tile", "backend", "device", "tta")
-    names = {key: (names or {}).get(key, key) for key in keys}
     if isinstance(checkpoint, bool) or not isinstance(checkpoint, str | int):
-        raise CtsegError(
-            f"{names['checkpoint']} must be best, latest or a step number, got {checkpoint!r}"
-        )
+        raise OptionError(f"`checkpoint` must be best, latest or a step number, got {checkpoint!r}")
     checkpoint = str(checkpoint)
     if tile is not None:  # read once, with predict.tile's one check
         try:
             tile = TileRequest.of(tile, "predict.tile")
         except CtsegError as exc:
-            raise CtsegError(f"{names['tile']} {tile!r}: {exc}") from None
+            raise OptionError(f"`tile` {tile!r}: {exc}") from None
     if backend is not None and backend not in BACKENDS:
-        raise CtsegError(
-            f"{names['backend']} must be {' or '.join(BACKENDS)} (or None), got {backend!r}"
-        )
+        raise OptionError(f"`backend` must be {' or '.join(BACKENDS)} (or None), got {backend!r}")
     if device not in DEVICE_CHOICES:
-        raise CtsegError(
-            f"{names['device']} must be one of {', '.join(DEVICE_CHOICES)}, got {device!r}"
-        )
+        raise OptionError(f"`device` must be one of {', '.join(DEVICE_CHOICES)}, got {device!r}")
     if tta is not None and not isinstance(tta, bool):
-        raise CtsegError(f"{names['tta']} must be True, False or None, got {tta!r}")
+        raise OptionError(f"`tta` must be True, False or None, got {tta!r}")
     return InferenceOptions(checkpoint, tile, backend, device, tta)
 
 
@@ -233,8 +224,8 @@ def roi_mask(roi: Path, source: Path) -> Path:
     name = output_name(source)
     if candidates := mask_candidates(roi, source):
         return candidates[0]
-    raise CtsegError(
-        f"--roi {roi}: no mask for the scan {source.name} (looked for {name}.nii.gz, "
+    raise OptionError(
+        f"`roi` {roi}: no mask for the scan {source.name} (looked for {name}.nii.gz, "
         f"{name}.nii and {name}_seg.nii.gz)"
     )
 
@@ -292,10 +283,10 @@ def scan_masks(
     """
     roi = Path(roi)
     if not roi.exists():
-        raise CtsegError(f"--roi {roi}: no such mask file or folder")
+        raise OptionError(f"`roi` {roi}: no such mask file or folder")
     if not roi.is_dir() and len(scans) != 1:
-        raise CtsegError(
-            f"--roi {roi} is the mask of one scan; give that one scan, or a folder of masks "
+        raise OptionError(
+            f"`roi` {roi} is the mask of one scan; give that one scan, or a folder of masks "
             "named as the scans"
         )
     masks = {}
@@ -313,13 +304,13 @@ def scan_masks(
             name = output_name(scan)
             own = [path.name for path in candidates if ours(path)]
             why = f"; {own[0]} is this --out's own earlier output" if own else ""
-            raise CtsegError(
-                f"--roi {roi}: no mask for the scan {scan.name} (looked for {name}.nii.gz, "
+            raise OptionError(
+                f"`roi` {roi}: no mask for the scan {scan.name} (looked for {name}.nii.gz, "
                 f"{name}.nii and {name}_seg.nii.gz{why})"
             )
         if len(found) > 1:
-            raise CtsegError(
-                f"--roi {roi}: two masks for the scan {scan.name}, "
+            raise OptionError(
+                f"`roi` {roi}: two masks for the scan {scan.name}, "
                 f"{found[0].name} and {found[1].name}; keep one of them"
             )
         masks[scan] = check_mask(found[0])
@@ -332,5 +323,5 @@ def check_mask(mask: Path) -> Path:
     try:
         check_regular(mask, "--roi mask")
     except OSError as exc:
-        raise CtsegError(f"--roi mask {mask} cannot be read: {exc.strerror or exc}") from None
+        raise OptionError(f"`roi` mask {mask} cannot be read: {exc.strerror or exc}") from None
     return mask

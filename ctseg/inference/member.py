@@ -106,7 +106,7 @@ class Member:
             self._engines.move_to_end(key)
         else:
             self._engines[key] = Engine(
-                self.model, self.tile, self.backend, shape=box, windows=key[1]
+                self.model, self.backend, self.tile, shape=box, windows=key[1]
             )
             # Each engine holds its programs and a copy of the weights on the devices: a
             # batch of scans of many extents keeps only the latest few.

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ctseg import atomic, compat
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.reading import Record, sha256_of
 
 OUTPUTS_RECORD = ".ctseg-outputs.json"
@@ -100,9 +100,9 @@ class OwnOutputs:
         """CtsegError, one line, if the record cannot be read and not `force` (which
         starts a new record: what the old one listed is then no longer ctseg's)."""
         if self.problem is not None and not force:
-            raise CtsegError(
+            raise OptionError(
                 f"{self.problem}; it says which files of {self.path.parent} ctseg wrote: "
-                f"fix or remove it, or use --force to start a new record"
+                f"fix or remove it, or use `force` to start a new record"
             )
 
     def _here(self, path: Path) -> bool:

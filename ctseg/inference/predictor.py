@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 
 from ctseg.config import Config, InferenceOptions, TileRequest
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.inference.inputs import read_roi, roi_mask
 from ctseg.inference.member import Member, OnGrid
-from ctseg.inference.network.backends import choose_backend, onnx_available
-from ctseg.inference.network.engine import Engine, backend_named
+from ctseg.inference.network.backends import Backend
+from ctseg.inference.network.engine import Engine
 from ctseg.inference.network.tiling import Shape
 from ctseg.inference.quality import scan_checks
 from ctseg.inference.quality.uncertainty import Uncertainty
@@ -119,13 +119,13 @@ class Predictor:
     def __init__(
         self,
         models: TrainedModel | Sequence[TrainedModel],
+        backend: Backend,
         options: InferenceOptions | None = None,
-        devices: Sequence[Any] | None = None,
         run_dirs: Sequence[Path | None] | None = None,
     ):
-        """`options`: tile (a `TileRequest`, or its int), backend and TTA (None: each run's
-        config; backend None is JAX); `devices`: where a JAX engine runs (`from_run`
-        chooses them from `options.device`)."""
+        """`backend`: where the network runs, chosen once by whoever started JAX
+        (`ctseg.inference.network.choice`); `options`: tile (a `TileRequest`, or its int)
+        and TTA (None: each run's config)."""
         options = options or InferenceOptions()
         models = [models] if isinstance(models, TrainedModel) else list(models)
         if not models:
@@ -136,23 +136,19 @@ class Predictor:
         for model, run_dir in zip(models, run_dirs, strict=True):
             if self.tta and not model.config.train.flip:
                 which = "this model was" if len(models) == 1 else f"the model of {run_dir} was"
-                raise CtsegError(
+                raise OptionError(
                     f"test-time augmentation mirrors the scan, but {which} trained without "
                     "flips (train.flip = false) and has never seen mirrored anatomy; leave "
-                    "out --tta"
+                    "out `tta`"
                 )
         self.clock = compile_clock()
-        # ONNX Runtime runs on the host's cores (no JAX device); JAX on `devices`.
-        self.inference_backend = backend_named(options.backend or "jax", devices)
-        self.devices: list[Any] = self.inference_backend.devices
-        # The devices chosen for the call (`from_run`), which a locator uses too.
-        self.chosen_devices: list[Any] = list(devices or [])
+        self.backend = backend  # a locator runs on it too
         asked = None if options.tile is None else TileRequest.of(options.tile)
         self.members = [
             Member(
                 model,
                 asked or TileRequest.from_int(model.config.predict.tile, "predict.tile"),
-                self.inference_backend,
+                backend,
                 run_dir,
             )
             for model, run_dir in zip(models, run_dirs, strict=True)
@@ -170,22 +166,18 @@ class Predictor:
     def from_run(
         cls,
         run_dirs: Path | Sequence[Path],
+        backend: Backend,
         options: InferenceOptions | None = None,
         configs: Config | Sequence[Config] | None = None,
-        devices: Sequence[Any] | None = None,
     ) -> Predictor:
-        """The runs' models on `devices` (a command's, chosen once when it started JAX), or
-        else on those `options.device` asks for (`ctseg.parallel.devices`), whatever layout
-        trained them: one run, or several (an ensemble). `configs`: the runs' config.toml
-        if already read."""
+        """The runs' models on `backend` (chosen once where JAX started), whatever layout
+        trained them: one run, or several (an ensemble). `options`: the checkpoint, tile
+        and TTA; `configs`: the runs' config.toml if already read."""
         options = options or InferenceOptions()
         run_dirs = [Path(run_dirs)] if isinstance(run_dirs, str | Path) else list(run_dirs)
         if isinstance(configs, Config):
             configs = [configs]
         configs = list(configs or [None] * len(run_dirs))
-        found = list(devices) if devices is not None else dev.choose(options.device, dev.visible())
-        name = choose_backend(options.backend, options.device, found, onnx_available())
-        backend = backend_named(name, found, one_cpu_device=True)
         seconds: Seconds = {}
         models = []
         with timed(seconds, "load"):
@@ -196,10 +188,8 @@ class Predictor:
                 except CtsegError as exc:
                     raise CtsegError(f"{run_dir}: {exc}") from None
         with timed(seconds, "compile"):  # AOT compiles, ONNX export and sessions, placement
-            options = dataclasses.replace(options, backend=backend.name)
-            predictor = cls(models, options, backend.devices, run_dirs)
+            predictor = cls(models, backend, options, run_dirs)
         predictor.seconds = seconds
-        predictor.chosen_devices = found  # the locator's too (`predict_region`)
         predictor.fingerprint = fingerprint.load(run_dirs[0])  # None for runs trained before
         return predictor
 
@@ -214,23 +204,18 @@ class Predictor:
         liver that `locate`'s run (a coarse model) predicts, or of the `roi` mask (a folder:
         each scan's, `roi_mask`), grown by `margin_mm`; inside it the labels equal the
         whole scan's, outside it is background.
-        `options`: the locator's checkpoint, device and backend."""
+        `options`: the locator's checkpoint; it runs on this predictor's backend."""
         if locate is not None and roi is not None:
-            raise CtsegError("give --locate RUN or --roi MASK, not both")
+            raise OptionError("give `locate` or `roi`, not both")
         if margin_mm < 0:
-            raise CtsegError(f"--margin must not be negative, got {margin_mm:g} mm")
+            raise OptionError(f"`margin_mm` must not be negative, got {margin_mm:g} mm")
         if roi is not None and not Path(roi).exists():
-            raise CtsegError(f"--roi {roi}: no such mask file or folder")
+            raise OptionError(f"`roi` {roi}: no such mask file or folder")
         self.margin_mm = float(margin_mm)
         self.roi = None if roi is None else Path(roi)
         if locate is not None:
             options = dataclasses.replace(options or InferenceOptions(), tile=None, tta=False)
-            self.locator = Predictor.from_run(Path(locate), options, devices=self.chosen_devices)
-
-    @property
-    def backend(self) -> str:
-        """The backend's name, "jax" or "onnx", as options and records spell it."""
-        return self.inference_backend.name
+            self.locator = Predictor.from_run(Path(locate), self.backend, options)
 
     @property
     def model(self) -> TrainedModel:
@@ -248,8 +233,8 @@ class Predictor:
         (on the spacing grid: `…, the scan at 1.5 × 1.5 × 1.5 mm, boxes of its extent`; an
         ensemble names its members: `…, ensemble of 2: runs/a (step 600): whole volume
         48³; runs/b (step 400): …`)."""
-        backend = self.inference_backend
-        where = dev.describe(self.devices)  # none under ONNX Runtime: the host's CPU
+        backend = self.backend
+        where = dev.describe(backend.devices)  # none under ONNX Runtime: the host's CPU
         # Materialised activations: the compute dtype under JAX, float32 in ONNX Runtime.
         dtype = backend.dtype(self.config).name
         mirrored = ", mirrored 8× (TTA)" if self.tta else ""
@@ -288,7 +273,7 @@ class Predictor:
     def _canvases_kept_on_failure(self) -> Iterator[None]:
         """The canvases as they were, where the block fails: a scan too large for the
         devices fails alone, and does not leave the canvas it grew for every scan after it."""
-        canvases = [self.inference_backend.scan_canvas, *(m.canvas for m in self.members)]
+        canvases = [self.backend.scan_canvas, *(m.canvas for m in self.members)]
         canvases = [canvas for canvas in canvases if canvas is not None]
         before = [canvas.shape for canvas in canvases]
         try:
@@ -302,7 +287,7 @@ class Predictor:
         """The shape the devices hold a scan of `shape` in, both ways: its rung of the
         ladder (`to_grid.padded`), within the backend's scan canvas where it has one."""
         padded = to_grid.padded(shape)
-        canvas = self.inference_backend.scan_canvas
+        canvas = self.backend.scan_canvas
         return padded if canvas is None else canvas.holding(padded)
 
     def expect(self, geometries: Iterable[tuple[Shape, Sequence[float]]]) -> None:
@@ -313,9 +298,7 @@ class Predictor:
         header read for nothing). A geometry no CT has (`readers.check_extent`) is left out:
         its scan fails when read."""
         holders = [
-            p
-            for p in (self, self.locator)
-            if p is not None and p.inference_backend.scan_canvas is not None
+            p for p in (self, self.locator) if p is not None and p.backend.scan_canvas is not None
         ]
         if not holders:
             return
@@ -390,7 +373,7 @@ class Predictor:
         with timed(seconds, "resample"):
             # Where the backend runs: from the devices only the labels, the uncertainty's
             # sums (and asked-for probabilities) come back.
-            shape, space = scan.array.shape, self.inference_backend.space
+            shape, space = scan.array.shape, self.backend.space
             scan_box = on_grids[0].scan_box
             if on_grids[0].window is not None:
                 on_scan = space.window_labels(probabilities, on_grids, shape, with_probabilities)

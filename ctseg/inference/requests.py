@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ctseg import compat
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.inference.inputs import roi_mask
 from ctseg.inference.predictor import Predictor
 from ctseg.inference.quality.scores import VERDICTS
@@ -46,7 +46,7 @@ def model_of(predictor: Predictor) -> dict[str, Any]:
 def _exactness(predictor: Predictor) -> str:
     """The backend's exactness class of the members' models (`Backend.exactness`)."""
     configs = [member.model.config for member in predictor.members]
-    return predictor.inference_backend.exactness(configs)
+    return predictor.backend.exactness(configs)
 
 
 def scan_identity(source: Path) -> dict[str, Any]:
@@ -240,14 +240,14 @@ def earlier_prediction(stats_path: Path, model: dict[str, Any], request: dict[st
     and `request`: its summary; or why the scan is predicted again (the same request over
     a scan whose content changed). CtsegError, naming the difference, for another model or
     request, and for a stats file that is not as ctseg wrote it: not ctseg's to keep or to
-    replace without --force."""
+    replace without `force`."""
     try:
         earlier = read_stats(stats_path)
     except (CtsegError, OSError) as exc:
         reason = str(exc) if isinstance(exc, CtsegError) else f"{stats_path}: {exc}"
-        raise CtsegError(
-            f"{reason}: it cannot be read as the stats of an earlier prediction; use --force "
-            "to predict the scan again, or another --out"
+        raise OptionError(
+            f"{reason}: it cannot be read as the stats of an earlier prediction; use `force` "
+            "to predict the scan again, or another `out_dir`"
         ) from exc
     then = earlier.model
     if any(then[key] != model[key] for key in model):
@@ -261,7 +261,7 @@ def earlier_prediction(stats_path: Path, model: dict[str, Any], request: dict[st
         return Earlier(None, again)
     else:
         return Earlier(earlier.summary)
-    raise CtsegError(
-        f"{stats_path.name} in {stats_path.parent} {what}; use --force to replace it, "
-        "or another --out"
+    raise OptionError(
+        f"{stats_path.name} in {stats_path.parent} {what}; use `force` to replace it, "
+        "or another `out_dir`"
     )

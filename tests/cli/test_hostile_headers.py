@@ -19,6 +19,7 @@ from ctseg.config import InferenceOptions
 from ctseg.data.store import Store
 from ctseg.errors import CtsegError
 from ctseg.inference.api import Segmenter
+from ctseg.inference.network.jax_backend import JaxBackend
 from ctseg.inference.predictor import Predictor
 from ctseg.inference.scan.canvas import Canvas
 from ctseg.io import readers
@@ -114,10 +115,10 @@ def test_a_lying_header_leaves_the_batch_s_canvases_alone(tmp_path, monkeypatch,
         _cut(_good(tmp_path / "cm.nii.gz", spacing=(100.0,) * 3), tmp_path / "cut.nii.gz"),
     ]
     options = InferenceOptions(backend="jax", tile=8, tta=False)
-    honest, batch = Predictor(model, options), Predictor(model, options)
+    honest, batch = Predictor(model, JaxBackend(), options), Predictor(model, JaxBackend(), options)
     honest.expect(map(nifti_geometry, good))
     batch.expect(g for g in map(nifti_geometry, [lies[0], *good, lies[1]]) if g is not None)
-    assert batch.inference_backend.scan_canvas.shape == honest.inference_backend.scan_canvas.shape
+    assert batch.backend.scan_canvas.shape == honest.backend.scan_canvas.shape
     assert batch.members[0].canvas.shape == honest.members[0].canvas.shape
     # A geometry no CT has, from wherever it comes (a store's manifest), is left out too.
     batch.expect([((40, 40, 40), (100.0, 100.0, 100.0))])
@@ -156,7 +157,7 @@ def test_segmenter_map_yields_what_it_made_before_a_lying_scan(tmp_path, monkeyp
     with pytest.raises(CtsegError) as info:
         next(results)
     assert "huge.nii.gz" in _one_line(info)
-    canvas = segmenter.predictor.inference_backend.scan_canvas
+    canvas = segmenter.predictor.backend.scan_canvas
     assert canvas.shape is not None and max(canvas.shape) < 100
 
 

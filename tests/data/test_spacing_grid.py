@@ -5,7 +5,7 @@ import jax
 import nibabel as nib
 import numpy as np
 import pytest
-from helpers import from_grid, prepare_store, rotation_z, tiny_config
+from helpers import from_grid, from_run, prepare_store, rotation_z, tiny_config
 from scipy import ndimage
 from typer.testing import CliRunner
 
@@ -15,7 +15,6 @@ from ctseg.config import InferenceOptions
 from ctseg.data import grids
 from ctseg.data.store import Store
 from ctseg.errors import CtsegError
-from ctseg.inference.predictor import Predictor
 from ctseg.io import scans
 from ctseg.parallel.partition import make_mesh
 from ctseg.run.trained import load_model
@@ -195,7 +194,7 @@ def test_prediction_covers_the_whole_scan_tiled_as_whole(spacing_run, tmp_path):
     grid = grids.spacing_grid(scan.array.shape, scan.spacing, (24.0,) * 3)
     predictions = []
     for tile in (0, 4):
-        predictor = Predictor.from_run(run, InferenceOptions("latest", tile=tile))
+        predictor = from_run(run, InferenceOptions("latest", tile=tile))
         assert "the scan at 24 × 24 × 24 mm, boxes of its extent" in predictor.summary
         prediction = predictor.predict(scan)
         box = predictor.engine.shape

@@ -16,6 +16,7 @@ from ctseg.inference import files
 from ctseg.inference.api import Segmenter
 from ctseg.inference.network import tiling
 from ctseg.inference.network.engine import Engine
+from ctseg.inference.network.jax_backend import JaxBackend
 from ctseg.inference.predictor import Predictor
 from ctseg.inference.scan import to_grid
 from ctseg.inference.scan.canvas import Canvas
@@ -72,9 +73,11 @@ def test_a_batch_of_ten_extents_compiles_nothing_after_its_first_scan(
     its own that reaches the receptive field beyond the grid, brought to the grid in the
     canvas's order of axes (to 1e-6: windows sum in another order)."""
     paths = _scans(tmp_path / "scans")
-    predictor = Predictor(model, InferenceOptions(backend="jax", tile=CORE, tta=False))
+    predictor = Predictor(
+        model, JaxBackend(), InferenceOptions(backend="jax", tile=CORE, tta=False)
+    )
     member = predictor.members[0]
-    assert member.canvas is not None and predictor.inference_backend.scan_canvas is not None
+    assert member.canvas is not None and predictor.backend.scan_canvas is not None
     grids = [member.grid.grid_of(s.array.shape, s.spacing) for s in map(read_scan, paths)]
     # Without canvases: six rungs of scans, five boxes of windows, each compiling anew.
     assert len({to_grid.padded(shape) for shape in SHAPES}) >= 6
@@ -96,7 +99,7 @@ def test_a_batch_of_ten_extents_compiles_nothing_after_its_first_scan(
         scan, grid = read_scan(paths[index]), grids[index]
         own = tuple(-(-(n + radius) // align) * align for n in grid)
         unit = to_grid.unit_box(scan.array, grid, (0, 0, 0), own, window, device, None, SLICES)
-        whole = jax.nn.softmax(Engine(model, tile=0, shape=own).logits(unit), axis=-1)
+        whole = jax.nn.softmax(Engine(model, JaxBackend(), tile=0, shape=own).logits(unit), axis=-1)
         expected = np.asarray(whole)[tuple(slice(0, n) for n in grid)]
         np.testing.assert_allclose(on_grids[index], expected, rtol=0, atol=1e-6)
 
@@ -131,7 +134,9 @@ def test_a_batch_sizes_the_canvases_from_its_headers_before_its_first_scan(
     scan is read; a file that is no NIfTI is left to its turn."""
     paths = _scans(tmp_path / "scans")
     (tmp_path / "scans" / "notes.nii").write_text("not a scan")
-    predictor = Predictor(model, InferenceOptions(backend="jax", tile=CORE, tta=False))
+    predictor = Predictor(
+        model, JaxBackend(), InferenceOptions(backend="jax", tile=CORE, tta=False)
+    )
     sources = [*paths, tmp_path / "scans" / "notes.nii"]
     with pytest.raises(Told):
         list(files.predict_files(predictor, sources, tmp_path / "out"))
@@ -161,15 +166,15 @@ def test_a_locator_s_canvases_are_sized_with_its_predictor_s(windows_on_the_cpu,
     """`--locate`'s coarse run predicts the same scans: `expect` sizes its canvases too,
     each the largest of the batch's on every axis."""
     options = InferenceOptions(backend="jax", tile=CORE, tta=False)
-    predictor = Predictor(model, options)
-    predictor.locator = Predictor(model, options)
+    predictor = Predictor(model, JaxBackend(), options)
+    predictor.locator = Predictor(model, JaxBackend(), options)
     batch = [((40, 180, 12), SPACING), ((184, 54, 39), SPACING)]
     predictor.expect(iter(batch))
     for each in (predictor, predictor.locator):
         member = each.members[0]
         scans = [to_grid.padded(shape) for shape, _ in batch]
         boxes = [member.canvas_box(member.grid.grid_of(*geometry)) for geometry in batch]
-        assert each.inference_backend.scan_canvas.shape == tuple(np.max(scans, axis=0))
+        assert each.backend.scan_canvas.shape == tuple(np.max(scans, axis=0))
         assert member.canvas.shape == tuple(np.max(boxes, axis=0))
 
 
@@ -180,6 +185,8 @@ def test_without_canvases_no_header_is_read(model):
         raise AssertionError("a header read for nothing")
         yield
 
-    predictor = Predictor(model, InferenceOptions(backend="jax", tile=CORE, tta=False))
-    assert predictor.inference_backend.scan_canvas is None
+    predictor = Predictor(
+        model, JaxBackend(), InferenceOptions(backend="jax", tile=CORE, tta=False)
+    )
+    assert predictor.backend.scan_canvas is None
     predictor.expect(headers())

@@ -9,12 +9,11 @@ import jax
 import nibabel as nib
 import numpy as np
 import pytest
-from helpers import from_grid, rotation_z, tiny_config
+from helpers import from_grid, from_run, rotation_z, tiny_config
 
 from ctseg.config import InferenceOptions
 from ctseg.data import grids
 from ctseg.inference.member import OnGrid
-from ctseg.inference.predictor import Predictor
 from ctseg.inference.quality import uncertainty
 from ctseg.inference.scan import to_grid, way_back
 from ctseg.io.scans import read_scan
@@ -99,7 +98,7 @@ def test_a_trained_model_s_labels_are_those_of_the_host_s_preprocessing(trained)
     host's (the same int16 HU here), and so do its labels before post-processing (which
     leaves a 2-step model nothing)."""
     run_dir, _, raw = trained
-    predictor = Predictor.from_run(run_dir, InferenceOptions(backend="jax", device="cpu"))
+    predictor = from_run(run_dir, InferenceOptions(backend="jax", device="cpu"))
     member = predictor.members[0]
     window = member.config.data.hu_window
     for source in sorted(raw.glob("volume-*.nii.gz")):

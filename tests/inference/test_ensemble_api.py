@@ -21,6 +21,7 @@ from ctseg import Segmenter, segment
 from ctseg.cli.app import app
 from ctseg.config import DataConfig, InferenceOptions
 from ctseg.errors import CtsegError
+from ctseg.inference.network.jax_backend import JaxBackend
 from ctseg.inference.predictor import Predictor
 from ctseg.inference.scan import postprocess
 from ctseg.io import scans
@@ -52,22 +53,26 @@ def _members():
 def test_an_ensemble_is_the_mean_of_its_members_probabilities(scan, tile):
     members = _members()
     options = InferenceOptions(tile=tile)
-    alone = [Predictor(m, options).predict(scan, with_probabilities=True) for m in members]
-    ensemble = Predictor(list(members), options).predict(scan, with_probabilities=True)
+    alone = [
+        Predictor(m, JaxBackend(), options).predict(scan, with_probabilities=True) for m in members
+    ]
+    ensemble = Predictor(list(members), JaxBackend(), options).predict(
+        scan, with_probabilities=True
+    )
     mean = (alone[0].probabilities + alone[1].probabilities) / 2
     np.testing.assert_allclose(ensemble.probabilities, mean, rtol=0, atol=1e-6)
     expected = postprocess.clean_labels(mean.argmax(-1).astype(np.uint8), True, True)
     np.testing.assert_array_equal(ensemble.labels, expected)
     assert ensemble.grid_probabilities is None  # the members' grids differ
     # An ensemble of one run is that run.
-    one = Predictor([members[0]], options).predict(scan, with_probabilities=True)
+    one = Predictor([members[0]], JaxBackend(), options).predict(scan, with_probabilities=True)
     np.testing.assert_array_equal(one.probabilities, alone[0].probabilities)
     np.testing.assert_array_equal(one.labels, alone[0].labels)
 
 
 def test_ensemble_members_are_named_and_need_flips_for_tta(scan):
     members = _members()
-    predictor = Predictor(list(members), InferenceOptions(tile=0))
+    predictor = Predictor(list(members), JaxBackend(), InferenceOptions(tile=0))
     assert "ensemble of 2: a model (step 0): whole volume 32³; a model (step 0): " in (
         predictor.summary
     )
@@ -78,7 +83,7 @@ def test_ensemble_members_are_named_and_need_flips_for_tta(scan):
         ),
     )
     with pytest.raises(CtsegError, match="trained without flips"):
-        Predictor([members[0], unflipped], InferenceOptions(tta=True))
+        Predictor([members[0], unflipped], JaxBackend(), InferenceOptions(tta=True))
 
 
 def test_predict_and_evaluate_take_several_runs(trained, tmp_path):

@@ -72,9 +72,9 @@ def test_fixed_windows_equal_the_whole_pass_on_boxes_of_several_shapes(depth, co
     floor = tiling.window_floor(model.config, core)
     for index, box in enumerate([(32, 32, 32), (floor, 40, 56), (48, 28, 36)]):
         image = np.random.default_rng(index).uniform(-1, 1, box).astype(np.float32)
-        reference = np.asarray(Engine(model, tile=0, shape=box, backend=backend).logits(image))
+        reference = np.asarray(Engine(model, backend, tile=0, shape=box).logits(image))
         assert np.ptp(reference.argmax(-1)) > 0
-        engine = Engine(model, tile=core, shape=box, backend=backend, windows=core)
+        engine = Engine(model, backend, tile=core, shape=box, windows=core)
         assert engine.description.startswith(f"fixed windows ≤ {core}³")
         assert sum(len(s.windows()) for s in engine.stages) > 2 * depth - 1
         assert max(engine._plan.batches) > 1  # deep stages' windows several to a dispatch
@@ -113,8 +113,8 @@ def test_fixed_windows_with_tta_and_a_region_equal_the_whole_pass():
     backend = _windows_backend()
     box = (32, 24, 96)
     image = np.random.default_rng(3).uniform(-1, 1, box).astype(np.float32)
-    whole = Engine(model, tile=0, shape=box, backend=backend)
-    windows = Engine(model, tile=8, shape=box, backend=backend, windows=8)
+    whole = Engine(model, backend, tile=0, shape=box)
+    windows = Engine(model, backend, tile=8, shape=box, windows=8)
     mirrored = [np.asarray(class_probabilities(e, image, True)) for e in (whole, windows)]
     np.testing.assert_allclose(mirrored[1], mirrored[0], rtol=0, atol=1e-5)
     need = ((6, 20), (0, 24), (40, 58))
@@ -134,9 +134,9 @@ def test_fixed_windows_dealt_over_four_devices_equal_one_device(one_device, four
     core = 8
     for index, box in enumerate([(32, 32, 32), (24, 40, 24)]):
         image = np.random.default_rng(index).uniform(-1, 1, box).astype(np.float32)
-        whole = np.asarray(Engine(model, tile=0, shape=box, backend=one_device).logits(image))
-        alone = Engine(model, tile=core, shape=box, backend=one_device, windows=core)
-        dealt = Engine(model, tile=core, shape=box, backend=four_devices, windows=core)
+        whole = np.asarray(Engine(model, one_device, tile=0, shape=box).logits(image))
+        alone = Engine(model, one_device, tile=core, shape=box, windows=core)
+        dealt = Engine(model, four_devices, tile=core, shape=box, windows=core)
         assert dealt.description == alone.description.replace(")", ", 4 at a time)")
         windows = [len(s.windows()) for s in dealt.stages]
         assert min(windows) > 4  # every device has windows in every stage
@@ -158,8 +158,8 @@ def test_fixed_windows_over_four_devices_with_tta_and_a_region(one_device, four_
     model = random_model(3)
     box = (24, 40, 24)
     image = np.random.default_rng(5).uniform(-1, 1, box).astype(np.float32)
-    alone = Engine(model, tile=8, shape=box, backend=one_device, windows=8)
-    dealt = Engine(model, tile=8, shape=box, backend=four_devices, windows=8)
+    alone = Engine(model, one_device, tile=8, shape=box, windows=8)
+    dealt = Engine(model, four_devices, tile=8, shape=box, windows=8)
     mirrored = [np.asarray(class_probabilities(e, image, True)) for e in (alone, dealt)]
     np.testing.assert_array_equal(mirrored[1], mirrored[0])
     need = ((6, 12), (10, 16), (8, 14))
@@ -188,7 +188,7 @@ def test_window_programs_compile_once_for_boxes_of_every_shape(devices):
     for box in [(32, 32, 40), (24, 40, 56), (48, 24, 32), (24, 40, 56)]:
         before = dict(clock.by_name)
         image = np.random.default_rng(0).uniform(-1, 1, box).astype(np.float32)
-        engine = Engine(model, tile=core, shape=box, backend=backend, windows=core)
+        engine = Engine(model, backend, tile=core, shape=box, windows=core)
         jax.block_until_ready(engine.logits(image))
         compiled.append({k: v - before.get(k, 0) for k, v in clock.by_name.items()})
         compiled[-1] = {k: v for k, v in compiled[-1].items() if v}
@@ -261,7 +261,7 @@ def test_a_member_holds_spacing_grid_boxes_in_a_canvas_and_predicts_exactly():
         probabilities = member.infer(on_grid, False, lambda *c: None, None)
         compiled.append(clock.by_name["jit(window_program)"] - before)
         assert member.engine.windows == core and member.engine.shape == box
-        whole = Engine(model, tile=0, shape=box, backend=member.backend)
+        whole = Engine(model, member.backend, tile=0, shape=box)
         expected = jax.nn.softmax(whole.logits(on_grid.unit), axis=-1)
         inside = tuple(slice(0, n) for n in grid)  # the rest of the canvas is not computed
         np.testing.assert_allclose(

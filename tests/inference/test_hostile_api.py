@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ctseg import Segmenter, segment
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.inference import inputs
 from ctseg.inference.scan.region import check_margin, region_of
 
@@ -40,19 +40,19 @@ def _one_line(call, *words) -> None:
         ({"tile": "abc"}, ["tile must be an integer", "'abc'"]),
         ({"tile": 2.5}, ["tile must be an integer"]),
         ({"tile": True}, ["tile must be an integer"]),
-        ({"tile": 3}, ["tile 3", "must be even"]),
-        ({"tile": -7}, ["tile -7", "predict.tile must be -1"]),
-        ({"checkpoint": True}, ["checkpoint must be best, latest or a step number"]),
-        ({"checkpoint": 2.0}, ["checkpoint must be best, latest or a step number"]),
+        ({"tile": 3}, ["`tile` 3", "must be even"]),
+        ({"tile": -7}, ["`tile` -7", "predict.tile must be -1"]),
+        ({"checkpoint": True}, ["`checkpoint` must be best, latest or a step number"]),
+        ({"checkpoint": 2.0}, ["`checkpoint` must be best, latest or a step number"]),
         ({"checkpoint": 999}, ["no checkpoint '999'"]),
-        ({"backend": "tensorrt"}, ["backend must be jax or onnx"]),
-        ({"device": "npu"}, ["device must be one of auto, cpu, gpu, tpu"]),
-        ({"tta": "yes"}, ["tta must be True, False or None"]),
-        ({"margin_mm": -5}, ["margin_mm must not be negative"]),
-        ({"margin_mm": 5}, ["margin_mm applies only around a region", "locate="]),
-        ({"margin_mm": float("nan"), "locate": "x"}, ["margin_mm must be a finite number"]),
-        ({"margin_mm": math.inf, "locate": "x"}, ["margin_mm must be a finite number"]),
-        ({"margin_mm": "20", "locate": "x"}, ["margin_mm must be a number"]),
+        ({"backend": "tensorrt"}, ["`backend` must be jax or onnx"]),
+        ({"device": "npu"}, ["`device` must be one of auto, cpu, gpu, tpu"]),
+        ({"tta": "yes"}, ["`tta` must be True, False or None"]),
+        ({"margin_mm": -5}, ["`margin_mm` must not be negative"]),
+        ({"margin_mm": 5}, ["`margin_mm` applies only around a region", "`locate`"]),
+        ({"margin_mm": float("nan"), "locate": "x"}, ["`margin_mm` must be a finite number"]),
+        ({"margin_mm": math.inf, "locate": "x"}, ["`margin_mm` must be a finite number"]),
+        ({"margin_mm": "20", "locate": "x"}, ["`margin_mm` must be a number"]),
     ],
 )
 def test_options_are_one_line_before_a_model_loads(trained, options, words, monkeypatch):
@@ -70,12 +70,17 @@ def test_options_are_one_line_before_a_model_loads(trained, options, words, monk
 def test_the_cli_and_the_api_share_one_check_of_each_option(trained):
     """The CLI's names in the CLI's messages; the same check under them."""
     run_dir, _, _ = trained
+    from ctseg.cli.flags import said
     from ctseg.run import rundir
 
     config = rundir.load_config(run_dir)
-    names = {"tile": "--tile"}
-    _one_line(lambda: inputs.inference_options(config, tile=5, names=names), "--tile 5", "even")
-    _one_line(lambda: check_margin(math.nan, True), "--margin must be a finite number")
+    for call, words in [
+        (lambda: inputs.inference_options(config, tile=5), "--tile 5"),
+        (lambda: check_margin(math.nan, True), "--margin must be a finite number"),
+    ]:
+        with pytest.raises(OptionError) as raised:
+            call()
+        assert said(str(raised.value)).startswith(words)
     assert inputs.inference_options(config, checkpoint=4, tile=np.int64(8)).checkpoint == "4"
 
 

@@ -8,7 +8,9 @@ from helpers import RESOLUTION, from_grid, no_host_transfers, random_model
 
 from ctseg.errors import CtsegError
 from ctseg.inference.network import probability_ops, tiling
+from ctseg.inference.network.choice import backend_named
 from ctseg.inference.network.engine import Engine, class_probabilities
+from ctseg.inference.network.jax_backend import JaxBackend
 from ctseg.inference.network.jax_plans import COMPILED_SHARE
 from ctseg.inference.network.onnx_backend import OnnxBackend
 from ctseg.inference.scan import way_back
@@ -43,14 +45,14 @@ def _progress(engine: Engine, image: np.ndarray) -> tuple[np.ndarray, list]:
 )
 def test_level_wise_tiles_equal_whole_volume(depth, tiles, image):
     model = random_model(depth)
-    whole = Engine(model, tile=0)
+    whole = Engine(model, JaxBackend(), tile=0)
     assert whole.tile == 0 and whole.stages == []
     reference = whole.logits(image)
     assert reference.shape == (RESOLUTION,) * 3 + (3,)
     assert np.ptp(reference.argmax(-1)) > 0  # a non-trivial labelling to compare
     for tile in tiles:
         # Four windows per step, one per device, as on four accelerators.
-        engine = Engine(model, tile=tile, devices=jax.devices()[:4])
+        engine = Engine(model, JaxBackend(jax.devices()[:4]), tile=tile)
         assert [(s.kind, s.level) for s in engine.stages] == tiling.stage_order(depth)
         assert f"tiles ≤ {tile}³ ({2 * depth - 1} stages" in engine.description
         logits, calls = _progress(engine, image)
@@ -76,7 +78,7 @@ def test_a_model_trained_16_way_predicts_on_the_devices_there(image):
     on_device = jax.device_put(image, jax.devices()[0])
     for count in (1, 4):
         for tile in (0, 14):
-            engine = Engine(model, tile=tile, devices=jax.devices()[:count])
+            engine = Engine(model, JaxBackend(jax.devices()[:count]), tile=tile)
             if tile == 0:
                 assert engine.spatial == ((1, 1, 1) if count == 1 else (2, 2, 1))
             else:
@@ -102,11 +104,11 @@ def test_a_box_longer_than_the_training_grid_tiles_exactly_on_one_and_four_devic
     reference = np.asarray(plain(image[None, ..., None])[0])
     for count in (1, 4):
         devices = jax.devices()[:count]
-        whole = Engine(model, tile=0, devices=devices, shape=box)
+        whole = Engine(model, JaxBackend(devices), tile=0, shape=box)
         assert "whole volume 24×32×72" in whole.description
         if count == 4:
             assert whole.spatial != (1, 1, 1)  # partitioned, halo exchange and all
-        tiled = Engine(model, tile=8, devices=devices, shape=box)
+        tiled = Engine(model, JaxBackend(devices), tile=8, shape=box)
         assert len(tiled.stages[0].windows()) > 4
         for engine in (whole, tiled):
             np.testing.assert_allclose(
@@ -130,8 +132,8 @@ def test_tiles_asked_for_a_region_compute_its_cone_only_and_exactly(backend, cou
     image = np.random.default_rng(3).uniform(-1, 1, box).astype(np.float32)
     need = ((6, 20), (0, 24), (40, 58))
     devices = jax.devices()[:count]
-    reference = Engine(model, tile=0, devices=devices, shape=box, backend=backend)
-    tiled = Engine(model, tile=8, devices=devices, shape=box, backend=backend)
+    reference = Engine(model, backend_named(backend, devices), tile=0, shape=box)
+    tiled = Engine(model, backend_named(backend, devices), tile=8, shape=box)
     region = tuple(slice(lo, hi) for lo, hi in need)
     calls: list[tuple[int, int]] = []
     logits = np.asarray(tiled.logits(image, lambda *call: calls.append(call), need))
@@ -147,7 +149,7 @@ def test_tiles_asked_for_a_region_compute_its_cone_only_and_exactly(backend, cou
 
 
 def test_mirrored_tta_is_the_mean_of_eight_flipped_passes_and_mirror_equivariant(image):
-    engine = Engine(random_model(2), tile=0)
+    engine = Engine(random_model(2), JaxBackend(), tile=0)
     calls: list[tuple[int, int]] = []
     on_device = jax.device_put(image, jax.devices()[0])
     with no_host_transfers():  # the flips, softmax and mean stay on the device too
@@ -175,7 +177,7 @@ def test_both_backends_give_the_same_probabilities_through_one_interface(tile):
     model = random_model(3)
     box = (32, 24, 40)
     image = np.random.default_rng(5).uniform(-1, 1, box).astype(np.float32)
-    engines = [Engine(model, tile=tile, shape=box, backend=name) for name in ("jax", "onnx")]
+    engines = [Engine(model, backend_named(name), tile=tile, shape=box) for name in ("jax", "onnx")]
     assert [e.backend.name for e in engines] == ["jax", "onnx"]
     assert [e.backend.exactness([model.config]) for e in engines] == [
         "jax float32",
@@ -209,13 +211,13 @@ def test_a_whole_volume_that_does_not_fit_is_one_line(monkeypatch):
         match=r"a whole-volume pass of the 32³ grid needs [0-9.]+ MiB per "
         r"device, more than the 1\.0 MiB free on CPU .*; use tiles",
     ):
-        Engine(random_model(2), tile=0)
+        Engine(random_model(2), JaxBackend(), tile=0)
 
 
 def test_windows_run_one_per_device():
     model = random_model(2)  # trained on a [2, 2, 1] mesh: that does not matter
-    assert Engine(model, tile=6).description.endswith(" windows)")
-    assert Engine(model, tile=6, devices=jax.devices()[:4]).description.endswith(
+    assert Engine(model, JaxBackend(), tile=6).description.endswith(" windows)")
+    assert Engine(model, JaxBackend(jax.devices()[:4]), tile=6).description.endswith(
         " windows, 4 at a time)"
     )
 
@@ -223,8 +225,8 @@ def test_windows_run_one_per_device():
 def test_level_wise_bfloat16_equals_whole_volume_bfloat16(image):
     """Intermediates stay bfloat16, as in the whole pass: the stitched logits match it."""
     model = random_model(3, dtype="bfloat16")
-    reference = Engine(model, tile=0).logits(image)
-    logits = Engine(model, tile=12).logits(image)
+    reference = Engine(model, JaxBackend(), tile=0).logits(image)
+    logits = Engine(model, JaxBackend(), tile=12).logits(image)
     # Measured bit-equal (jax 0.10.2, CPU). Allowed: a rare last-bit difference of a
     # float32 sum flipping a bfloat16 rounding, about one bfloat16 step of the logits.
     assert (logits == reference).mean() > 0.99
@@ -235,12 +237,12 @@ def test_level_wise_bfloat16_equals_whole_volume_bfloat16(image):
 def test_tile_must_be_even():
     model = random_model(3)
     with pytest.raises(CtsegError, match="must be even"):
-        Engine(model, tile=7)
+        Engine(model, JaxBackend(), tile=7)
     with pytest.raises(CtsegError, match=r"tile must be -1 \(auto\), 0 .* got -2"):
-        Engine(model, tile=-2)  # not a quiet whole volume
-    assert Engine(model, tile=6).tile == 6  # no longer a multiple of 2^(depth-1)
-    assert Engine(model, tile=32).tile == 0  # a core as large as the grid is whole
-    assert Engine(model, tile=64).stages == []
+        Engine(model, JaxBackend(), tile=-2)  # not a quiet whole volume
+    assert Engine(model, JaxBackend(), tile=6).tile == 6  # no longer a multiple of 2^(depth-1)
+    assert Engine(model, JaxBackend(), tile=32).tile == 0  # a core as large as the grid is whole
+    assert Engine(model, JaxBackend(), tile=64).stages == []
 
 
 def test_onnx_runtime_s_logits_go_to_jax_without_a_copy():
@@ -258,14 +260,14 @@ def test_the_plan_is_chosen_from_the_compiled_programs_memory(monkeypatch, image
     """Enough free memory gives the whole volume; too little for it gives tiles whose
     compiled programs, with the levels alive beside them, fit the budget."""
     model = random_model(3)
-    whole = Engine(model, tile=-1, memory=2**40)
+    whole = Engine(model, JaxBackend(), tile=-1, memory=2**40)
     assert whole.stages == [] and whole.needed > 0
     # A tiny model's image and logits dominate: tiles save little, so the budget lies
     # between what tiles of 8 and the whole pass need.
-    small = Engine(model, tile=8).needed
+    small = Engine(model, JaxBackend(), tile=8).needed
     assert small < whole.needed
     memory = int((small + whole.needed) / 2 / COMPILED_SHARE)
-    tiled = Engine(model, tile=-1, memory=memory)
+    tiled = Engine(model, JaxBackend(), tile=-1, memory=memory)
     assert tiled.stages and tiled.needed <= COMPILED_SHARE * memory
     reference = whole.logits(image)
     np.testing.assert_allclose(tiled.logits(image), reference, rtol=0, atol=1e-5)
@@ -275,7 +277,7 @@ def test_the_plan_is_chosen_from_the_compiled_programs_memory(monkeypatch, image
     np.testing.assert_allclose(tiled.logits(image), reference, rtol=0, atol=1e-5)
     # The default is the devices' free memory, as the device policy reports it.
     monkeypatch.setattr(dev, "free_memory", lambda devices: memory)
-    assert Engine(model, tile=-1).stages == tiled.stages
+    assert Engine(model, JaxBackend(), tile=-1).stages == tiled.stages
 
 
 def test_labels_on_the_scan_are_resampled_on_the_device_as_on_the_host():
@@ -304,6 +306,6 @@ def test_a_model_trained_with_remat_tiles_exactly(image):
         model.config, model=dataclasses.replace(model.config.model, remat=True)
     )
     model = dataclasses.replace(model, config=config)
-    whole = Engine(model, tile=0).logits(image)
-    tiled = Engine(model, tile=8).logits(image)
+    whole = Engine(model, JaxBackend(), tile=0).logits(image)
+    tiled = Engine(model, JaxBackend(), tile=8).logits(image)
     np.testing.assert_allclose(tiled, whole, rtol=0, atol=1e-5)

@@ -15,7 +15,9 @@ from typer.testing import CliRunner
 from ctseg.cli.main import app  # every command registered
 from ctseg.errors import CtsegError
 from ctseg.inference.network import tiling
+from ctseg.inference.network.choice import backend_named
 from ctseg.inference.network.engine import Engine
+from ctseg.inference.network.jax_backend import JaxBackend
 from ctseg.labels import NUM_CLASSES
 from ctseg.model import unet
 from ctseg.parallel.partition import LOCAL
@@ -100,14 +102,14 @@ def test_onnx_stage_graphs_equal_jax_stages():
 def test_onnx_level_wise_tiles_equal_jax_whole_volume():
     model = random_model(3)
     image = np.random.default_rng(1).uniform(-1, 1, (RESOLUTION,) * 3).astype(np.float32)
-    reference = Engine(model, tile=0).logits(image)
-    tiled = Engine(model, tile=12, backend="onnx")
+    reference = Engine(model, JaxBackend(), tile=0).logits(image)
+    tiled = Engine(model, backend_named("onnx"), tile=12)
     assert tiled.tile == 12 and len(tiled.stages) == 5
     logits = tiled.logits(image)
     np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-4)
     np.testing.assert_array_equal(logits.argmax(-1), reference.argmax(-1))
     logits -= 1  # callers compute probabilities in place: the logits must be writable
-    whole = Engine(model, tile=0, backend="onnx").logits(image)
+    whole = Engine(model, backend_named("onnx"), tile=0).logits(image)
     np.testing.assert_allclose(whole, reference, rtol=0, atol=1e-4)
     whole -= 1
 
@@ -115,12 +117,12 @@ def test_onnx_level_wise_tiles_equal_jax_whole_volume():
 def test_missing_onnxruntime_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # makes `import onnxruntime` fail
     with pytest.raises(CtsegError, match=r"pip install 'ctseg\[onnx\]'"):
-        Engine(random_model(2), tile=0, backend="onnx")
+        Engine(random_model(2), backend_named("onnx"), tile=0)
 
 
 def test_unknown_backend():
-    with pytest.raises(CtsegError, match="unknown backend"):
-        Engine(random_model(2), tile=0, backend="tensorrt")
+    with pytest.raises(CtsegError, match="unknown `backend`"):
+        Engine(random_model(2), backend_named("tensorrt"), tile=0)
 
 
 @needs_onnx

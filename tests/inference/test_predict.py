@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 from dicom_series import write_dicom_series
-from helpers import itk_image
+from helpers import from_run, itk_image
 from typer.testing import CliRunner
 
 import ctseg.cli.main  # noqa: F401  (registers the commands)
@@ -24,6 +24,7 @@ from ctseg.cli.app import app
 from ctseg.config import InferenceOptions
 from ctseg.errors import CtsegError
 from ctseg.inference.inputs import expand_inputs
+from ctseg.inference.network.jax_backend import JaxBackend
 from ctseg.inference.predictor import PHASES, Predictor
 from ctseg.inference.quality.scan_checks import hu_warnings
 from ctseg.model.step import TrainState
@@ -106,8 +107,8 @@ def test_tiled_pipeline_equals_whole(trained, tmp_path):
     from ctseg.io.scans import read_scan
 
     scan = read_scan(raw / "volume-0.nii.gz")
-    whole = Predictor.from_run(run_dir, InferenceOptions("latest", tile=0)).predict(scan)
-    tiled = Predictor.from_run(run_dir, InferenceOptions("latest", tile=8)).predict(scan)
+    whole = from_run(run_dir, InferenceOptions("latest", tile=0)).predict(scan)
+    tiled = from_run(run_dir, InferenceOptions("latest", tile=8)).predict(scan)
     np.testing.assert_array_equal(whole.grid_labels, tiled.grid_labels)
     np.testing.assert_array_equal(whole.labels, tiled.labels)
 
@@ -116,8 +117,8 @@ def test_tta_tiled_equals_tta_whole_and_needs_a_model_trained_with_flips(trained
     run_dir, _, raw = trained
     from ctseg.io.scans import read_scan
 
-    whole = Predictor.from_run(run_dir, InferenceOptions("latest", tile=0, tta=True))
-    tiled = Predictor.from_run(run_dir, InferenceOptions("latest", tile=8, tta=True))
+    whole = from_run(run_dir, InferenceOptions("latest", tile=0, tta=True))
+    tiled = from_run(run_dir, InferenceOptions("latest", tile=8, tta=True))
     assert whole.summary.endswith("mirrored 8× (TTA)")
     seconds: dict[str, float] = {}
     on_grids = whole.to_grid(read_scan(raw / "volume-0.nii.gz"), seconds)
@@ -130,7 +131,7 @@ def test_tta_tiled_equals_tta_whole_and_needs_a_model_trained_with_flips(trained
         model, config=dataclasses.replace(model.config, train=cfg.TrainConfig(flip=False))
     )
     with pytest.raises(CtsegError, match=r"trained without flips \(train.flip = false\)"):
-        Predictor(unflipped, InferenceOptions(tile=0, tta=True))
+        Predictor(unflipped, JaxBackend(), InferenceOptions(tile=0, tta=True))
 
 
 def test_run_without_checkpoints(trained, tmp_path):
@@ -139,7 +140,7 @@ def test_run_without_checkpoints(trained, tmp_path):
     empty.mkdir()
     (empty / "config.toml").write_text((run_dir / "config.toml").read_text())
     with pytest.raises(CtsegError, match="no checkpoints"):
-        Predictor.from_run(empty)
+        from_run(empty)
     result = runner.invoke(app, ["predict", str(empty), str(raw), "--out", str(tmp_path / "o")])
     assert result.exit_code != 0 and "no checkpoints" in str(result.exception)
     result = runner.invoke(app, ["predict", str(tmp_path), str(raw), "--out", str(tmp_path / "o")])
@@ -349,7 +350,7 @@ def test_an_out_of_memory_scan_is_retried_with_smaller_tiles_or_fails_alone(
 
     run_dir, _, raw = trained
     scans = [raw / f"volume-{i}.nii.gz" for i in range(3)]
-    predictor = Predictor.from_run(run_dir, InferenceOptions("latest", tile=0))
+    predictor = from_run(run_dir, InferenceOptions("latest", tile=0))
     calls = []
     real = pipeline.class_probabilities
 

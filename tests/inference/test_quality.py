@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg.cli.app import app
 from ctseg.config import InferenceOptions
+from ctseg.inference.network.jax_backend import JaxBackend
 from ctseg.inference.quality import scores, thresholds, uncertainty
 from ctseg.inference.quality.scan_checks import liver_checks
 from ctseg.inference.scan import way_back
@@ -237,7 +238,9 @@ def test_the_verdict_is_the_same_whole_tiled_and_partitioned(trained):
     model = load_model(run_dir, "latest")
     judged = []
     for tile, devices in ((0, 1), (8, 1), (0, 4)):
-        predictor = Predictor(model, InferenceOptions(tile=tile), jax.devices()[:devices])
+        predictor = Predictor(
+            model, JaxBackend(jax.devices()[:devices]), InferenceOptions(tile=tile)
+        )
         predictor.fingerprint = fingerprint.load(run_dir)
         prediction = predictor.predict(scan)
         assert prediction.grid_probabilities is not None  # the uncertainty is measured
@@ -258,8 +261,10 @@ def test_an_ensembles_prediction_measures_its_uncertainty_and_agreement(trained)
     scan = read_scan(raw / "volume-0.nii.gz")
     reference = scores.Reference.of_run(run_dir)
     model = load_model(run_dir, "latest")
-    alone = Predictor(model).predict(scan)
-    twice = Predictor([model, model]).predict(scan)  # two identical members agree exactly
+    alone = Predictor(model, JaxBackend()).predict(scan)
+    twice = Predictor([model, model], JaxBackend()).predict(
+        scan
+    )  # two identical members agree exactly
     assert twice.uncertainty.members == 2 and alone.uncertainty.agreement("liver") is None
     np.testing.assert_allclose(twice.uncertainty.sums, alone.uncertainty.sums, rtol=1e-4)
     judged = {c.name: c.value for c in scores.of_prediction(twice, scan, reference).concerns}
@@ -273,7 +278,7 @@ def test_a_regions_prediction_measures_the_uncertainty_on_its_exact_voxels(train
     run_dir, _, raw = trained
     scan = read_scan(raw / "volume-0.nii.gz")
     reference = scores.Reference.of_run(run_dir)
-    predictor = Predictor(load_model(run_dir, "latest"), InferenceOptions(tile=0))
+    predictor = Predictor(load_model(run_dir, "latest"), JaxBackend(), InferenceOptions(tile=0))
     whole = scores.of_prediction(predictor.predict(scan), scan, reference)
     mask = tmp_path / "roi.nii.gz"  # the whole scan as the region: the same voxels count
     nib.save(nib.Nifti1Image(np.ones(scan.original_shape, np.uint8), scan.original_affine), mask)

@@ -10,6 +10,7 @@ from helpers import fixed_windows_everywhere, random_model
 
 from ctseg import config as cfg
 from ctseg.config import InferenceOptions
+from ctseg.inference.network.jax_backend import JaxBackend
 from ctseg.inference.predictor import Predictor
 from ctseg.inference.scan import postprocess
 from ctseg.inference.scan.region import Region, region_of, window_of
@@ -61,7 +62,7 @@ def test_inside_the_region_the_labels_are_the_whole_scan_s(
         fixed_windows_everywhere(monkeypatch)
         backend = "jax"
     options = InferenceOptions(tile=tile, backend=backend)
-    predictor = Predictor(model, options, jax.devices()[:devices])
+    predictor = Predictor(model, JaxBackend(jax.devices()[:devices]), options)
     whole = predictor.predict(scan).labels
     assert (predictor.members[0].canvas is not None) == windows  # the whole scan's in one
     mask = np.zeros(SHAPE, np.uint8)
@@ -87,7 +88,9 @@ def test_inside_the_region_the_labels_are_the_whole_scan_s(
 
 def test_a_mask_of_the_whole_scan_gives_the_whole_scan_s_prediction(scan, model, monkeypatch):
     _raw(monkeypatch)
-    predictor = Predictor(model, InferenceOptions(tile=0, backend="jax"), jax.devices()[:1])
+    predictor = Predictor(
+        model, JaxBackend(jax.devices()[:1]), InferenceOptions(tile=0, backend="jax")
+    )
     whole = predictor.predict(scan).labels
     region = Region((0, 0, 0), SHAPE)
     on_grid = predictor.members[0].to_grid(scan, region)

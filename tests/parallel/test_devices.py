@@ -10,12 +10,13 @@ import jax
 import pytest
 
 from ctseg import config as cfg
-from ctseg.errors import CtsegError
-from ctseg.inference.network.backends import choose_backend
+from ctseg.errors import CtsegError, OptionError
+from ctseg.inference.network.choice import backend_name
 from ctseg.memory import host_memory
 from ctseg.parallel import devices as dev
 from ctseg.parallel import xla_options
 from ctseg.parallel.compile_cache import COMPILE_CACHE_ENV, compile_cache_dir
+from ctseg.parallel.devices import ChosenDevices
 from ctseg.parallel.layouts import fit_layout, fit_training
 from ctseg.parallel.xla_options import CUBLAS_GEMMS, OPTIONS, add_options
 from ctseg.training import programs
@@ -56,22 +57,25 @@ def test_auto_takes_the_accelerators_else_the_cpu():
 
 
 def test_an_accelerator_that_is_not_there_is_one_line():
-    with pytest.raises(CtsegError, match=r"--device gpu: JAX sees no GPU here \(platforms: cpu\)"):
+    with pytest.raises(CtsegError, match=r"`device` gpu: JAX sees no GPU here \(platforms: cpu\)"):
         dev.choose("gpu", {"cpu": CPU})
     with pytest.raises(CtsegError, match="no TPU"):
         dev.choose("tpu", {"gpu": gpus(1), "cpu": CPU})
 
 
 def test_inference_backend():
+    def chosen(request: str, devices: list) -> ChosenDevices:
+        return ChosenDevices(request, tuple(devices), {})
+
     # A CPU-only machine: ONNX Runtime when installed, else XLA.
-    assert choose_backend(None, "auto", CPU, have_onnx=True) == "onnx"
-    assert choose_backend(None, "cpu", CPU, have_onnx=False) == "jax"
-    # Accelerators run JAX; --backend stays the override on the CPU.
-    assert choose_backend(None, "auto", gpus(1), have_onnx=True) == "jax"
-    assert choose_backend("jax", "cpu", CPU, have_onnx=True) == "jax"
-    assert choose_backend("onnx", "auto", gpus(1), have_onnx=True) == "onnx"
-    with pytest.raises(CtsegError, match="--backend onnx runs on the CPU, not on --device gpu"):
-        choose_backend("onnx", "gpu", gpus(1), have_onnx=True)
+    assert backend_name(None, chosen("auto", CPU), have_onnx=True) == "onnx"
+    assert backend_name(None, chosen("cpu", CPU), have_onnx=False) == "jax"
+    # Accelerators run JAX; `backend` stays the override on the CPU.
+    assert backend_name(None, chosen("auto", gpus(1)), have_onnx=True) == "jax"
+    assert backend_name("jax", chosen("cpu", CPU), have_onnx=True) == "jax"
+    assert backend_name("onnx", chosen("auto", gpus(1)), have_onnx=True) == "onnx"
+    with pytest.raises(OptionError, match="`backend` onnx runs on the CPU, not on `device` gpu"):
+        backend_name("onnx", chosen("gpu", gpus(1)), have_onnx=True)
 
 
 def test_what_runs_where_is_said_in_words():
@@ -301,7 +305,7 @@ def test_gpu_that_failed_to_start_is_one_line_with_the_reason(monkeypatch):
     with pytest.raises(CtsegError) as error:
         dev.choose("gpu", found)
     assert str(error.value) == (
-        "--device gpu: CUDA backend failed to start: INTERNAL: no supported devices found "
+        "`device` gpu: CUDA backend failed to start: INTERNAL: no supported devices found "
         "for platform CUDA"
     )
 
@@ -312,7 +316,7 @@ def test_a_backend_not_installed_is_quiet(monkeypatch):
     found = dev.visible()
     assert found == {"cpu": CPU} and found.faults == {}
     assert dev.fallback_warning("auto", found) is None
-    with pytest.raises(CtsegError, match=r"^--device gpu: JAX sees no GPU here \(platforms: cpu\)"):
+    with pytest.raises(CtsegError, match=r"^`device` gpu: JAX sees no GPU here \(platforms: cpu\)"):
         dev.choose("gpu", found)
 
 
@@ -329,7 +333,7 @@ def test_jax_platforms_that_starts_nothing_names_the_variable(monkeypatch):
         dev.choose("auto", found)
     message = str(error.value)
     assert message.startswith("JAX_PLATFORMS=gpu is set, and JAX started none of the platforms")
-    assert "unset JAX_PLATFORMS" in message and "--device" in message
+    assert "unset JAX_PLATFORMS" in message and "`device`" in message
 
 
 def test_jax_platforms_that_leaves_the_gpu_out_says_so(monkeypatch):
@@ -384,7 +388,7 @@ def test_every_command_refuses_a_gpu_that_failed_before_it_starts_work(monkeypat
     from ctseg.cli.options import start_jax
 
     fake_jax(monkeypatch, cuda_plugin_fails)
-    with pytest.raises(CtsegError, match="^--device gpu: CUDA backend failed to start: INTERNAL"):
+    with pytest.raises(CtsegError, match="^`device` gpu: CUDA backend failed to start: INTERNAL"):
         start_jax(SIXTEEN_WAY, device="gpu", compile_cache="off")
 
 

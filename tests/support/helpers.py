@@ -108,8 +108,8 @@ def fixed_windows_everywhere(monkeypatch) -> None:
 
     made = jax_backend.JaxBackend.__init__
 
-    def with_windows(self, devices=None, one_cpu_device=False, fixed_windows=None, **kwargs):
-        made(self, devices, one_cpu_device, True, **kwargs)
+    def with_windows(self, devices=None, fixed_windows=None, **kwargs):
+        made(self, devices, True, **kwargs)
 
     monkeypatch.setattr(jax_backend.JaxBackend, "__init__", with_windows)
 
@@ -173,3 +173,13 @@ def from_grid(grid_array: np.ndarray, shape, order: int = 1) -> np.ndarray:
     if grid_array.ndim == 3:
         return one(grid_array)
     return np.stack([one(grid_array[..., c]) for c in range(grid_array.shape[3])], axis=-1)
+
+
+def from_run(run_dirs, options=None):
+    """`Predictor.from_run` on the backend `options` ask for, started as the API starts it."""
+    from ctseg.config import InferenceOptions
+    from ctseg.inference.network.choice import start_backend
+    from ctseg.inference.predictor import Predictor
+
+    options = options or InferenceOptions()
+    return Predictor.from_run(run_dirs, start_backend(options), options)

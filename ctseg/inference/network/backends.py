@@ -11,8 +11,8 @@ without a copy), where the class probabilities (`ctseg.inference.network.probabi
 loop `ctseg.inference.network.engine.class_probabilities`) and the way back to the scan's voxels
 (`ctseg.inference.scan.way_back`) run for both. Callers hold a backend, never ask which.
 
-This module imports no JAX (the CLI checks `--backend` before it starts JAX): the two
-backends are made by `ctseg.inference.network.engine.backend_named`, above them.
+This module imports no JAX (the options are checked before JAX starts): the two backends
+are chosen and built once by `ctseg.inference.network.choice`, above them.
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
-
-from ctseg.errors import CtsegError
-from ctseg.parallel.devices import ACCELERATORS, Device, is_accelerator
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,32 +31,6 @@ if TYPE_CHECKING:
     from ctseg.run.trained import TrainedModel
 
 BACKENDS = ("jax", "onnx")
-
-
-def onnx_available() -> bool:
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def choose_backend(
-    requested: str | None, device: str, devices: Sequence[Device], have_onnx: bool
-) -> str:
-    """The inference backend: the one asked for, else JAX on accelerators, else ONNX if installed.
-
-    ONNX Runtime runs on the host's CPU cores (several times faster than XLA:CPU
-    there); it is no choice for a run that asked for an accelerator.
-    """
-    if requested == "onnx" and device in ACCELERATORS:
-        raise CtsegError(
-            f"--backend onnx runs on the CPU, not on --device {device}; "
-            "leave --backend out to run JAX on the accelerator"
-        )
-    if requested is not None:
-        return requested
-    return "onnx" if not is_accelerator(devices) and have_onnx else "jax"
 
 
 class Plan(Protocol):

@@ -16,8 +16,6 @@ copy. So does the way back to the scan's voxels (`ctseg.inference.scan.way_back`
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -26,10 +24,8 @@ from ctseg.config import Config, TileRequest
 from ctseg.config.tile import SIZE, WHOLE
 from ctseg.errors import CtsegError
 from ctseg.inference.network import probability_ops, tiling
-from ctseg.inference.network.backends import BACKENDS, Backend
-from ctseg.inference.network.jax_backend import JaxBackend
+from ctseg.inference.network.backends import Backend
 from ctseg.inference.network.jax_plans import COMPILED_SHARE
-from ctseg.inference.network.onnx_backend import OnnxBackend
 from ctseg.inference.network.tiling import Shape, Span, Stage, TileProgress
 from ctseg.run.trained import TrainedModel
 
@@ -44,9 +40,8 @@ class Engine:
     def __init__(
         self,
         model: TrainedModel,
+        backend: Backend,
         tile: TileRequest | int = AUTO,
-        backend: Backend | str = "jax",
-        devices: Sequence[Any] | None = None,
         memory: int | None = None,
         shape: Shape | None = None,
         windows: int | None = None,
@@ -54,10 +49,9 @@ class Engine:
         """`tile`: automatic, the whole volume, or cores of a size at every level (an int
         is read by `TileRequest.from_int`: −1, 0 or an even size).
 
-        `backend`: a `Backend`, or its name, "jax" or "onnx" (ONNX Runtime on the host's
-        CPU cores), made on `devices` (JAX): where the network runs, by default this
-        process's first device (`ctseg.parallel.devices` chooses them for commands). A
-        whole-volume pass is partitioned over them; a stage's windows are dealt out over them.
+        `backend`: where the network runs (`ctseg.inference.network.choice` builds it): JAX
+        on its devices, a whole-volume pass partitioned over them and a stage's windows dealt
+        out over them; or ONNX Runtime on the host's CPU cores.
         `memory`: bytes per device to plan for; default, the devices' free memory
         (the host's available memory under ONNX Runtime). `shape`: the grids it takes
         (x, y, z voxels, each a multiple of the model's alignment); default the run's R³.
@@ -66,8 +60,6 @@ class Engine:
         (`tiling.fixed_stages`; the box at least `tiling.window_floor` a side); the tile
         request is then read as that core.
         """
-        if isinstance(backend, str):
-            backend = backend_named(backend, devices)
         tile = TileRequest.of(tile)
         config = model.config
         self.model = model
@@ -153,7 +145,7 @@ class Engine:
         """An automatic plan for half the memory this plan's programs need (after an
         out-of-memory on the accelerator)."""
         memory = int(self.needed / 2 / COMPILED_SHARE)
-        return Engine(self.model, AUTO, self.backend, None, memory, self.shape)
+        return Engine(self.model, self.backend, AUTO, memory, self.shape)
 
 
 def fixed_window_core(
@@ -175,19 +167,6 @@ def plan_stages_for(config: Config, tile: TileRequest, shape: Shape) -> list[Sta
     whole volume) for the whole volume or a core as large as the grid."""
     core = tile.to_int()
     return tiling.plan_stages(config, core, shape) if 0 < core < max(shape) else []
-
-
-def backend_named(
-    name: str, devices: Sequence[Any] | None = None, one_cpu_device: bool = False
-) -> Backend:
-    """The backend `name` ("jax" or "onnx"). `devices` (JAX): where it runs, by default
-    this process's first device; with `one_cpu_device`, only the first of simulated CPU
-    devices (they share the host's cores: one window at a time, with all the memory)."""
-    if name == "jax":
-        return JaxBackend(devices, one_cpu_device)
-    if name == "onnx":
-        return OnnxBackend()
-    raise CtsegError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 
 # --------------------------------------------------------------------------- probabilities

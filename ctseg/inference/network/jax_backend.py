@@ -46,7 +46,6 @@ class JaxBackend(Backend):
     def __init__(
         self,
         devices: Sequence[Any] | None = None,
-        one_cpu_device: bool = False,
         fixed_windows: bool | None = None,
         most_batched: int = MAX_WINDOW_BATCH,
     ):
@@ -59,10 +58,6 @@ class JaxBackend(Backend):
         partial levels summed onto the first. `most_batched`: the most windows one dispatch
         runs (`window_programs.window_batch`)."""
         self.devices = list(devices or jax.local_devices()[:1])
-        if one_cpu_device and not dev.is_accelerator(self.devices):
-            # Simulated CPU devices share the host's cores: one window at a time, with all
-            # the memory (16 side by side ran 4 % faster but cut 512³ cores from 128 to 48).
-            self.devices = self.devices[:1]
         if fixed_windows is None:
             fixed_windows = dev.is_accelerator(self.devices)
         self.fixed_windows = fixed_windows

@@ -23,36 +23,30 @@ from dataclasses import dataclass
 import numpy as np
 
 from ctseg.data.grids import linear_weights
-from ctseg.errors import CtsegError
+from ctseg.errors import OptionError
 from ctseg.labels import bounding_box, liver_mask
 
 Shape = tuple[int, int, int]
 
 
-def check_margin(
-    margin_mm: float | None,
-    region: bool,
-    name: str = "--margin",
-    regions: str = "--locate COARSE_RUN or --roi MASK",
-) -> None:
-    """CtsegError, before anything runs, unless `margin_mm` (None: not given) is a margin:
+def check_margin(margin_mm: float | None, region: bool) -> None:
+    """OptionError, before anything runs, unless `margin_mm` (None: not given) is a margin:
     a finite number of millimetres, not negative, given with a region to grow (`region`:
-    a locator or a mask). `name` and `regions`: the option, and those that give a region,
-    as the caller spells them. The one check of `ctseg predict`, `ctseg evaluate` and
+    a locator or a mask). The one check of `ctseg predict`, `ctseg evaluate` and
     `Segmenter`."""
     if margin_mm is None:
         return
     if isinstance(margin_mm, bool) or not isinstance(margin_mm, numbers.Real):
-        raise CtsegError(f"{name} must be a number of millimetres, got {margin_mm!r}")
+        raise OptionError(f"`margin_mm` must be a number of millimetres, got {margin_mm!r}")
     if not math.isfinite(margin_mm):
-        raise CtsegError(
-            f"{name} must be a finite number of millimetres, got {margin_mm!r} (a margin "
+        raise OptionError(
+            f"`margin_mm` must be a finite number of millimetres, got {margin_mm!r} (a margin "
             "beyond the scan, say 1e6, takes all of it)"
         )
     if margin_mm < 0:
-        raise CtsegError(f"{name} must not be negative, got {margin_mm:g} mm")
+        raise OptionError(f"`margin_mm` must not be negative, got {margin_mm:g} mm")
     if not region:
-        raise CtsegError(f"{name} applies only around a region: give {regions}")
+        raise OptionError("`margin_mm` applies only around a region: give `locate` or `roi`")
 
 
 @dataclass(frozen=True)
