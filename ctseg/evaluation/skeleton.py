@@ -18,10 +18,9 @@ what an `Evaluation` loads, so that the CLI can choose the devices first.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -30,7 +29,7 @@ from ctseg.data.store import CaseEntry, Store
 from ctseg.errors import CtsegError
 from ctseg.evaluation.reports import Engine, Json, Report
 from ctseg.evaluation.scoring import evaluate_arrays, score_cases, write_reports
-from ctseg.inference.quality import scores
+from ctseg.inference.pipeline import Ready, pipelined
 from ctseg.inference.quality.thresholds import read_thresholds
 from ctseg.inference.scan.region import check_margin
 from ctseg.io import scans
@@ -40,7 +39,7 @@ from ctseg.progress import Progress
 from ctseg.run import evaluations, fingerprint, rundir
 
 if TYPE_CHECKING:
-    from ctseg.inference.predictor import Predictor
+    from ctseg.inference.predictor import Prediction, Predictor
 
 R = TypeVar("R", bound=Report, covariant=True)
 
@@ -198,27 +197,70 @@ def score_run(
     predictions: Path,
     progress: Progress | None,
 ) -> tuple[list[Json], list[Json]]:
-    """Predict and score `cases` with one model (`score_cases` over `evaluate_case`); each
-    case's scan and reference are read in a thread while the case before it predicts."""
-    training = scores.Reference.of_run(
-        predictor.members[0].run_dir, ensemble=len(predictor.members) > 1
-    )
-    after = {case.id: following for case, following in zip(cases, cases[1:], strict=False)}
+    """Predict and score `cases` with one model through the scan pipeline
+    (`ctseg.inference.pipeline`): a case's scan and reference read and brought to the grid
+    while the case before it predicts, scored while the case after it predicts; a case's
+    `CtsegError` fails that case alone (`score_cases`)."""
     # The cases' extents, from the store's manifest: where the backend holds scans in
     # canvases, nothing compiles after the first case's programs.
     predictor.expect(
         scans.canonical_geometry(case.original_shape, case.original_affine) for case in cases
     )
-    with ThreadPoolExecutor(1, thread_name_prefix="ctseg-read") as reader:
-        reading: dict[str, Future[tuple[Scan, Scan]]] = {}
+    results = pipelined(cases, _CaseStages(predictor, store, predictions))
 
-        def score(case: CaseEntry) -> Json:
-            read = reading.pop(case.id, None) or reader.submit(read_case, case)
-            if (following := after.get(case.id)) is not None:
-                reading[following.id] = reader.submit(read_case, following)
-            return evaluate_case(predictor, store, case, predictions, training, read.result())
+    def score(case: CaseEntry) -> Json:
+        result = next(results)
+        if isinstance(result, CtsegError):
+            raise result
+        return result
 
-        return score_cases(cases, lambda case: case.id, score, progress)
+    return score_cases(cases, lambda case: case.id, score, progress)
+
+
+@dataclass
+class _CaseStages:
+    """An evaluation's stages of the scan pipeline: a case's scan and reference read, the
+    network, the prediction written and scored; a case's `CtsegError` is its result."""
+
+    predictor: Predictor
+    store: Store
+    predictions: Path
+    # Each case's reference labels, or the error that failed it, from its read to its result.
+    carried: dict[str, Scan | CtsegError] = field(default_factory=dict)
+
+    def read(self, case: CaseEntry) -> Ready | None:
+        try:
+            scan, self.carried[case.id] = read_case(case)
+            return Ready(scan, self.predictor.to_grid(scan, {}))
+        except CtsegError as exc:
+            self.carried[case.id] = exc
+            return None
+
+    def infer(self, case: CaseEntry, ready: Ready) -> Any:
+        try:
+            return self.predictor.infer(ready.on_grids, {})
+        except CtsegError as exc:
+            self.carried[case.id] = exc
+            return None
+
+    def finish(self, case: CaseEntry, ready: Ready | None, probabilities: Any) -> Json | CtsegError:
+        reference = self.carried.pop(case.id)
+        if isinstance(reference, CtsegError):
+            return reference
+        assert ready is not None
+        try:
+            prediction = self.predictor.to_scan(ready.scan, probabilities, ready.on_grids, {})
+            return evaluate_case(
+                self.predictor,
+                self.store,
+                case,
+                self.predictions,
+                ready.scan,
+                reference,
+                prediction,
+            )
+        except CtsegError as exc:
+            return exc
 
 
 def read_case(case: CaseEntry) -> tuple[Scan, Scan]:
@@ -245,15 +287,13 @@ def evaluate_case(
     store: Store,
     case: CaseEntry,
     predictions: Path,
-    training: scores.Reference | None = None,
-    read: tuple[Scan, Scan] | None = None,
+    scan: Scan,
+    reference: Scan,
+    prediction: Prediction,
 ) -> Json:
-    """Predict one case from its original scan and score it there and on the grid, with
-    the prediction's quality (as `ctseg predict` records it) beside its metrics. `read`:
-    the case's scan and reference if already read (`read_case`); its prediction is written
-    into the folder `predictions`."""
-    scan, reference = read_case(case) if read is None else read
-    prediction = predictor.predict(scan)
+    """One case's prediction of its original scan, scored there against `reference` and on
+    the grid, with the prediction's quality (as `ctseg predict` records it) beside its
+    metrics; the prediction written into the folder `predictions`."""
     predicted = predictions / f"{case.id}{evaluations.PREDICTED}"
     scans.write_labels(scan, prediction.labels, predicted)
     # Canonical order is a flip/permutation of the file's, and scan.spacing is canonical: the
@@ -261,8 +301,8 @@ def evaluate_case(
     record = evaluate_arrays(case.id, prediction.labels, reference.array, scan.spacing)
     if prediction.located is not None:  # a locator's region, or why the whole scan
         record["located"] = prediction.located
-    # What the training data says of it (`training`: the run's fingerprint).
-    record["quality"] = scores.of_prediction(prediction, scan, training).to_json()
+    # What the training data says of it (the run's fingerprint and thresholds).
+    record["quality"] = predictor.judge(prediction, scan).to_json()
     # On the grid (the run's and the store's: the same scan, the same resampling), against
     # the store's labels. An ensemble has no one grid, nor has a prediction on a region's
     # window of it.

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,10 +45,9 @@ from ctseg import atomic
 from ctseg.config import TileRequest
 from ctseg.errors import CtsegError
 from ctseg.inference.inputs import inference_options
-from ctseg.inference.member import OnGrid
 from ctseg.inference.network.choice import start_backend
+from ctseg.inference.pipeline import Ready, pipelined
 from ctseg.inference.predictor import DEFAULT_MARGIN_MM, Prediction, Predictor, Seconds
-from ctseg.inference.quality import scores
 from ctseg.inference.quality.scan_checks import volume_warnings
 from ctseg.inference.quality.scores import Quality
 from ctseg.inference.scan import postprocess
@@ -174,8 +172,6 @@ class Segmenter:
             _log.warning("%s", problem)
         backend = start_backend(options)  # before JAX starts: its plugins' lines held
         self.predictor = Predictor.from_run(run_dirs, backend, options, configs)
-        # What the quality compares with, and its thresholds (a lone run's or an ensemble's).
-        self.reference = scores.Reference.of_run(run_dirs[0], ensemble=len(run_dirs) > 1)
         if locate is not None:
             margin_mm = DEFAULT_MARGIN_MM if margin_mm is None else margin_mm
             self.predictor.predict_region(Path(locate), None, margin_mm, options)
@@ -203,7 +199,7 @@ class Segmenter:
             scan = read_scan(image, allow_non_ct)
         else:
             scan = scan_from_image(_hu_array(image, name), affine, name)
-        return self._segmentation(scan, self.predictor.predict(scan, with_probabilities))
+        return _segmentation(self.predictor, scan, self.predictor.predict(scan, with_probabilities))
 
     def map(
         self,
@@ -221,65 +217,58 @@ class Segmenter:
         (`nifti_geometry`) sizes nothing for the others."""
         paths = [Path(path) for path in paths]
         self.predictor.expect(g for g in map(nifti_geometry, paths) if g is not None)
+        stages = _MapStages(self.predictor, with_probabilities, allow_non_ct)
+        return pipelined(list(enumerate(paths)), stages)
 
-        def prepare(path: Path) -> tuple[Scan, list[OnGrid], Seconds]:
-            scan, seconds = read_scan(path, allow_non_ct), {}
-            return scan, self.predictor.to_grid(scan, seconds), seconds
 
-        def finish(
-            scan: Scan,
-            probabilities: list,
-            on_grids: list[OnGrid],
-            seconds: Seconds,
-            warnings: list[str],
-        ) -> Segmentation:
-            prediction = self.predictor.to_scan(
-                scan, probabilities, on_grids, seconds, with_probabilities
-            )
-            prediction.warnings[:0] = warnings
-            return self._segmentation(scan, prediction)
+def _segmentation(predictor: Predictor, scan: Scan, prediction: Prediction) -> Segmentation:
+    """The result of a scan's prediction, in the scan's own voxel order."""
+    stats = postprocess.scan_stats(prediction.labels, scan.affine)
+    stats["located"] = prediction.located  # as _stats.json: the region, if one was used
+    judged = predictor.judge(prediction, scan)
+    probabilities = prediction.probabilities
+    return Segmentation(
+        labels=to_original_order(scan, prediction.labels),
+        affine=np.array(scan.original_affine),
+        stats=stats,
+        warnings=prediction.warnings + volume_warnings(stats),
+        checks=prediction.checks,
+        probabilities=None if probabilities is None else to_original_order(scan, probabilities),
+        scan=scan,
+        quality=judged,
+    )
 
-        with (
-            ThreadPoolExecutor(1, thread_name_prefix="ctseg-read") as reader,
-            ThreadPoolExecutor(1, thread_name_prefix="ctseg-finish") as finisher,
-        ):
-            reading = [reader.submit(prepare, path) for path in paths[:1]]
-            finishing: Future[Segmentation] | None = None
-            for index in range(len(paths)):
-                try:
-                    scan, on_grids, seconds = reading.pop().result()
-                    if index + 1 < len(paths):
-                        reading.append(reader.submit(prepare, paths[index + 1]))
-                    warnings: list[str] = []
-                    probabilities = self.predictor.infer(on_grids, seconds, None, warnings)
-                except Exception:
-                    if finishing is not None:  # the results before a failed scan first
-                        yield finishing.result()
-                    raise
-                if finishing is not None:
-                    yield finishing.result()
-                finishing = finisher.submit(
-                    finish, scan, probabilities, on_grids, seconds, warnings
-                )
-            if finishing is not None:
-                yield finishing.result()
 
-    def _segmentation(self, scan: Scan, prediction: Prediction) -> Segmentation:
-        """The result of a scan's prediction, in the scan's own voxel order."""
-        stats = postprocess.scan_stats(prediction.labels, scan.affine)
-        stats["located"] = prediction.located  # as _stats.json: the region, if one was used
-        judged = scores.of_prediction(prediction, scan, self.reference)
-        probabilities = prediction.probabilities
-        return Segmentation(
-            labels=to_original_order(scan, prediction.labels),
-            affine=np.array(scan.original_affine),
-            stats=stats,
-            warnings=prediction.warnings + volume_warnings(stats),
-            checks=prediction.checks,
-            probabilities=None if probabilities is None else to_original_order(scan, probabilities),
-            scan=scan,
-            quality=judged,
+@dataclass
+class _MapStages:
+    """`Segmenter.map`'s stages of the scan pipeline: a file read and brought to the grids,
+    the network, the labels back on the scan's voxels as a `Segmentation`."""
+
+    predictor: Predictor
+    with_probabilities: bool
+    allow_non_ct: bool
+    # Each scan's seconds and the network's warnings, from its pass to its result (by index:
+    # a path given twice is two scans).
+    passes: dict[int, tuple[Seconds, list[str]]] = field(default_factory=dict)
+
+    def read(self, item: tuple[int, Path]) -> Ready:
+        index, path = item
+        scan, seconds = read_scan(path, self.allow_non_ct), {}
+        self.passes[index] = (seconds, [])
+        return Ready(scan, self.predictor.to_grid(scan, seconds))
+
+    def infer(self, item: tuple[int, Path], ready: Ready) -> Any:
+        seconds, warnings = self.passes[item[0]]
+        return self.predictor.infer(ready.on_grids, seconds, None, warnings)
+
+    def finish(self, item: tuple[int, Path], ready: Ready, probabilities: Any) -> Segmentation:
+        seconds, warnings = self.passes.pop(item[0])
+        scan = ready.scan
+        prediction = self.predictor.to_scan(
+            scan, probabilities, ready.on_grids, seconds, self.with_probabilities
         )
+        prediction.warnings[:0] = warnings
+        return _segmentation(self.predictor, scan, prediction)
 
 
 def _hu_array(image: Any, name: str) -> Any:

@@ -29,24 +29,21 @@ predicted again, the outcome saying why (`ScanOutcome.again`).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ctseg import atomic
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.inference import requests
 from ctseg.inference.inputs import ScanOutcome, output_name, output_paths
-from ctseg.inference.member import OnGrid
 from ctseg.inference.network.jax_plans import is_out_of_memory
 from ctseg.inference.outputs_record import OwnOutputs
+from ctseg.inference.pipeline import Ready, pipelined
 from ctseg.inference.predictor import (
     PHASES,
     Prediction,
@@ -71,18 +68,6 @@ from ctseg.reading import sha256_of
 OUTPUT_TYPES = ("nifti", "dicom-seg")
 
 
-@dataclass
-class Prepared:
-    """A scan read and brought to each member's grid, ready for the network."""
-
-    scan: Scan
-    on_grids: list[OnGrid]
-
-    def free_units(self) -> None:
-        """Drop the boxes (inferred by now), keeping where each grid lies in its box."""
-        self.on_grids = [dataclasses.replace(g, unit=None) for g in self.on_grids]
-
-
 def predict_files(
     predictor: Predictor,
     sources: Sequence[Path],
@@ -94,10 +79,10 @@ def predict_files(
 ) -> Iterator[ScanOutcome]:
     """Predict scans one after another and write their outputs; yields each scan's outcome.
 
-    Reading and resampling the next scan, and post-processing and writing the
-    last one, run in threads beside the inference of the current one (the
-    network, NumPy, SciPy and the image libraries release the GIL). A problem
-    with a scan is its outcome's error, never an exception.
+    The scans go through the one scan pipeline (`ctseg.inference.pipeline`): the next is
+    read and brought to the grid, and the last one post-processed and written, beside the
+    network's pass over the current one. A problem with a scan is its outcome's error,
+    never an exception.
 
     A scan's outputs appear together, its stats file last: a scan whose stats
     file is missing is unfinished and predicted again. Without `force`, a scan
@@ -116,63 +101,112 @@ def predict_files(
     another modality than CT too (refused otherwise, `ctseg.io.dicom`).
     """
     if output_type not in OUTPUT_TYPES:
-        raise CtsegError(f"unknown output type {output_type!r}; choose {' or '.join(OUTPUT_TYPES)}")
-    out_dir = Path(out_dir)
-    model = requests.model_of(predictor)
+        raise OptionError(
+            f"unknown `output_type` {output_type!r}; choose {' or '.join(OUTPUT_TYPES)}"
+        )
     own = OwnOutputs(out_dir)
     own.check(force)
-    read = functools.partial(_read, predictor, own)
-    reference = scores.Reference.of_run(
-        predictor.members[0].run_dir, ensemble=len(predictor.members) > 1
-    )
     # The batch's extents from the NIfTI headers, before its first scan: where the backend
     # holds scans in canvases, nothing compiles after the first scan's programs.
     predictor.expect(g for g in map(nifti_geometry, sources) if g is not None)
-    with (
-        ThreadPoolExecutor(1, thread_name_prefix="ctseg-read") as reader,
-        ThreadPoolExecutor(1, thread_name_prefix="ctseg-write") as writer,
-    ):
-        reads = [
-            reader.submit(read, Path(s), out_dir, force, model, output_type, allow_non_ct)
-            for s in sources[:1]
-        ]
-        written: Future | None = None
-        for index in range(len(sources)):
-            outcome, prepared = reads[index].result()
-            if index + 1 < len(sources):
-                source = Path(sources[index + 1])
-                reads.append(
-                    reader.submit(read, source, out_dir, force, model, output_type, allow_non_ct)
-                )
-            reads[index] = None  # done with: `prepared` holds what is left of it
-            probabilities = None
-            if prepared is not None:
-                probabilities = _guarded(
-                    outcome,
-                    _INFERENCE,
-                    predictor.infer,
-                    prepared.on_grids,
-                    outcome.seconds,
-                    _stage_progress(progress, outcome.name),
-                    outcome.warnings,
-                )
-                prepared.free_units()  # the boxes are freed once inferred
-            if written is not None:
-                yield written.result()
-            written = writer.submit(
-                _write,
-                predictor,
-                own,
-                outcome,
-                prepared,
-                probabilities,
-                out_dir,
-                model,
-                output_type,
-                reference,
-            )
-        if written is not None:
-            yield written.result()
+    stages = _FileStages(predictor, own, Path(out_dir), force, progress, output_type, allow_non_ct)
+    yield from pipelined(list(enumerate(map(Path, sources))), stages)
+
+
+@dataclass
+class _FileStages:
+    """`ctseg predict`'s stages of the scan pipeline: each scan's outcome beside what it
+    carries through them (a scan done earlier or failed carries nothing to the network)."""
+
+    predictor: Predictor
+    own: OwnOutputs
+    out_dir: Path
+    force: bool
+    progress: FileProgress | None
+    output_type: str
+    allow_non_ct: bool
+    model: dict[str, Any] = field(init=False)
+    outcomes: dict[int, ScanOutcome] = field(default_factory=dict, init=False)  # by index
+
+    def __post_init__(self) -> None:
+        self.model = requests.model_of(self.predictor)
+
+    def read(self, item: tuple[int, Path]) -> Ready | None:
+        index, source = item
+        outcome = self.outcomes[index] = ScanOutcome(source, output_name(source))
+        return _guarded(outcome, _READING, self._read, outcome)
+
+    def infer(self, item: tuple[int, Path], ready: Ready) -> Any:
+        outcome = self.outcomes[item[0]]
+        progress = _stage_progress(self.progress, outcome.name)
+        return _guarded(
+            outcome,
+            _INFERENCE,
+            self.predictor.infer,
+            ready.on_grids,
+            outcome.seconds,
+            progress,
+            outcome.warnings,
+        )
+
+    def finish(
+        self, item: tuple[int, Path], ready: Ready | None, probabilities: Any
+    ) -> ScanOutcome:
+        outcome = self.outcomes.pop(item[0])
+        if ready is not None and probabilities is not None:
+            _guarded(outcome, _WRITING, self._write, outcome, ready, probabilities)
+        return outcome
+
+    def _read(self, outcome: ScanOutcome) -> Ready | None:
+        predictor, source, force = self.predictor, outcome.source, self.force
+        with_probabilities = predictor.config.predict.save_probabilities
+        paths = output_paths(self.out_dir, outcome.name, with_probabilities, self.output_type)
+        outcome.request = requests.request_of(predictor, source)  # hashes the scan
+        earlier = None
+        # Without its stats file a scan is unfinished (see `_write`): predicted again.
+        # One of ours edited by hand names its key (before its content, changed, is not ours).
+        if paths["stats"].exists() and self.own.listed(paths["stats"]) and not force:
+            earlier = requests.earlier_prediction(paths["stats"], self.model, outcome.request)
+            outcome.again = earlier.again
+        if not force and (refusal := self.own.refusal(list(paths.values()))):
+            raise CtsegError(refusal)
+        if earlier is not None and earlier.summary is not None:
+            if all(path.exists() for path in paths.values()):
+                outcome.done_earlier = True
+                outcome.stats, outcome.outputs = earlier.summary, list(paths.values())
+                return None
+        with timed(outcome.seconds, "read"):
+            scan = read_scan(source, self.allow_non_ct)
+        return Ready(scan, predictor.to_grid(scan, outcome.seconds))
+
+    def _write(self, outcome: ScanOutcome, ready: Ready, probabilities: Any) -> None:
+        predictor, scan, seconds = self.predictor, ready.scan, outcome.seconds
+        with_probabilities = predictor.config.predict.save_probabilities
+        prediction = predictor.to_scan(
+            scan, probabilities, ready.on_grids, seconds, with_probabilities
+        )
+        del probabilities
+        with timed(seconds, "postprocess"):
+            stats = postprocess.scan_stats(prediction.labels, scan.affine)
+            judged = predictor.judge(prediction, scan)
+        prediction.grid_probabilities = None  # freed before writing
+        outcome.warnings += prediction.warnings + volume_warnings(stats)
+        outcome.checks += prediction.checks
+        paths = output_paths(self.out_dir, outcome.name, with_probabilities, self.output_type)
+        # Every output under a temporary name, then renamed with the stats file last: a kill
+        # half-way leaves no stats file, so the next run predicts the scan again.
+        order = [key for key in paths if key != "stats"] + ["stats"]
+        with atomic.atomic_group([paths[key] for key in order]) as temporaries:
+            tmp = dict(zip(order, temporaries, strict=True))
+            with timed(seconds, "write"):
+                _write_images(predictor, outcome, scan, prediction, tmp, self.output_type, judged)
+            record = _stats_record(predictor, outcome, scan, prediction, stats, self.model, judged)
+            tmp["stats"].write_text(json.dumps(record, indent=2) + "\n")
+            # Listed, with the content each will have, before it appears under its name.
+            self.own.claim({paths[key]: sha256_of(tmp[key]) for key in order}, outcome.source)
+        self.own.confirm([paths[key] for key in order])
+        outcome.stats = {**stats, "quality": record["quality"]}  # as a done-earlier scan's
+        outcome.outputs = list(paths.values())
 
 
 def _stage_progress(progress: FileProgress | None, name: str) -> StageProgress | None:
@@ -203,111 +237,6 @@ def _guarded(outcome: ScanOutcome, doing: str, fn: Callable[..., Any], *args: An
             cause = one_line(exc) if str(exc).strip() else "no message"
             outcome.error = f"{doing} failed on {outcome.source}: {type(exc).__name__}: {cause}"
     return None
-
-
-def _read(
-    predictor: Predictor,
-    own: OwnOutputs,
-    source: Path,
-    out_dir: Path,
-    force: bool,
-    model: dict[str, Any],
-    output_type: str,
-    allow_non_ct: bool,
-) -> tuple[ScanOutcome, Prepared | None]:
-    outcome = ScanOutcome(source, output_name(source))
-
-    def read() -> Prepared | None:
-        with_probabilities = predictor.config.predict.save_probabilities
-        paths = output_paths(out_dir, outcome.name, with_probabilities, output_type)
-        outcome.request = requests.request_of(predictor, source)  # hashes the scan
-        earlier = None
-        # Without its stats file a scan is unfinished (see `_write_outputs`): predicted again.
-        # One of ours edited by hand names its key (before its content, changed, is not ours).
-        if paths["stats"].exists() and own.listed(paths["stats"]) and not force:
-            earlier = requests.earlier_prediction(paths["stats"], model, outcome.request)
-            outcome.again = earlier.again
-        if not force and (refusal := own.refusal(list(paths.values()))):
-            raise CtsegError(refusal)
-        if earlier is not None and earlier.summary is not None:
-            if all(path.exists() for path in paths.values()):
-                outcome.done_earlier = True
-                outcome.stats, outcome.outputs = earlier.summary, list(paths.values())
-                return None
-        with timed(outcome.seconds, "read"):
-            scan = read_scan(source, allow_non_ct)
-        return Prepared(scan, predictor.to_grid(scan, outcome.seconds))
-
-    return outcome, _guarded(outcome, _READING, read)
-
-
-def _write(
-    predictor: Predictor,
-    own: OwnOutputs,
-    outcome: ScanOutcome,
-    prepared: Prepared | None,
-    probabilities: np.ndarray | None,
-    out_dir: Path,
-    model: dict[str, Any],
-    output_type: str,
-    reference: scores.Reference,
-) -> ScanOutcome:
-    if prepared is not None and probabilities is not None:
-        _guarded(
-            outcome,
-            _WRITING,
-            _write_outputs,
-            predictor,
-            own,
-            outcome,
-            prepared,
-            probabilities,
-            out_dir,
-            model,
-            output_type,
-            reference,
-        )
-    return outcome
-
-
-def _write_outputs(
-    predictor: Predictor,
-    own: OwnOutputs,
-    outcome: ScanOutcome,
-    prepared: Prepared,
-    probabilities: np.ndarray,
-    out_dir: Path,
-    model: dict[str, Any],
-    output_type: str,
-    reference: scores.Reference,
-) -> None:
-    scan, seconds = prepared.scan, outcome.seconds
-    with_probabilities = predictor.config.predict.save_probabilities
-    prediction = predictor.to_scan(
-        scan, probabilities, prepared.on_grids, seconds, with_probabilities
-    )
-    del probabilities
-    with timed(seconds, "postprocess"):
-        stats = postprocess.scan_stats(prediction.labels, scan.affine)
-        judged = scores.of_prediction(prediction, scan, reference)
-    prediction.grid_probabilities = None  # freed before writing
-    outcome.warnings += prediction.warnings + volume_warnings(stats)
-    outcome.checks += prediction.checks
-    paths = output_paths(out_dir, outcome.name, with_probabilities, output_type)
-    # Every output under a temporary name, then renamed with the stats file last: a kill
-    # half-way leaves no stats file, so the next run predicts the scan again.
-    order = [key for key in paths if key != "stats"] + ["stats"]
-    with atomic.atomic_group([paths[key] for key in order]) as temporaries:
-        tmp = dict(zip(order, temporaries, strict=True))
-        with timed(seconds, "write"):
-            _write_images(predictor, outcome, scan, prediction, tmp, output_type, judged)
-        record = _stats_record(predictor, outcome, scan, prediction, stats, model, judged)
-        tmp["stats"].write_text(json.dumps(record, indent=2) + "\n")
-        # Listed, with the content each will have, before it appears under its name.
-        own.claim({paths[key]: sha256_of(tmp[key]) for key in order}, outcome.source)
-    own.confirm([paths[key] for key in order])
-    outcome.stats = {**stats, "quality": record["quality"]}  # as a done-earlier scan's
-    outcome.outputs = list(paths.values())
 
 
 def _write_images(

@@ -29,7 +29,7 @@ from ctseg.inference.member import Member, OnGrid
 from ctseg.inference.network.backends import Backend
 from ctseg.inference.network.engine import Engine
 from ctseg.inference.network.tiling import Shape
-from ctseg.inference.quality import scan_checks
+from ctseg.inference.quality import scan_checks, scores
 from ctseg.inference.quality.uncertainty import Uncertainty
 from ctseg.inference.scan import postprocess, to_grid, way_back
 from ctseg.inference.scan.region import Region, region_of
@@ -155,8 +155,11 @@ class Predictor:
         ]
         # One-off costs of the whole call (loading, compiling ahead), filled in by `from_run`.
         self.seconds: Seconds = {}
-        # The (first) run's training data, for `to_scan`'s checks (None: nothing checked).
-        self.fingerprint: fingerprint.Fingerprint | None = None
+        # The (first) run's training data, for `to_scan`'s checks (None: nothing checked),
+        # and what its predictions are judged against (`judge`), read once.
+        first = run_dirs[0]
+        self.fingerprint = None if first is None else fingerprint.load(first)
+        self.reference = scores.Reference.of_run(first, ensemble=len(models) > 1)
         # Full resolution only where the liver is: a coarse run's prediction, or a mask.
         self.locator: Predictor | None = None
         self.roi: Path | None = None
@@ -190,7 +193,6 @@ class Predictor:
         with timed(seconds, "compile"):  # AOT compiles, ONNX export and sessions, placement
             predictor = cls(models, backend, options, run_dirs)
         predictor.seconds = seconds
-        predictor.fingerprint = fingerprint.load(run_dirs[0])  # None for runs trained before
         return predictor
 
     def predict_region(
@@ -406,6 +408,11 @@ class Predictor:
             located=on_grids[0].located,
             uncertainty=on_scan.uncertainty,
         )
+
+    def judge(self, prediction: Prediction, scan: Scan) -> scores.Quality:
+        """Whether to trust `prediction` of `scan`: its quality under the (first) run's
+        reference and thresholds (`ctseg.inference.quality.scores`)."""
+        return scores.of_prediction(prediction, scan, self.reference)
 
     def predict(
         self,
