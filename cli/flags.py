@@ -12,14 +12,27 @@ from ctseg.errors import respelled
 FLAGS = {
     "backend": "--backend",
     "checkpoint": "--checkpoint",
+    "coordinator": "--coordinator",
     "device": "--device",
+    "devices": "--devices",
+    "exact": "--exact-mesh",
+    "folds": "--k",
     "force": "--force",
     "locate": "--locate",
     "margin_mm": "--margin",
+    "num_processes": "--num-processes",
     "out_dir": "--out",
+    "process_id": "--process-id",
     "roi": "--roi",
+    "run_dir": "--workdir",
+    "seed": "--seed",
+    "size": "--size",
+    "steps": "--steps",
+    "target": "--target",
+    "target_file": "--target-file",
     "tile": "--tile",
     "tta": "--tta",
+    "workers": "--workers",
 }
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.reading import read_json
 
 
@@ -150,15 +150,15 @@ def claim_folder(path: str | Path, markers: tuple[str, ...], force: bool | None 
 
     An existing folder is written into only when it is empty, holds one of `markers`
     (a file or folder the command writes there first: the folder is its own, and a
-    killed run may resume into it), or `force` (None: the command has no --force).
+    killed run may resume into it), or `force` (None: the caller has no such choice).
     """
     path = output_folder(path)
     own = any((path / marker).exists() for marker in markers)
     # The folder's lock file (`ctseg.lock`) and our temporaries are no one else's files.
     others = (p for p in path.iterdir() if not (p.name == LOCK_NAME or _is_temporary(p)))
     if not (own or force) and any(others):
-        alternative = "" if force is None else ", or --force to write among them"
-        raise CtsegError(
+        alternative = "" if force is None else ", or `force` to write among them"
+        raise OptionError(
             f"{path} already holds files that ctseg did not write; give an empty or new "
             f"folder{alternative}"
         )
@@ -185,9 +185,9 @@ def claim_report(
         raise CtsegError(f"{path} is a folder: give a file name for the report")
     _outside_checkpoints(path.parent)
     if path.exists() and not force and not ours(path):
-        raise CtsegError(
+        raise OptionError(
             f"{path} exists and is not a report this command wrote; give another file name, "
-            "or --force to replace it"
+            "or `force` to replace it"
         )
     return path
 

@@ -35,14 +35,14 @@ from ctseg.data.store import CaseEntry, Store
 from ctseg.data_prep import splits
 from ctseg.data_prep.raw import RawCase, RawLayout
 from ctseg.data_prep.workers import each_in_workers, usable_workers
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.io.scans import Scan, geometry_difference, read_scan
 from ctseg.labels import LABEL_VALUES, check_labels
 from ctseg.memory import host_memory, human_bytes
 from ctseg.progress import Progress
 
 Status = Literal["prepared", "resumed", "failed"]
-_WORKER_DIED = "the worker process died (out of memory?); re-run with fewer --workers"
+_WORKER_DIED = "the worker process died (out of memory?); re-run with fewer worker processes"
 # Bytes a case's grid takes while it is made: the int16 image, the uint8 labels and one
 # boolean temporary of the grid's size (the source scan comes on top).
 GRID_BYTES_PER_VOXEL = 4
@@ -164,9 +164,9 @@ def _check_existing_store(out_dir: Path, grid: GridSpec, force: bool) -> None:
     manifest = compat.store_manifest(manifest)
     written = {key: manifest[key] for key in ("resolution", "grid", "spacing") if key in manifest}
     if written != grid_keys(grid):
-        raise CtsegError(
+        raise OptionError(
             f"{out_dir} holds a store of {_described(written)}, not {grid.describe()}; use "
-            "another folder or --force to rebuild it"
+            "another folder or `force` to rebuild it"
         )
 
 
@@ -213,7 +213,7 @@ def _finished_entry(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntry |
     """The entry of a case already prepared from the same sources on this grid, else None.
 
     Sources are compared by path only (a DICOM series is a folder: nothing is hashed or
-    stat-ed), so a scan changed in place needs --force.
+    stat-ed), so a scan changed in place needs `force`.
     """
     case_json = store.case_json_path(out_dir, case.case_id)
     if not case_json.is_file():
@@ -248,7 +248,7 @@ def _prepare_or_reason(out_dir: Path, case: RawCase, grid: GridSpec) -> CaseEntr
     except CtsegError as exc:
         return str(exc)
     except MemoryError:
-        return "out of memory; re-run with fewer --workers or more memory"
+        return "out of memory; re-run with fewer worker processes or more memory"
 
 
 def check_grid_size(grid: GridSpec, shape: Sequence[int], what: str) -> None:

@@ -24,7 +24,7 @@ from ctseg.config import Config
 from ctseg.data.manifest import MANIFEST, manifest_file, read_manifest, write_manifest
 from ctseg.data.store import CaseEntry, Store
 from ctseg.data_prep.raw import RawLayout
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 
 
 def assign_splits(case_ids: list[str], val_fraction: float, seed: int) -> dict[str, str]:
@@ -86,7 +86,7 @@ def earlier_folds(out_dir: Path) -> FoldHistory | None:
         }
         return FoldHistory(int(manifest["folds"]), manifest.get("fold_seed"), of_case)
     except (CtsegError, KeyError, TypeError, ValueError, AttributeError):
-        return None  # a damaged manifest (rebuilt with --force) keeps nothing
+        return None  # a damaged manifest (rebuilt with `force`) keeps nothing
 
 
 def fold_plan(
@@ -115,8 +115,8 @@ def fold_plan(
         raise CtsegError(
             f"{out_dir} has {earlier.count} folds (seed {earlier.seed}), which fold runs may "
             f"have trained on; data.folds = {asked} with data.split_seed = {seed} would assign "
-            f"others: `ctseg folds {out_dir} --k {asked} --seed {seed} --force` re-assigns "
-            "them (or leave data.folds = 0 to keep them)"
+            f"others: assign those with ctseg folds ({asked} folds, seed {seed}, forced), or "
+            "leave data.folds = 0 to keep them"
         )
     return asked, seed
 
@@ -150,7 +150,7 @@ def with_folds(
                 f"the labelled cases of {out_dir} changed since its {folds} folds were drawn, "
                 "so they were drawn again"
             )
-        else:  # --force
+        else:  # `force`
             what = (
                 f"the {earlier.count} folds (seed {earlier.seed}) of {out_dir} were replaced by "
                 f"{folds} folds (seed {seed})"
@@ -188,9 +188,9 @@ def write_folds(
     """
     store_dir = Path(store_dir)
     if folds < 0 or folds == 1:
-        raise CtsegError(f"--k must be 0 (no folds) or at least 2, got {folds}")
+        raise OptionError(f"`folds` must be 0 (no folds) or at least 2, got {folds}")
     if seed < 0:
-        raise CtsegError(f"--seed must not be negative, got {seed}")
+        raise OptionError(f"`seed` must not be negative, got {seed}")
     if manifest_file(store_dir) is None:
         raise CtsegError(
             f"no prepared store at {store_dir} ({MANIFEST} missing); run `ctseg preprocess` first"
@@ -199,8 +199,8 @@ def write_folds(
         current = Store.open(store_dir)
         labelled = [case.id for case in current.cases if case.labelled]
         if folds > len(labelled):
-            raise CtsegError(
-                f"--k {folds} needs at least {folds} labelled cases; the store at {store_dir} "
+            raise OptionError(
+                f"`folds` {folds} needs at least {folds} labelled cases; the store at {store_dir} "
                 f"has {len(labelled)}"
             )
         of_case = assign_folds(labelled, folds, seed) if folds else {}
@@ -212,10 +212,10 @@ def write_folds(
         ):
             return FoldsResult(current, changed=False, earlier=current.folds)
         if current.folds and not force:
-            raise CtsegError(
+            raise OptionError(
                 f"{store_dir} already has {current.folds} folds (seed {current.fold_seed}); "
                 "runs trained on them could no longer be resumed or evaluated together: "
-                "give --force to re-assign them"
+                "give `force` to re-assign them"
             )
         entries = [dataclasses.replace(case, fold=of_case.get(case.id)) for case in current.cases]
         cases = [entry.to_json() for entry in entries]

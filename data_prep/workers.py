@@ -1,4 +1,4 @@
-"""Worker processes for per-case work (`ctseg preprocess --workers`), which end with their
+"""Worker processes for per-case work (`write_store`'s `workers`), which end with their
 parent however it ends, and never outnumber the CPUs this process may run on."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
-from ctseg.errors import CtsegError
+from ctseg.errors import OptionError
 
 Item = TypeVar("Item")
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -23,11 +23,11 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 def usable_workers(requested: int) -> int:
     """`requested` worker processes, but at most one per CPU this process may run on.
 
-    More would only share the CPUs (and multiply the memory): 1000 workers on 2 cores
-    were 20× slower than 2. CtsegError below 1.
+    More would only share the CPUs (and multiply the memory), and were measured slower
+    (docs/experiments/design-figures.md#worker-processes). OptionError below 1.
     """
     if requested < 1:
-        raise CtsegError(f"--workers must be at least 1, got {requested}")
+        raise OptionError(f"`workers` must be at least 1, got {requested}")
     try:
         cpus = len(os.sched_getaffinity(0))  # what taskset or a container's cpuset leaves
     except AttributeError:  # not Linux

@@ -29,7 +29,7 @@ def test_claim_folder_takes_new_empty_own_or_forced_folders_only(tmp_path):
     assert claim_folder(tmp_path / "new", (".mine",)).is_dir()
     assert claim_folder(tmp_path / "new", (".mine",)).is_dir()  # empty
     (tmp_path / "new" / "data.nii").write_text("")
-    with pytest.raises(CtsegError, match="did not write; give an empty or new folder, or --force"):
+    with pytest.raises(CtsegError, match="did not write; give an empty or new folder, or `force`"):
         claim_folder(tmp_path / "new", (".mine",))
     with pytest.raises(CtsegError, match="new folder$"):
         claim_folder(tmp_path / "new", (".mine",), force=None)

@@ -223,13 +223,11 @@ def inference_box(grid: Sequence[int], multiple: int, ladder: bool = True) -> Sh
 
 
 # Rungs per octave of `ladder_rung`: 4 gives sides of multiple × 1, 2, 3, 4, 5, 6, 7, 8,
-# 10, 12, 14, 16, 20, … (each at most 1.25× the one below from 4 on). Measured on 131
-# LiTS-like scans (fields of view 280–500 mm, 80–900 mm long, multiple 16) at 0.8 mm:
-# 45 boxes, 1.30× the grid's voxels on average; 2 rungs: 22 boxes, 1.8×; 1 rung: 10,
-# 3.4×; rounding to 16 voxels: 122 boxes, 1.06×. A box costs one compile per machine
-# (the persistent cache keeps it: ~100 s for lits512 on a GPU); the padding costs network
-# time on every scan (the 512×512×63 scan's 560×560×320 grid: 640×640×320 with 4 rungs,
-# 768×768×384 with 2).
+# 10, 12, 14, 16, 20, … (each at most 1.25× the one below from 4 on). A box costs one
+# compile per machine (the persistent cache keeps it); the padding costs network time on
+# every scan. On LiTS-like scans, 4 rungs needed about a third of the boxes that rounding
+# each side to the multiple needs, for little padding; fewer rungs pad far more
+# (docs/experiments/design-figures.md#the-box-ladder).
 LADDER_STEPS = 4
 
 

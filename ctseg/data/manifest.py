@@ -43,6 +43,9 @@ VERSION = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val", "test")
 GRIDS = ("cube", "spacing")
+# The remedy for a store this ctseg cannot read as it is, in words every caller follows
+# (the command line's user and the Python API's).
+PREPARE_AGAIN = "prepare the store again, replacing it (ctseg preprocess, forced)"
 _CASE_ID = re.compile(r"[A-Za-z0-9-]+")
 
 
@@ -75,7 +78,7 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
     if manifest.get("version") != VERSION:
         raise CtsegError(
             f"{file} has store version {manifest.get('version')}; this ctseg reads version "
-            f"{VERSION}; re-run `ctseg preprocess --force`"
+            f"{VERSION}; {PREPARE_AGAIN}"
         )
     return manifest
 
@@ -143,7 +146,7 @@ def check_folds(path: Path, folds: Any, seed: Any, cases: Sequence[Entry]) -> No
     label-free case, or any case of a store without folds, is in none.
     """
     where = path / MANIFEST
-    redo = f"re-assign them with `ctseg folds {path} --k K --force`"
+    redo = "assign the folds again (ctseg folds, forced)"
 
     def whole(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
@@ -200,9 +203,7 @@ def _check_numbers(where: str, case: Any) -> None:
         ):
             shown = json.dumps(value)
             shown = shown if len(shown) <= 60 else shown[:57] + "..."
-            raise CtsegError(
-                f"{where}.{key} = {shown} is not {words}; re-run `ctseg preprocess --force`"
-            )
+            raise CtsegError(f"{where}.{key} = {shown} is not {words}; {PREPARE_AGAIN}")
 
 
 def _is_source(value: object) -> bool:

@@ -62,7 +62,15 @@ import numpy as np
 from ctseg import compat
 from ctseg.config import DataConfig
 from ctseg.data import grids
-from ctseg.data.manifest import GRIDS, MANIFEST, SPLITS, check_entries, check_folds, read_manifest
+from ctseg.data.manifest import (
+    GRIDS,
+    MANIFEST,
+    PREPARE_AGAIN,
+    SPLITS,
+    check_entries,
+    check_folds,
+    read_manifest,
+)
 from ctseg.errors import CtsegError
 from ctseg.io.readers import check_extent
 from ctseg.io.scans import canonical_geometry
@@ -222,7 +230,7 @@ class Store:
         if not self.folds:
             raise CtsegError(
                 f"the store at {self.path} has no cross-validation folds; assign them with "
-                f"`ctseg folds {self.path} --k 5` (or preprocess with data.folds = 5)"
+                "ctseg folds (5, say), or preprocess with data.folds = 5"
             )
         if isinstance(fold, bool) or not isinstance(fold, int) or not 0 <= fold < self.folds:
             raise CtsegError(
@@ -311,13 +319,11 @@ def _check_array(root: Path, case_id: str, kind: str, grid: tuple[int, ...]) -> 
         array = np.load(path, mmap_mode="r", allow_pickle=False)
         found = (array.dtype, array.shape)
     except (OSError, ValueError, EOFError) as exc:  # truncated, empty, not .npy, object dtype
-        raise CtsegError(
-            f"{path} cannot be read as an array ({exc}); re-run `ctseg preprocess --force`"
-        ) from None
+        raise CtsegError(f"{path} cannot be read as an array ({exc}); {PREPARE_AGAIN}") from None
     if found != expected:
         raise CtsegError(
             f"{path} holds {found[0]} {list(found[1])}, not {expected[0]} {list(expected[1])}; "
-            "re-run `ctseg preprocess --force`"
+            + PREPARE_AGAIN
         )
 
 
@@ -329,19 +335,18 @@ def _check_geometry(manifest: Path, index: int, case: CaseEntry, spec: grids.Gri
     read (`Predictor.expect`): a field edited by hand would size them for every case."""
     where = f"{manifest}: cases[{index}] ({case.id})"
     shape, spacing = canonical_geometry(case.original_shape, case.original_affine)
-    redo = "re-run `ctseg preprocess --force`"
     if shape != tuple(case.canonical_shape) or not np.allclose(spacing, case.spacing, rtol=1e-6):
         raise CtsegError(
             f"{where}: original_shape and original_affine give {list(shape)} voxels of "
             f"{[round(s, 4) for s in spacing]} mm, not its canonical_shape "
-            f"{list(case.canonical_shape)} and spacing {list(case.spacing)}; {redo}"
+            f"{list(case.canonical_shape)} and spacing {list(case.spacing)}; {PREPARE_AGAIN}"
         )
-    check_extent(Path(f"{where}: {case.image_source}"), shape, spacing, redo)
+    check_extent(Path(f"{where}: {case.image_source}"), shape, spacing, PREPARE_AGAIN)
     grid = spec.grid_of(shape, spacing)
     if grid != tuple(case.grid_shape):
         raise CtsegError(
             f"{where}: a scan of {list(shape)} voxels has the grid {list(grid)}, not its "
-            f"grid_shape {list(case.grid_shape)} (its arrays' shape); {redo}"
+            f"grid_shape {list(case.grid_shape)} (its arrays' shape); {PREPARE_AGAIN}"
         )
 
 

@@ -15,8 +15,10 @@ from ctseg.labels import LIVER, TUMOUR, liver_mask
 
 def _pyplot() -> Any:
     """matplotlib's pyplot, drawing to files, imported with the first picture rather than
-    with the pipelines (0.3 s on 2 cores): a prediction draws on its writer's thread, off
-    the way to its first scan, and training at its first validation, after its first step."""
+    with the pipelines (its import takes a noticeable part of a second:
+    docs/experiments/design-figures.md#pictures): a prediction draws on its writer's
+    thread, off the way to its first scan, and training at its first validation, after its
+    first step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,8 +55,9 @@ def plot_curves(entries: Sequence[dict[str, Any]], path: Path) -> None:
 _OVERLAY = {LIVER: (0.95, 0.35, 0.2, 0.45), TUMOUR: (0.1, 0.9, 0.2, 0.7)}
 
 
-# The preview's centre is found on every 4th voxel along each axis: 64× fewer voxels
-# (3.3 s → 0.05 s at 512×512×500) and the same slices to within 2 voxels.
+# The preview's centre is found on every 4th voxel along each axis: 64× fewer voxels, far
+# faster on a large scan, and the same slices to within 2 voxels
+# (docs/experiments/design-figures.md#pictures).
 _CENTRE_STEP = 4
 
 

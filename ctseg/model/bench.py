@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from ctseg.config import Config, with_mesh
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.model import aot, step
 from ctseg.parallel.partition import (
     ACTIVATION_SPEC,
@@ -201,7 +201,7 @@ def bench(
     `splits` come from `ctseg.parallel.layouts.auto_spatial` for plain partition counts.
     """
     if steps < 1:
-        raise CtsegError(f"--steps must be at least 1, got {steps}")
+        raise OptionError(f"`steps` must be at least 1, got {steps}")
     # Check every layout before spending minutes on the first.
     layouts = [layout_config(config, s, p) for p in partitioners for s in splits]
     results = []

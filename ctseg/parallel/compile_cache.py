@@ -17,7 +17,7 @@ The cache serves wherever it lives and whatever is in it:
   this program (JAX would run it, and fail far from the cause: "safe_zip() …");
 - an entry that is not a regular file (a FIFO waits for a writer for ever) is passed over
   (`ctseg.reading.open_regular`); the cache is never a folder inside one ctseg writes
-  (a run, whose checkpoints/ orbax reads; a predict --out, a store, an evaluation).
+  (a run, whose checkpoints/ orbax reads; a prediction's outputs, a store, an evaluation).
 """
 
 from __future__ import annotations
@@ -127,8 +127,8 @@ def _cache_problem(directory: Path) -> str | None:
     owner = _inside_ctseg_folder(directory.resolve())
     if owner is not None:
         return (
-            f"lies in {owner}, a folder ctseg writes (a run, a predict --out, a store or an "
-            "evaluation); give a folder of its own"
+            f"lies in {owner}, a folder ctseg writes (a run, a prediction's outputs, a store or "
+            "an evaluation); give a folder of its own"
         )
     if directory.exists() and not directory.is_dir():
         return "is a file, not a folder"
@@ -280,8 +280,8 @@ class CompileClock:
     Compilation happens lazily, inside the first call of each program, so a
     caller reads the clock before and after a call to tell compiling from running.
     `seconds` is wall time, each moment counted once however many programs compiled
-    in it: programs compile in threads, and their summed durations (138 s for one
-    cold lits512 prediction on an H100 that waited 35 s) would exceed the call's own.
+    in it: programs compile in threads, and their summed durations would exceed the
+    call's own several times (docs/experiments/design-figures.md#the-compile-clock).
     """
 
     def __init__(self) -> None:

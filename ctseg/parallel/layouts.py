@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ctseg.config import Config, split_problem, with_mesh
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.parallel.devices import Device, describe, is_accelerator
 
 
@@ -99,10 +99,10 @@ def fit_training(config: Config, devices: Sequence[Device], exact: bool = False)
             config, list(devices[:need]), f"{here}: training {_mesh_words(config)}"
         )
     if exact:
-        raise CtsegError(
+        raise OptionError(
             f"{asked} but only {len(devices)} are here ({describe(devices, simulated)}) and "
-            "--exact-mesh keeps the config's mesh; leave --exact-mesh out to fit the layout "
-            "to this machine, or use --device cpu to simulate the devices"
+            "`exact` keeps the config's mesh; leave `exact` out to fit the layout "
+            "to this machine, or use `device` cpu to simulate the devices"
         )
     # The most devices the grid and the batch allow: data replicas where the grid alone
     # cannot use them all (the batch must divide among them); spatial splits first.

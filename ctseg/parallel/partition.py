@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 
 MESH_AXES = ("data", "x", "y", "z")
 SPATIAL_AXES = ("x", "y", "z")
@@ -62,16 +62,16 @@ def initialize_distributed(
 ) -> None:
     """Join a multi-process mesh through JAX's own runtime (`jax.distributed`).
 
-    Flags win; without them the environment (e.g. a TPU pod or SLURM) may still
+    The arguments win; without them the environment (e.g. a TPU pod or SLURM) may still
     describe the job, which `jax.distributed.initialize()` detects itself.
     """
     given = [v is not None for v in (coordinator, num_processes, process_id)]
     if any(given) and not all(given):
-        raise CtsegError("--coordinator, --num-processes and --process-id go together")
+        raise OptionError("`coordinator`, `num_processes` and `process_id` go together")
     if not all(given) and "JAX_COORDINATOR_ADDRESS" not in os.environ:
         return
     if num_processes is not None and not 0 <= process_id < num_processes:
-        raise CtsegError(f"--process-id must be in 0 … {num_processes - 1}, got {process_id}")
+        raise OptionError(f"`process_id` must be in 0 … {num_processes - 1}, got {process_id}")
     # Collectives between CPU processes need a transport; gloo ships with jaxlib.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(

@@ -1,9 +1,9 @@
-"""An evaluation's folder (RUN_DIR/eval, or `--out`): what it holds, claimed and replaced.
+"""An evaluation's folder (RUN_DIR/eval, or `out_dir`): what it holds, claimed and replaced.
 
 One folder holds one evaluation. ``evaluated.json`` records which: a run (or an
 ensemble) with its checkpoint, the store and the split, or a cross-validation's fold
 runs. A second evaluation of something else replaces a finished one (with its
-summary.json) only with ``--force``, an unfinished one of ctseg's without it. Nothing
+summary.json) only with `force`, an unfinished one of ctseg's without it. Nothing
 of the earlier one goes before the new one is ready: its predictions are written out of
 sight (`STAGED`), and `commit` replaces the earlier evaluation by them, so that a folder
 never holds a finished evaluation of mixed predictions, nor loses one to a failed run.
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ctseg import atomic, compat
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.reading import Record, read_json
 
 EVALUATION = "eval"  # RUN_DIR/eval: `ctseg evaluate RUN_DIR`'s folder unless told otherwise
@@ -93,8 +93,9 @@ def claim(out_dir: Path, evaluation: dict[str, Any], force: bool) -> Path:
     # block the next command.
     unfinished = earlier is not None and record.exists() and not summary.exists()
     if earlier != evaluation and has_files and not unfinished and not force:
-        raise CtsegError(
-            f"{out_dir} holds {_described(earlier)}; give another --out, or --force to replace it"
+        raise OptionError(
+            f"{out_dir} holds {_described(earlier)}; give another `out_dir`, or `force` to "
+            "replace it"
         )
     staged = out_dir / STAGED
     discard(staged)  # a killed evaluation's: never part of a finished one

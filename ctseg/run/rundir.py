@@ -32,7 +32,7 @@ from typing import Any
 from ctseg import atomic, compat
 from ctseg import config as cfg
 from ctseg.data.store import Store
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.reading import Record, parse_json, read_text
 
 CONFIG = "config.toml"
@@ -64,9 +64,9 @@ def write_or_check_config(run_dir: Path, config: cfg.Config, write: bool = True)
     if path.exists():
         changed = config_changes(cfg.load(path), config)
         if changed:
-            raise CtsegError(
+            raise OptionError(
                 f"{run_dir} holds a run with a different config ({', '.join(changed)}); "
-                "use a new --workdir, or the same config to resume"
+                "use a new `run_dir`, or the same config to resume"
             )
         return
     if write:
@@ -161,8 +161,8 @@ def write_or_check_fold(run_dir: Path, store: Store, fold: int, write: bool = Tr
     if earlier["fold"] != fold:
         difference = f"trained on fold {earlier['fold']}, not {fold}"
     if difference is not None:
-        raise CtsegError(
-            f"{run_dir} {difference}; use a new --workdir, or assign the folds it trained on again"
+        raise OptionError(
+            f"{run_dir} {difference}; use a new `run_dir`, or assign the folds it trained on again"
         )
 
 

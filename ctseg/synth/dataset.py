@@ -11,7 +11,7 @@ import numpy as np
 
 from ctseg.atomic import atomic_path, claim_folder, is_json_with, write_json, write_text
 from ctseg.config import check_seed
-from ctseg.errors import CtsegError
+from ctseg.errors import OptionError
 from ctseg.memory import host_memory, human_bytes
 from ctseg.progress import Progress
 from ctseg.synth.cases import (
@@ -31,8 +31,8 @@ from ctseg.synth.cases import (
 from ctseg.synth.phantoms import Phantom, make_phantom
 
 # Bytes a case takes while it is drawn, per voxel of its largest scan: the phantom's HU
-# (float64), its labels and the stored int16 copy, with numpy's temporaries (measured:
-# 16 at 128 and 192 pixels).
+# (float64), its labels and the stored int16 copy, with numpy's temporaries; above what
+# was measured (docs/experiments/design-figures.md#synthetic-cases).
 BYTES_PER_VOXEL = 24
 MARKER = ".ctseg-synth"  # written first into the output folder: synth's own folder
 SIDECAR = "synth.json"  # what was drawn for each case
@@ -109,13 +109,6 @@ def _write_case(
     return (volume_path, label_path), _describe(index, size, seed, case, phantom)
 
 
-def write_case(
-    out_dir: Path, index: int, size: int, seed: int, phases: bool = False
-) -> tuple[Path, Path]:
-    """Write volume-<index>.nii.gz and segmentation-<index>.nii.gz; return their paths."""
-    return _write_case(Path(out_dir), index, size, seed, phases)[0]
-
-
 def _earlier_entries(out_dir: Path) -> dict[str, dict]:
     """synth.json's entries of the cases an earlier run left in the folder (files still there)."""
     path = out_dir / SIDECAR
@@ -153,11 +146,11 @@ def _write_sidecar(out_dir: Path, entries: dict[str, dict]) -> None:
 
 
 def check_size(size: int, available: int | None = None) -> None:
-    """CtsegError when a case of `size` pixels a side (its largest scan: `max_slices` slices)
+    """OptionError when a case of `size` pixels a side (its largest scan: `max_slices` slices)
     would not fit the memory `available` (default: this machine's), before anything is
     written or allocated."""
     if size < 1:
-        raise CtsegError(f"--size must be positive, got {size}")
+        raise OptionError(f"`size` must be positive, got {size}")
     voxels = size * size * max_slices(size)
     needed = voxels * BYTES_PER_VOXEL
     available = host_memory() if available is None else available
@@ -165,10 +158,10 @@ def check_size(size: int, available: int | None = None) -> None:
         largest = int((available / (MAX_SLICES_PER_SIZE * BYTES_PER_VOXEL)) ** (1 / 3)) + 1
         while largest > 1 and largest**2 * max_slices(largest) * BYTES_PER_VOXEL > available:
             largest -= 1
-        raise CtsegError(
-            f"--size {size}: a case of up to {size}×{size}×{max_slices(size)} voxels needs "
+        raise OptionError(
+            f"`size` {size}: a case of up to {size}×{size}×{max_slices(size)} voxels needs "
             f"about {human_bytes(needed)} of memory while it is drawn, more than the "
-            f"{human_bytes(available)} available here; use --size {largest} or less"
+            f"{human_bytes(available)} available here; use `size` {largest} or less"
         )
 
 
@@ -188,7 +181,7 @@ def write_dataset(
     Into a new or empty folder, one that synth wrote before, or (`force`) any folder:
     pointed at real data by mistake, it must not overwrite a LiTS volume-0.nii.gz.
     """
-    check_seed("--seed", seed)
+    check_seed("`seed`", seed)
     check_size(size)
     out_dir = claim_folder(out_dir, (MARKER,), force)
     # An earlier synth's cases that this run leaves keep their entries (another's

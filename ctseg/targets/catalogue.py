@@ -2,8 +2,8 @@
 
 A GPU target is a description of one GPU in the form XLA takes (a `GpuTargetConfigProto`
 in text form: `ctseg/targets/specs/<name>.txtpb`, written from the vendor's published
-specifications; a user passes their own with `--target-file`) and a count of them
-(`--devices`). A TPU target is a generation and a slice topology, `tpu-v5e:4x4`: libtpu
+specifications; a user passes their own as `target_file`) and a count of them
+(`devices`). A TPU target is a generation and a slice topology, `tpu-v5e:4x4`: libtpu
 knows the chips. Memory per device is each device's HBM or GDDR, as its vendor states it.
 """
 
@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 
 SPECS = Path(__file__).with_name("specs")
 GIB = 2**30
@@ -94,38 +94,38 @@ class Target:
 
 
 def names() -> list[str]:
-    """The targets that `--target` knows, for `--target list` and messages."""
+    """The targets that `resolve` knows, for `ctseg plan --target list` and messages."""
     gpus = sorted(path.stem for path in SPECS.glob("*.txtpb"))
     return gpus + [f"tpu-{generation}:TOPOLOGY" for generation in _TPUS]
 
 
-def resolve(name: str, devices: int | None = None, target_file: Path | None = None) -> Target:
-    """The target `name` (`h100`, `tpu-v5e:4x4`, …) with `devices` GPUs (default 1; a TPU's
-    count comes from its topology), or the GPU that `target_file` describes; CtsegError in
-    one line for a name, topology or file that is not one."""
+def resolve(target: str, devices: int | None = None, target_file: Path | None = None) -> Target:
+    """The `target` (`h100`, `tpu-v5e:4x4`, …) with `devices` GPUs (default 1; a TPU's
+    count comes from its topology), or the GPU that `target_file` describes; OptionError
+    (CtsegError) in one line for a name, topology or file that is not one."""
     if devices is not None and not 1 <= devices <= MOST_DEVICES:
-        raise CtsegError(
-            f"--devices must be from 1 to {MOST_DEVICES} GPUs ({MOST_DEVICES // _GPUS_PER_HOST} "
+        raise OptionError(
+            f"`devices` must be from 1 to {MOST_DEVICES} GPUs ({MOST_DEVICES // _GPUS_PER_HOST} "
             f"hosts of {_GPUS_PER_HOST}), got {devices}"
         )
     if target_file is not None:
-        if name:
-            raise CtsegError(
-                f"--target {name} and --target-file {target_file} both name the target: give "
-                "--target-file alone for your own GPU description, or --target alone"
+        if target:
+            raise OptionError(
+                f"`target` {target} and `target_file` {target_file} both name the target: give "
+                "`target_file` alone for your own GPU description, or `target` alone"
             )
         return _gpu(target_file.stem, _read_spec(target_file), devices or 1)
-    if name.startswith("tpu-"):
+    if target.startswith("tpu-"):
         if devices is not None:
-            raise CtsegError(
-                f"--devices does not apply to {name}: a TPU slice's chips come from its "
+            raise OptionError(
+                f"`devices` does not apply to {target}: a TPU slice's chips come from its "
                 "topology (e.g. tpu-v5e:4x4 is 16 chips)"
             )
-        return _tpu(name)
-    spec = SPECS / f"{name}.txtpb"
+        return _tpu(target)
+    spec = SPECS / f"{target}.txtpb"
     if not spec.is_file():
-        raise CtsegError(f"no target {name!r}; known: {', '.join(names())} (or --target-file)")
-    return _gpu(name, spec.read_text(), devices or 1)
+        raise OptionError(f"no target {target!r}; known: {', '.join(names())} (or `target_file`)")
+    return _gpu(target, spec.read_text(), devices or 1)
 
 
 def _read_spec(path: Path) -> str:
@@ -163,8 +163,8 @@ def _gpu(name: str, spec: str, count: int) -> Target:
     device = re.search(r'device_description_str:\s*"([^"]*)"', spec)
     hosts = max(1, -(-count // _GPUS_PER_HOST))
     if count > _GPUS_PER_HOST and count % _GPUS_PER_HOST:
-        raise CtsegError(
-            f"--devices {count}: more than {_GPUS_PER_HOST} GPUs come in hosts of "
+        raise OptionError(
+            f"`devices` {count}: more than {_GPUS_PER_HOST} GPUs come in hosts of "
             f"{_GPUS_PER_HOST}; give a multiple of {_GPUS_PER_HOST}"
         )
     per_host = min(count, _GPUS_PER_HOST)
@@ -182,8 +182,8 @@ def _gpu(name: str, spec: str, count: int) -> Target:
 def _tpu(name: str) -> Target:
     match = re.fullmatch(r"tpu-(v\w+):(\d+(?:x\d+)+)", name)
     if not match or match.group(1) not in _TPUS:
-        raise CtsegError(
-            f"--target {name} is no TPU slice; give tpu-GENERATION:TOPOLOGY with a generation "
+        raise OptionError(
+            f"`target` {name} is no TPU slice; give tpu-GENERATION:TOPOLOGY with a generation "
             f"of {', '.join(_TPUS)} and a topology like 2x2 (v5e, v6e) or 2x2x1 (v4, v5p)"
         )
     generation, topology = match.group(1), match.group(2)
@@ -191,26 +191,26 @@ def _tpu(name: str) -> Target:
     sides = [int(side) for side in topology.split("x")]
     example = "x".join(["2"] * dims)
     if len(sides) != dims:
-        raise CtsegError(
-            f"--target {name}: a {generation} topology has {dims} sides, e.g. "
+        raise OptionError(
+            f"`target` {name}: a {generation} topology has {dims} sides, e.g. "
             f"tpu-{generation}:{example}"
         )
     if min(sides) < 1:
-        raise CtsegError(
-            f"--target {name}: every side of a topology must be at least 1 chip, e.g. "
+        raise OptionError(
+            f"`target` {name}: every side of a topology must be at least 1 chip, e.g. "
             f"tpu-{generation}:{example}"
         )
     chips = 1
     for side in sides:
         chips *= side
     if chips > _POD_CHIPS[generation]:
-        raise CtsegError(
-            f"--target {name} is {chips} chips, more than a {generation} pod's "
+        raise OptionError(
+            f"`target` {name} is {chips} chips, more than a {generation} pod's "
             f"{_POD_CHIPS[generation]}: no such slice exists"
         )
     if chips > MOST_DEVICES:
-        raise CtsegError(
-            f"--target {name} is {chips} chips; ctseg plans for at most {MOST_DEVICES} devices "
+        raise OptionError(
+            f"`target` {name} is {chips} chips; ctseg plans for at most {MOST_DEVICES} devices "
             "(beyond, planning takes more minutes than anyone waits): plan for a smaller slice"
         )
     # libtpu names a slice by its TensorCores (v4, v5p: 2 per chip) or chips (v5e, v6e).

@@ -29,7 +29,7 @@ def test_claim_report_never_takes_an_input_and_others_files_only_with_force(tmp_
     for force in (False, True):
         with pytest.raises(CtsegError, match="is an input of this command"):
             atomic.claim_report(tmp_path / "." / "scan.nii.gz", never, [scan], force)
-    with pytest.raises(CtsegError, match="is not a report this command wrote.*--force"):
+    with pytest.raises(CtsegError, match="is not a report this command wrote.*`force`"):
         atomic.claim_report(scan, never)
     assert atomic.claim_report(scan, never, force=True) == scan
     with pytest.raises(CtsegError, match="is a folder"):

@@ -245,7 +245,7 @@ def test_workers_end_when_preprocess_is_killed(tmp_path):
 def test_workers_are_capped_at_the_cpus(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert usable_workers(1) == 1 and usable_workers(1000) == 2
-    with pytest.raises(CtsegError, match="--workers must be at least 1, got 0"):
+    with pytest.raises(CtsegError, match="`workers` must be at least 1, got 0"):
         usable_workers(0)
     write_dataset(tmp_path / "raw", cases=1, size=16, seed=0)
     args = ["preprocess", str(tmp_path / "raw"), str(tmp_path / "prep"), "--workers", "1000"]

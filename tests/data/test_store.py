@@ -104,7 +104,7 @@ def test_resume_skips_finished_cases(raw, store):
 
 
 def test_refuses_other_resolution_unless_forced(raw, store):
-    with pytest.raises(CtsegError, match="store of 16³ cube, not 8³ cube; .*--force"):
+    with pytest.raises(CtsegError, match="store of 16³ cube, not 8³ cube; .*`force`"):
         prepare_store(raw, store.path, _config(8))
     assert prepare_store(raw, store.path, _config(8), force=True).store.resolution == 8
 

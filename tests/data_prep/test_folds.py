@@ -93,7 +93,7 @@ def test_preprocess_assigns_folds_and_a_rerun_keeps_them(raw, tmp_path):
     assert (kept.folds, kept.fold_seed, _folds_of(kept)) == (3, 7, _folds_of(store))
     assert _store_files(prep / "cases") == arrays
 
-    with pytest.raises(CtsegError, match=r"has 3 folds \(seed 7\).*ctseg folds .* --force"):
+    with pytest.raises(CtsegError, match=r"has 3 folds \(seed 7\).*ctseg folds \(2 folds, seed 7"):
         prepare_store(raw, prep, tiny_config("data.folds=2", "data.split_seed=7"))
     assert Store.open(prep) == kept  # refused before anything was written
     with pytest.raises(CtsegError, match="data.folds = 6 needs at least 6 labelled cases"):
@@ -231,7 +231,7 @@ def test_a_predict_only_store_has_no_folds(tmp_path):
     with pytest.raises(CtsegError, match="holds no labels"):
         prepare_store(raw, tmp_path / "prep", tiny_config("data.folds=2"))
     prepare_store(raw, tmp_path / "prep", tiny_config())
-    with pytest.raises(CtsegError, match="--k 2 needs at least 2 labelled cases; .* has 0"):
+    with pytest.raises(CtsegError, match="`folds` 2 needs at least 2 labelled cases; .* has 0"):
         write_folds(tmp_path / "prep", 2)
 
 

@@ -197,7 +197,7 @@ def test_exact_mesh_is_an_error_where_the_devices_are_missing():
     with pytest.raises(
         CtsegError,
         match=r"config asks \[4, 4, 1\] \(16 devices\) but only 1 "
-        r"are here \(1 × NVIDIA H100 80GB HBM3\) and --exact-mesh",
+        r"are here \(1 × NVIDIA H100 80GB HBM3\) and `exact`",
     ):
         fit_training(SIXTEEN_WAY, gpus(1), exact=True)
 

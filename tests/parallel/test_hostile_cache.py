@@ -128,7 +128,7 @@ def test_a_cache_inside_a_folder_ctseg_writes_is_one_line_and_not_used(tmp_path,
     problem = use_compile_cache(inside)
     assert problem == (
         f"compilation cache {inside} lies in {folder}, a folder ctseg writes (a run, a "
-        "predict --out, a store or an evaluation); give a folder of its own; compiling "
+        "prediction's outputs, a store or an evaluation); give a folder of its own; compiling "
         "without it"
     )
     assert not inside.exists()

@@ -37,9 +37,9 @@ def test_refused_before_anything_is_written(tmp_path, options, pattern):
 
 
 def test_the_library_refuses_too(tmp_path):
-    with pytest.raises(CtsegError, match="--seed must not be negative"):
+    with pytest.raises(CtsegError, match="`seed` must not be negative"):
         write_dataset(tmp_path / "a", 1, 16, -3)
-    with pytest.raises(CtsegError, match="--size 5000"):
+    with pytest.raises(CtsegError, match="`size` 5000"):
         write_dataset(tmp_path / "b", 1, 5000, 0)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
@@ -47,7 +47,7 @@ def test_the_library_refuses_too(tmp_path):
 def test_a_size_is_judged_by_the_memory_available(monkeypatch):
     # 96 pixels: a case of up to 96×96×240 voxels, about 50 MiB while drawn.
     check_size(96, available=2**30)
-    with pytest.raises(CtsegError, match=r"more than the 10.0 MiB available here; use --size"):
+    with pytest.raises(CtsegError, match=r"more than the 10.0 MiB available here; use `size`"):
         check_size(96, available=10 * 2**20)
     # The size it suggests fits.
     message = ""
@@ -55,7 +55,7 @@ def test_a_size_is_judged_by_the_memory_available(monkeypatch):
         check_size(512, available=100 * 2**20)
     except CtsegError as exc:
         message = str(exc)
-    suggested = int(re.search(r"use --size (\d+) or less", message).group(1))
+    suggested = int(re.search(r"use `size` (\d+) or less", message).group(1))
     check_size(suggested, available=100 * 2**20)
     with pytest.raises(CtsegError):
         check_size(suggested + 1, available=100 * 2**20)

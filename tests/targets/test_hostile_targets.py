@@ -38,9 +38,9 @@ def _spec(tmp_path: Path, name: str, old: str, new: str) -> Path:
 @pytest.mark.parametrize(
     "name, devices, pattern",
     [
-        ("h100", 1_000_000, r"--devices must be from 1 to 1024 GPUs \(128 hosts of 8\)"),
-        ("h100", 0, r"--devices must be from 1 to 1024"),
-        ("h100", MOST_DEVICES + 8, r"--devices must be from 1 to 1024"),
+        ("h100", 1_000_000, r"`devices` must be from 1 to 1024 GPUs \(128 hosts of 8\)"),
+        ("h100", 0, r"`devices` must be from 1 to 1024"),
+        ("h100", MOST_DEVICES + 8, r"`devices` must be from 1 to 1024"),
         ("tpu-v5e:0x4", None, r"every side of a topology must be at least 1 chip"),
         ("tpu-v5p:2x0x2", None, r"every side of a topology must be at least 1 chip"),
         ("tpu-v5e:64x64", None, r"is 4096 chips, more than a v5e pod's 256"),

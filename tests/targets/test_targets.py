@@ -51,7 +51,7 @@ def test_targets_are_named_and_bad_ones_are_one_line(tmp_path):
         resolve("tpu-v5e:4x4x4")
     with pytest.raises(CtsegError, match="tpu-v9:2x2 is no TPU slice"):
         resolve("tpu-v9:2x2")
-    with pytest.raises(CtsegError, match="--devices does not apply to tpu-v5e:2x2"):
+    with pytest.raises(CtsegError, match="`devices` does not apply to tpu-v5e:2x2"):
         resolve("tpu-v5e:2x2", devices=4)
     with pytest.raises(CtsegError, match="give a multiple of 8"):
         resolve("h100", devices=12)
