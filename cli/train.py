@@ -143,7 +143,7 @@ def _train(
 def _status(p: StepProgress) -> str:
     """The progress bar's words after a step: short enough for an 80-column terminal."""
     status = f"loss {p.loss:.4f}  {p.steps_per_second:.2f} steps/s"
-    return status + "  held batch-norm" if p.held_norm else status
+    return status + "  frozen batch-norm" if p.frozen_norm else status
 
 
 def _validation_line(step: int, dice: dict[str, float]) -> str:

@@ -17,20 +17,29 @@ OLD_REPORT_SECTIONS = ("tumor",)
 
 
 def config(raw: dict[str, Any]) -> dict[str, Any]:
-    """A config as TOML gives it. `train.held_norm_steps`, a number of steps, became
-    `train.held_norm_share`, a share of `train.steps` (shortening a run needs no second
-    setting); rounded to 4 places, so that a run that held 200 of 600 steps resumes under
-    a config saying 0.3333, and still holds 200."""
+    """A config as TOML gives it. `train.frozen_norm_share` had two earlier spellings:
+    `train.held_norm_share`, the same share (renamed: "held" also named captured output and
+    the run folder's lock), and before it `train.held_norm_steps`, a number of steps
+    (a share needs no second setting to shorten a run), rounded to 4 places, so that a run
+    that froze 200 of 600 steps resumes under a config saying 0.3333, and still freezes 200.
+    The newest spelling present wins."""
     train = raw.get("train")
-    if not isinstance(train, dict) or "held_norm_steps" not in train:
+    if not isinstance(train, dict) or not {"held_norm_share", "held_norm_steps"} & train.keys():
         return raw
     train = dict(train)
-    held, steps = train.pop("held_norm_steps"), train.get("steps", 2000)
-    if isinstance(held, int) and isinstance(steps, int) and steps > 0:
-        train.setdefault("held_norm_share", round(held / steps, 4))
-    else:  # not numbers: the share's own check names the key
-        train.setdefault("held_norm_share", held)
+    if "held_norm_share" in train:
+        train.setdefault("frozen_norm_share", train.pop("held_norm_share"))
+    if "held_norm_steps" in train:
+        train.setdefault("frozen_norm_share", _share_of_steps(train.pop("held_norm_steps"), train))
     return {**raw, "train": train}
+
+
+def _share_of_steps(count: Any, train: dict[str, Any]) -> Any:
+    """`train.held_norm_steps` as a share of the run's steps (default 2000)."""
+    steps = train.get("steps", 2000)
+    if isinstance(count, int) and isinstance(steps, int) and steps > 0:
+        return round(count / steps, 4)
+    return count  # not numbers: the share's own check names the key
 
 
 def store_manifest(raw: dict[str, Any]) -> dict[str, Any]:

@@ -38,7 +38,7 @@ class StepProgress:
     loss: float
     steps_per_second: float
     val_dice: dict[str, float] | None  # the latest validation's {"liver", "tumour"}; None before
-    held_norm: bool = False  # this step normalised by held statistics (`train.held_norm_share`)
+    frozen_norm: bool = False  # normalised by frozen statistics (`train.frozen_norm_share`)
     validated: bool = False  # a validation followed this step (`val_dice` is its)
 
 

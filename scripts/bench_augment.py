@@ -50,7 +50,7 @@ NNUNET = (
 
 def train(data: Path, run_dir: Path, steps: int, extra: tuple[str, ...]) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
-    sets = [f"train.steps={steps}", f"train.eval_every={steps}", "train.held_norm_share=0"]
+    sets = [f"train.steps={steps}", f"train.eval_every={steps}", "train.frozen_norm_share=0"]
     sets += [f"train.checkpoint_every={steps}", *extra]
     command = [*CTSEG, "train", "--config", str(CONFIG), "--data", str(data)]
     command += ["--workdir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
@@ -89,7 +89,7 @@ def host_times(data: Path, samples: int, box: int) -> dict:
     from ctseg.data.grids import hu_to_unit
     from ctseg.data.store import Store
     from ctseg.parallel.partition import make_mesh
-    from ctseg.training import augment, pipeline
+    from ctseg.training import augment, draws, pipeline
 
     always = ["augment.rotation_p=1", "augment.scaling_p=1", f"data.resolution={box}"]
     config = cfg.load(CONFIG, [*NNUNET, *always])
@@ -104,8 +104,8 @@ def host_times(data: Path, samples: int, box: int) -> dict:
     host, device, scipy_host = [], [], []
     for step in range(samples + 1):  # step 0 warms the device program's first run
         case = pipeline.cases_for_step(ids, config.train.seed, step, 1)[0]
-        base = augment.draw_augmentation(config, step, 0)
-        draw = augment.draw_sample(config, step, 0, base)
+        base = draws.draw_augmentation(config, step, 0)
+        draw = draws.draw_sample(config, step, 0, base)
         offset = pipeline.draw_box_offset(config, store.case(case), box, step, 0)
         began = time.perf_counter()
         inputs = augmenter.inputs(store, [case], [offset], [base], [draw])

@@ -13,23 +13,37 @@ from ctseg.data.store import Store
 from ctseg.run import rundir
 
 
-def test_a_held_step_count_becomes_the_share_of_the_steps():
+def test_a_held_step_count_becomes_the_frozen_share_of_the_steps():
     raw = {"train": {"steps": 600, "held_norm_steps": 200}}
     config = cfg.from_dict(raw)
-    assert config.train.held_norm_share == 0.3333 and config.train.held_norm_steps == 200
+    assert config.train.frozen_norm_share == 0.3333 and config.train.frozen_norm_steps == 200
     # The demo's config says the same: a run trained with the count resumes under it.
     assert (
-        config.train.held_norm_steps
-        == cfg.load(REPO / "configs" / "demo.toml").train.held_norm_steps
+        config.train.frozen_norm_steps
+        == cfg.load(REPO / "configs" / "demo.toml").train.frozen_norm_steps
     )
     # An explicit share is not overridden; without steps the default count of steps applies.
     both = {"train": {"held_norm_steps": 200, "held_norm_share": 0.25}}
-    assert cfg.from_dict(both).train.held_norm_share == 0.25
-    assert cfg.from_dict({"train": {"held_norm_steps": 600}}).train.held_norm_steps == 600
+    assert cfg.from_dict(both).train.frozen_norm_share == 0.25
+    assert cfg.from_dict({"train": {"held_norm_steps": 600}}).train.frozen_norm_steps == 600
+
+
+def test_a_held_share_is_the_frozen_share_renamed():
+    """`train.held_norm_share` (the demo's run directory says it) reads as
+    `train.frozen_norm_share`; the newest spelling present wins."""
+    config = cfg.from_dict({"train": {"steps": 600, "held_norm_share": 0.3333}})
+    assert config.train.frozen_norm_share == 0.3333 and config.train.frozen_norm_steps == 200
+    newest = {"held_norm_steps": 100, "held_norm_share": 0.25, "frozen_norm_share": 0.5}
+    assert cfg.from_dict({"train": newest}).train.frozen_norm_share == 0.5
+    raw = {"train": {"held_norm_share": 0.25}}
+    assert compat.config(raw) == {"train": {"frozen_norm_share": 0.25}}
+    assert raw == {"train": {"held_norm_share": 0.25}}  # the caller's dict as it was
+    # The shipped demo run's config.toml, written before the rename, still reads.
+    assert rundir.load_config(REPO / "demo" / "run").train.frozen_norm_steps == 200
 
 
 def test_a_held_step_count_that_is_no_number_is_the_share_s_one_line():
-    with pytest.raises(Exception, match="train.held_norm_share must be a number"):
+    with pytest.raises(Exception, match="train.frozen_norm_share must be a number"):
         cfg.from_dict({"train": {"held_norm_steps": "many"}})
 
 
@@ -59,7 +73,7 @@ def test_a_run_and_its_store_in_their_earlier_formats_still_load(trained, tmp_pa
 
     # The run: its config with a held step count, its metrics spelling the tumour "tumor".
     config_path = old_run / rundir.CONFIG
-    text = config_path.read_text().replace("held_norm_share = 0.0", "held_norm_steps = 0")
+    text = config_path.read_text().replace("frozen_norm_share = 0.0", "held_norm_steps = 0")
     config_path.write_text(text)
     metrics = old_run / rundir.METRICS
     metrics.write_text(metrics.read_text().replace("val_dice_tumour", "val_dice_tumor"))

@@ -1,5 +1,5 @@
 """The relations between a config's keys, checked before anything runs: one-line errors
-naming the key (a mesh that does not divide the grid, a held share of 1, …)."""
+naming the key (a mesh that does not divide the grid, a frozen share of 1, …)."""
 
 from __future__ import annotations
 
@@ -200,11 +200,11 @@ def _validate_train(t: TrainConfig, mesh: MeshConfig) -> None:
     for key, most in (("weight_decay", 1.0), ("dice_weight", 1000.0), ("intensity_shift", 2.0)):
         value = getattr(t, key)
         _require(value <= most, f"train.{key} must be at most {most:g}, got {value}")
-    # At least one step normalises by its own batch, so the held statistics are pooled
+    # At least one step normalises by its own batch, so the frozen statistics are pooled
     # through trained weights, never the initial ones.
     _require(
-        0.0 <= t.held_norm_share < 1.0 and t.held_norm_steps < t.steps,
-        f"train.held_norm_share = {t.held_norm_share} must be in [0, 1) and leave at least "
+        0.0 <= t.frozen_norm_share < 1.0 and t.frozen_norm_steps < t.steps,
+        f"train.frozen_norm_share = {t.frozen_norm_share} must be in [0, 1) and leave at least "
         f"one of train.steps = {t.steps} to train on each box's own statistics",
     )
     _require(

@@ -22,8 +22,9 @@ from ctseg.errors import CtsegError
 # key, it would be silently overridden), refused naming its replacement.
 LEGACY_KEYS = {
     ("train", "held_norm_steps"): (
-        "train.held_norm_share, a share of train.steps (e.g. 0.25 holds the last quarter)"
+        "train.frozen_norm_share, a share of train.steps (e.g. 0.25 freezes the last quarter)"
     ),
+    ("train", "held_norm_share"): "train.frozen_norm_share, the same share renamed",
 }
 
 

@@ -111,11 +111,11 @@ class TrainConfig:
         "Training volumes whose batch-norm statistics are pooled for inference at every "
         "validation and checkpoint; 0 = running averages (model.bn_momentum).",
     )
-    held_norm_share: float = _f(
+    frozen_norm_share: float = _f(
         0.0,
         "The share of train.steps, at the end, that train with batch norm in inference mode "
         "(round(share × steps) steps): the population statistics are computed once when "
-        "they begin and held, so that the weights adapt to the statistics inference uses "
+        "they begin and frozen, so that the weights adapt to the statistics inference uses "
         "instead of each box's own; 0 = none.",
     )
     ema_decay: float = _f(
@@ -136,9 +136,15 @@ class TrainConfig:
     )
 
     @property
-    def held_norm_steps(self) -> int:
-        """The last steps that train on held batch-norm statistics (`held_norm_share`)."""
-        return round(self.held_norm_share * self.steps)
+    def frozen_norm_steps(self) -> int:
+        """The last steps that train on frozen batch-norm statistics (`frozen_norm_share`)."""
+        return round(self.frozen_norm_share * self.steps)
+
+    @property
+    def frozen_from(self) -> int:
+        """The first step (counted from 0) that trains on frozen batch-norm statistics;
+        `steps` where none does."""
+        return self.steps - self.frozen_norm_steps
 
 
 # nnU-Net's values (nnUNetTrainer.get_training_transforms) are each range's default and

@@ -70,14 +70,14 @@ def lower_train_step(
     state: Any,
     image: Any,
     label: Any,
-    held_norm: bool = False,
+    frozen_norm: bool = False,
 ) -> jax.stages.Lowered:
     """The jitted training step lowered for these (abstract or concrete) arguments.
 
     The state is donated, as a training loop does, so its buffers are reused
     for the new state and count once in the memory analysis.
     """
-    train_step = step.make_train_step(graphdef, config, mesh, held_norm)
+    train_step = step.make_train_step(graphdef, config, mesh, frozen_norm)
     return jax.jit(train_step, donate_argnums=0).lower(state, image, label)
 
 
@@ -88,10 +88,10 @@ def compile_train_step(
     state: Any,
     image: Any,
     label: Any,
-    held_norm: bool = False,
+    frozen_norm: bool = False,
 ) -> jax.stages.Compiled:
     """`lower_train_step`, compiled."""
-    return lower_train_step(graphdef, config, mesh, state, image, label, held_norm).compile()
+    return lower_train_step(graphdef, config, mesh, state, image, label, frozen_norm).compile()
 
 
 def lower_predict(

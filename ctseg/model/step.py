@@ -100,17 +100,17 @@ def update_average(average: nnx.State, params: nnx.State, decay: jax.Array) -> n
 
 
 def make_loss(
-    graphdef: nnx.GraphDef, config: Config, mesh: Mesh, held_norm: bool = False
+    graphdef: nnx.GraphDef, config: Config, mesh: Mesh, frozen_norm: bool = False
 ) -> Callable[..., Any]:
     """loss(params, stats, image, label) -> (loss, (parts, new_stats)), partitioned over `mesh`.
 
-    `held_norm`: batch norm in inference mode, normalising by `stats` and leaving
-    them as they are (`train.held_norm_share`).
+    `frozen_norm`: batch norm in inference mode, normalising by `stats` and leaving
+    them as they are (`train.frozen_norm_share`).
     """
     tc = config.train
 
     def body(comm: Comm, params, stats, image, label):
-        logits, new_stats = unet.apply(graphdef, params, stats, image, comm, train=not held_norm)
+        logits, new_stats = unet.apply(graphdef, params, stats, image, comm, train=not frozen_norm)
         loss, parts = segmentation_loss(logits, label, comm, tc.class_weights, tc.dice_weight)
         return loss, parts, new_stats
 
@@ -130,13 +130,13 @@ def make_loss(
 
 
 def make_train_step(
-    graphdef: nnx.GraphDef, config: Config, mesh: Mesh, held_norm: bool = False
+    graphdef: nnx.GraphDef, config: Config, mesh: Mesh, frozen_norm: bool = False
 ) -> Callable[..., Any]:
     """train_step(state, image, label) -> (state, metrics); jit it (plan/bench lower it).
 
-    `held_norm`: the step of `train.held_norm_share`, see `make_loss`.
+    `frozen_norm`: the step of `train.frozen_norm_share`, see `make_loss`.
     """
-    loss_fn = make_loss(graphdef, config, mesh, held_norm)
+    loss_fn = make_loss(graphdef, config, mesh, frozen_norm)
     optimizer = make_optimizer(config.train)
     decay = config.train.ema_decay
 

@@ -41,7 +41,7 @@ from ctseg.run import fingerprint, rundir
 from ctseg.run.checkpoints import Checkpoints
 from ctseg.training import signals
 from ctseg.training.pipeline import Prefetcher
-from ctseg.training.programs import Programs
+from ctseg.training.programs import Programs, compile_programs
 from ctseg.training.validation import population_statistics, validation_dice
 
 
@@ -189,11 +189,6 @@ def _claim(config: cfg.Config, store: Store, run_dir: Path, main_process: bool) 
         rundir.write_or_check_fold(run_dir, store, config.train.fold, write=main_process)
 
 
-def _hold_from(config: cfg.Config) -> int:
-    """From this step on, batch norm runs on held statistics (`train.held_norm_share`)."""
-    return config.train.steps - config.train.held_norm_steps
-
-
 @dataclass
 class _Run:
     """One run's training, from its restored state on."""
@@ -221,7 +216,7 @@ class _Run:
     ) -> _Run:
         """The run restored from its latest checkpoint (or initialised), its start recorded,
         its programs compiling from the start (they need only the state's shapes)."""
-        programs = Programs(config, mesh, store, _hold_from(config))
+        programs = compile_programs(config, mesh, store)
         checkpoints = Checkpoints(run_dir, keep=config.train.keep_checkpoints)
         latest = checkpoints.latest_step()
         if latest is None:
@@ -238,14 +233,10 @@ class _Run:
             fingerprint.record(run_dir, store)  # what `predict` holds scans against; kept on resume
         return cls(config, store, run_dir, mesh, main_process, state, checkpoints, log, programs)
 
-    @property
-    def hold_from(self) -> int:
-        return _hold_from(self.config)
-
     def for_inference(self, state: TrainState) -> TrainState:
-        """`state` with the statistics inference will use; held ones are never recomputed:
+        """`state` with the statistics inference will use; frozen ones are never recomputed:
         the weights train against them."""
-        if int(state.step) > self.hold_from:
+        if int(state.step) > self.programs.frozen_from:
             return state
         return population_statistics(
             self.programs.batch_statistics,
@@ -271,7 +262,7 @@ class _Run:
         val_dice: dict[str, float] | None = None
         try:
             for step, (image, label) in prefetch:
-                run_step = self.programs.step_for(step, self.hold_from)
+                run_step = self.programs.step_for(step)
                 began = time.perf_counter()
                 with signals.interrupt_after_step():
                     self.state, step_metrics = run_step(self.state, image, label)
@@ -289,7 +280,7 @@ class _Run:
                             loss,
                             clock.rate,
                             val_dice,
-                            held_norm=step >= self.hold_from,
+                            frozen_norm=step >= self.programs.frozen_from,
                             validated=validation is not None,
                         )
                     )
@@ -322,7 +313,7 @@ class _Run:
             done % tc.eval_every == 0 or done == tc.steps
         )
         saving = validating or done % tc.checkpoint_every == 0 or done == tc.steps
-        if saving or done == self.hold_from:
+        if saving or done == self.programs.frozen_from:
             # Every checkpoint carries the statistics that inference will use.
             self.state = self.for_inference(self.state)
         val_dice = None

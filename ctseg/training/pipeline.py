@@ -5,11 +5,11 @@ A step's global batch ``[B, R, R, R, 1]`` is built with
 memory-mapped store on demand, so a device never reads more than its slab and
 a host never more than its devices' slabs.
 
-Augmentation is drawn from (seed, step, sample) alone, so the global batch is the
-same whatever the mesh layout and after a resume. Flips, in-plane quarter turns and
-the intensity scale and shift alone are applied per block by index arithmetic as the
-block is read; with nnU-Net's transforms on (`[augment]`), the devices make the batch
-(`ctseg.training.augment.Augmenter`).
+Augmentation is drawn from (seed, step, sample) alone (`ctseg.training.draws`), so the
+global batch is the same whatever the mesh layout and after a resume. Flips, in-plane
+quarter turns and the intensity scale and shift alone are applied per block by index
+arithmetic as the block is read; with nnU-Net's transforms on (`[augment]`), the
+devices make the batch (`ctseg.training.augment.Augmenter`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from ctseg.data.grids import hu_to_unit
 from ctseg.data.store import CaseEntry, Store
 from ctseg.model.step import LABEL_SPEC
 from ctseg.parallel.partition import make_global_array
-from ctseg.training.augment import Augmentation, Augmenter, draw_augmentation, draw_sample
+from ctseg.training.augment import Augmenter
+from ctseg.training.draws import Augmentation, draw_augmentation, draw_sample
 
 
 def draw_box_offset(

@@ -1,14 +1,17 @@
 """A training run's compiled programs, and the check that its step fits the devices.
 
-They compile in the background while the run initialises its state: the training step
-and the on-device augmentation side by side, the held-statistics step after the training
-step; the inference-mode programs that validate and pool the batch-norm statistics are
-jitted here and compile when first called. `ctseg.training.loop` runs them.
+`compile_programs` starts their compiles in the background while the run initialises its
+state: the training step and the on-device augmentation side by side, the
+frozen-statistics step after the training step; the inference-mode programs that validate
+and pool the batch-norm statistics are jitted there and compile when first called.
+`ctseg.training.loop` runs them (`Programs`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -43,53 +46,19 @@ def check_memory(compiled: jax.stages.Compiled, config: cfg.Config, devices: lis
         )
 
 
+@dataclass(frozen=True)
 class Programs:
-    """A run's compiled programs, compiled in the background from the moment the run
-    starts: they need only the state's shapes (`aot.replicated_abstract_state`), so the model's
-    initialisation, a checkpoint's restore and the fingerprint's record go on beside them.
+    """A run's programs, made by `compile_programs`: the compiled ones awaited when first
+    asked for, the inference-mode ones (`segment` validates, `batch_statistics` and `pool`
+    pool the batch-norm statistics) jitted, compiling when first called."""
 
-    The training step and the on-device augmentation (`augmenter`) compile side by side
-    (the step's memory need checked on accelerators; each then run as it is: compiling
-    again would cost as much where the compilation cache is off); the held-statistics
-    step after the training step, awaited only when its phase begins; the inference-mode
-    programs that validate and pool the batch-norm statistics are jitted here and compile
-    when first called.
-
-    The held step has the training step's convolutions. Compiled after it, it finds their
-    tuning (a GPU times each convolution's algorithms by running them) in the process's
-    cache; compiled beside it, both tuned the same convolutions on one GPU at once, and
-    lits256's first step on an H100 came 134 s after the command started, against 73.5 s
-    with the held step compiled mid-run and 67.9 s with it compiled after
-    (docs/experiments/gpu.md)."""
-
-    def __init__(self, config: cfg.Config, mesh: Any, store: Store, hold_from: int):
-        graphdef, state = aot.replicated_abstract_state(config, mesh)
-        batch = aot.abstract_batch(config, mesh)
-        step = partial(aot.compile_train_step, graphdef, config, mesh, state, *batch)
-
-        def checked_step() -> jax.stages.Compiled:
-            compiled = step()
-            check_memory(compiled, config, list(mesh.devices.flat))
-            return compiled
-
-        def held_step() -> jax.stages.Compiled:
-            self._train.result()  # after the training step; not at all where it failed
-            return step(held_norm=True)
-
-        # Two workers: the step and the augmentation; the held step takes the first free.
-        pool = ThreadPoolExecutor(2, thread_name_prefix="compile")
-        self._train: Future[Any] = pool.submit(checked_step)
-        self._augmenter: Future[Any] | None = (
-            pool.submit(augmenter_for, store, config, mesh) if config.augment.on_device else None
-        )
-        self._held: Future[Any] | None = (
-            pool.submit(held_step) if hold_from < config.train.steps else None
-        )
-        pool.shutdown(wait=False)  # its tasks still run
-        predict = make_predict(graphdef, config, mesh)
-        self.segment = jax.jit(lambda *args: jnp.argmax(predict(*args), axis=-1).astype(jnp.uint8))
-        self.batch_statistics = jax.jit(make_batch_statistics(graphdef, config, mesh))
-        self.pool = jax.jit(pool_statistics, out_shardings=NamedSharding(mesh, REPLICATED))
+    frozen_from: int  # the first step (from 0) on frozen statistics: `train.frozen_from`
+    segment: Callable[..., jax.Array]
+    batch_statistics: Callable[..., Any]
+    pool: Callable[..., Any]
+    _train: Future[jax.stages.Compiled]
+    _frozen: Future[jax.stages.Compiled] | None
+    _augmenter: Future[Augmenter] | None
 
     @property
     def train_step(self) -> jax.stages.Compiled:
@@ -101,6 +70,59 @@ class Programs:
         """The on-device augmentation, once compiled; None where the host augments."""
         return None if self._augmenter is None else self._augmenter.result()
 
-    def step_for(self, step: int, hold_from: int) -> Any:
-        """The program that trains step `step`: on held statistics from `hold_from` on."""
-        return self.train_step if step < hold_from else self._held.result()
+    def step_for(self, step: int) -> jax.stages.Compiled:
+        """The program that trains step `step` (from 0): on frozen statistics from
+        `frozen_from` on."""
+        if step < self.frozen_from or self._frozen is None:
+            return self.train_step
+        return self._frozen.result()
+
+
+def compile_programs(config: cfg.Config, mesh: Any, store: Store) -> Programs:
+    """Start compiling a run's programs in background threads and return them at once:
+    they need only the state's shapes (`aot.replicated_abstract_state`), so the model's
+    initialisation, a checkpoint's restore and the fingerprint's record go on beside them.
+
+    The training step and the on-device augmentation compile side by side (the step's
+    memory need checked on accelerators; each then run as it is: compiling again would
+    cost as much where the compilation cache is off); the frozen-statistics step after
+    the training step, awaited only when its phase begins.
+
+    The frozen step has the training step's convolutions. Compiled after it, it finds their
+    tuning (a GPU times each convolution's algorithms by running them) in the process's
+    cache; compiled beside it, both tuned the same convolutions on one GPU at once, and
+    lits256's first step on an H100 came 134 s after the command started, against 73.5 s
+    with the frozen step compiled mid-run and 67.9 s with it compiled after
+    (docs/experiments/gpu.md)."""
+    graphdef, state = aot.replicated_abstract_state(config, mesh)
+    batch = aot.abstract_batch(config, mesh)
+    step = partial(aot.compile_train_step, graphdef, config, mesh, state, *batch)
+
+    def checked_step() -> jax.stages.Compiled:
+        compiled = step()
+        check_memory(compiled, config, list(mesh.devices.flat))
+        return compiled
+
+    def frozen_step() -> jax.stages.Compiled:
+        train.result()  # after the training step; not at all where it failed
+        return step(frozen_norm=True)
+
+    frozen_from = config.train.frozen_from
+    # Two workers: the step and the augmentation; the frozen step takes the first free.
+    pool = ThreadPoolExecutor(2, thread_name_prefix="compile")
+    train = pool.submit(checked_step)
+    augmenter = (
+        pool.submit(augmenter_for, store, config, mesh) if config.augment.on_device else None
+    )
+    frozen = pool.submit(frozen_step) if frozen_from < config.train.steps else None
+    pool.shutdown(wait=False)  # its tasks still run
+    predict = make_predict(graphdef, config, mesh)
+    return Programs(
+        frozen_from=frozen_from,
+        segment=jax.jit(lambda *args: jnp.argmax(predict(*args), axis=-1).astype(jnp.uint8)),
+        batch_statistics=jax.jit(make_batch_statistics(graphdef, config, mesh)),
+        pool=jax.jit(pool_statistics, out_shardings=NamedSharding(mesh, REPLICATED)),
+        _train=train,
+        _frozen=frozen,
+        _augmenter=augmenter,
+    )

@@ -82,20 +82,24 @@ def test_train_refuses_bad_values_before_writing_anything(tmp_path, override, pa
 
 def test_a_legacy_key_says_what_replaced_it():
     message = _refused(["plan", "--set", "train.held_norm_steps=5"])
-    assert "replaced by train.held_norm_share, a share of train.steps" in message
+    assert "replaced by train.frozen_norm_share, a share of train.steps" in message
+    message = _refused(["plan", "--set", "train.held_norm_share=0.5"])
+    assert "replaced by train.frozen_norm_share, the same share renamed" in message
 
 
-def test_a_legacy_key_is_refused_even_where_it_would_have_counted(tmp_path):
-    # configs/demo.toml sets train.held_norm_share: a --set count would have been ignored.
+@pytest.mark.parametrize("legacy", ["held_norm_steps=50", "held_norm_share=0.5"])
+def test_a_legacy_key_is_refused_even_where_it_would_have_counted(tmp_path, legacy):
+    # configs/demo.toml sets train.frozen_norm_share: a --set of an older spelling would
+    # have been ignored.
+    key = legacy.split("=")[0]
     _refused(
-        ["plan", "--config", str(REPO / "configs" / "demo.toml")]
-        + ["--set", "train.held_norm_steps=5"],
-        r"^--set train.held_norm_steps: an earlier version's key",
+        ["plan", "--config", str(REPO / "configs" / "demo.toml"), "--set", f"train.{legacy}"],
+        rf"^--set train.{key}: an earlier version's key",
     )
     # An earlier version's config.toml, with the legacy key alone, still reads (compat).
     path = tmp_path / "config.toml"
-    path.write_text("[train]\nsteps = 100\nheld_norm_steps = 50\n")
-    assert cfg.load(path).train.held_norm_steps == 50
+    path.write_text(f"[train]\nsteps = 100\n{legacy}\n")
+    assert cfg.load(path).train.frozen_norm_steps == 50
 
 
 def test_bounds_keep_the_values_people_use():

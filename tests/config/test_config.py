@@ -144,11 +144,11 @@ def test_bad_files(tmp_path):
             r"augment.phase_liver_hu must be a range \(low, high\)",
         ),
         (
-            ["train.held_norm_share=1.0"],
-            r"train.held_norm_share = 1.0 must be in \[0, 1\) and leave at least one",
+            ["train.frozen_norm_share=1.0"],
+            r"train.frozen_norm_share = 1.0 must be in \[0, 1\) and leave at least one",
         ),
         (
-            ["train.steps=1", "train.held_norm_share=0.6"],
+            ["train.steps=1", "train.frozen_norm_share=0.6"],
             r"leave at least one of train.steps = 1 to train on each box's own statistics",
         ),
         (["predict.tile=13"], r"predict.tile = 13 must be even"),
@@ -248,8 +248,8 @@ def test_a_config_that_is_not_text_is_one_line(tmp_path):
 
 
 def test_shortening_a_run_needs_no_second_setting():
-    """The held phase is a share of the steps: `--set train.steps=100` alone shortens the
-    demo, holding its last third as the full run does."""
+    """The frozen phase is a share of the steps: `--set train.steps=100` alone shortens the
+    demo, freezing its last third as the full run does."""
     config = cfg.load(REPO / "configs" / "demo.toml", ["train.steps=100"])
-    assert config.train.held_norm_steps == 33
-    assert cfg.load(REPO / "configs" / "demo.toml").train.held_norm_steps == 200
+    assert config.train.frozen_norm_steps == 33
+    assert cfg.load(REPO / "configs" / "demo.toml").train.frozen_norm_steps == 200

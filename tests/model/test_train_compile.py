@@ -65,21 +65,21 @@ def test_the_step_compiles_once_with_the_memory_check_while_the_state_initialise
     assert clock.by_name["jit(train_step)"] - before == 1
 
 
-def test_the_held_step_compiles_after_the_training_step_and_nothing_else_mid_run(
+def test_the_frozen_step_compiles_after_the_training_step_and_nothing_else_mid_run(
     store_dir, tmp_path, monkeypatch
 ):
     """The training step and the on-device augmentation compile before the first batch;
-    the held-statistics step after the training step (so that a GPU's convolution tuning
+    the frozen-statistics step after the training step (so that a GPU's convolution tuning
     is the training step's, found in the process's cache), in the background. A run that
-    reaches the held phase compiles no other step and no augmentation afterwards
+    reaches the frozen phase compiles no other step and no augmentation afterwards
     (validation's own programs aside)."""
     events: list[tuple[str, bool]] = []
     compile_step = aot.compile_train_step
 
-    def recorded(*args, held_norm=False, **kwargs):
-        events.append(("start", held_norm))
-        compiled = compile_step(*args, held_norm=held_norm, **kwargs)
-        events.append(("end", held_norm))
+    def recorded(*args, frozen_norm=False, **kwargs):
+        events.append(("start", frozen_norm))
+        compiled = compile_step(*args, frozen_norm=frozen_norm, **kwargs)
+        events.append(("end", frozen_norm))
         return compiled
 
     monkeypatch.setattr(aot, "compile_train_step", recorded)
@@ -91,8 +91,8 @@ def test_the_held_step_compiles_after_the_training_step_and_nothing_else_mid_run
         if not at_first_step:
             at_first_step.append(clock.by_name["jit(program)"])
 
-    held = [*TRAIN, "train.steps=4", "train.held_norm_share=0.5"]
-    config = tiny_config(*held, "augment.rotation_p=1", "augment.noise_p=1")
+    frozen = [*TRAIN, "train.steps=4", "train.frozen_norm_share=0.5"]
+    config = tiny_config(*frozen, "augment.rotation_p=1", "augment.noise_p=1")
     train_and_evaluate(config, store_dir, tmp_path / "run", progress)
     assert events == [("start", False), ("end", False), ("start", True), ("end", True)]
     assert at_first_step[0] > before  # the augmentation

@@ -40,16 +40,16 @@ def _batch():
     return image, label
 
 
-def _start(config, held_norm):
-    """A fresh model; for a held-norm step, statistics unlike the initial ones, so that
+def _start(config, frozen_norm):
+    """A fresh model; for a frozen-norm step, statistics unlike the initial ones, so that
     normalising by them shows."""
     graphdef, params, stats = unet.create(config.model, seed=0)
-    return graphdef, params, jax.tree.map(lambda s: s + 0.5, stats) if held_norm else stats
+    return graphdef, params, jax.tree.map(lambda s: s + 0.5, stats) if frozen_norm else stats
 
 
-def _loss_grads_and_logits(config, mesh, held_norm=False):
-    graphdef, params, stats = _start(config, held_norm)
-    loss_fn = step.make_loss(graphdef, config, mesh, held_norm)
+def _loss_grads_and_logits(config, mesh, frozen_norm=False):
+    graphdef, params, stats = _start(config, frozen_norm)
+    loss_fn = step.make_loss(graphdef, config, mesh, frozen_norm)
     predict = step.make_predict(graphdef, config, mesh)
 
     @jax.jit
@@ -102,17 +102,17 @@ def test_partitioned_step_equals_unpartitioned(reference, spatial, data, partiti
 
 
 @pytest.mark.parametrize("partitioner", ["halo", "gspmd"])
-def test_held_norm_step_is_the_inference_network_on_every_layout(partitioner):
-    """`train.held_norm_share`: the loss is that of the inference-mode logits, the
+def test_frozen_norm_step_is_the_inference_network_on_every_layout(partitioner):
+    """`train.frozen_norm_share`: the loss is that of the inference-mode logits, the
     statistics stay as they are, and a partitioned step equals the unpartitioned one."""
 
     def config(spatial, data):
         layout = [f"mesh.spatial={list(spatial)}", f"mesh.data={data}"]
         return cfg.load(overrides=[*CONFIG_OVERRIDES, *layout, f"mesh.partitioner={partitioner}"])
 
-    want = _loss_grads_and_logits(config((1, 1, 1), 1), pt.make_mesh((1, 1, 1)), held_norm=True)
+    want = _loss_grads_and_logits(config((1, 1, 1), 1), pt.make_mesh((1, 1, 1)), frozen_norm=True)
     loss, _, new_stats, logits = want
-    _, _, stats = _start(CONFIG, held_norm=True)
+    _, _, stats = _start(CONFIG, frozen_norm=True)
     for a, b in zip(jax.tree.leaves(new_stats), jax.tree.leaves(stats), strict=True):
         np.testing.assert_array_equal(a, b)
     _, label = _batch()
@@ -124,7 +124,7 @@ def test_held_norm_step_is_the_inference_network_on_every_layout(partitioner):
         CONFIG.train.dice_weight,
     )
     assert _relative_error(loss, reference) <= 1e-6
-    got = _loss_grads_and_logits(config((2, 2, 2), 2), pt.make_mesh((2, 2, 2), 2), held_norm=True)
+    got = _loss_grads_and_logits(config((2, 2, 2), 2), pt.make_mesh((2, 2, 2), 2), frozen_norm=True)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert _relative_error(g, w) <= 1e-5
 

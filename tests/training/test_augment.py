@@ -16,7 +16,7 @@ from ctseg.errors import CtsegError
 from ctseg.parallel import xla_options
 from ctseg.parallel.partition import make_mesh
 from ctseg.synth.dataset import write_dataset
-from ctseg.training import augment, pipeline, warp
+from ctseg.training import augment, draws, pipeline, warp
 
 BASE = [*TINY, "model.depth=3", "train.rotate90=true", "train.batch_size=2", "mesh.data=2"]
 EVERY = [
@@ -78,8 +78,8 @@ def test_warp_equals_scipy_affine_transform(store):
     box = store.resolution
     centre = np.full(3, (box - 1) / 2)
     for b, case in enumerate(picks):
-        base = augment.draw_augmentation(config, 5, b)
-        matrix = augment.draw_sample(config, 5, b, base).matrix
+        base = draws.draw_augmentation(config, 5, b)
+        matrix = draws.draw_sample(config, 5, b, base).matrix
         offset = np.asarray(store.case(case).box_offset)
         shift = centre - matrix @ centre + offset
         unit = hu_to_unit(np.asarray(store.image(case)), config.data.hu_window).astype(np.float64)
@@ -99,7 +99,7 @@ def test_blur_equals_scipy_gaussian_filter(store):
     today = batch(store, tiny_config(*BASE, *PLAIN))
     image, _ = batch(store, config, (2, 2, 1), 2)
     for b in range(2):
-        params = augment.draw_sample(config, 5, b, augment.Augmentation()).params
+        params = draws.draw_sample(config, 5, b, draws.Augmentation()).params
         want = today[0][b, ..., 0].astype(np.float64) + 1  # beyond the box is air, −1
         for axis, name in enumerate("xyz"):
             want = ndimage.gaussian_filter1d(
@@ -126,7 +126,7 @@ def test_a_contrast_phase_moves_the_liver_to_its_drawn_mean_and_nothing_but_its_
     image, label = batch(store, config, (2, 2, 1), 2)
     np.testing.assert_array_equal(label, today[1])
     for b in range(2):
-        params = augment.draw_sample(config, 5, b, augment.Augmentation()).params
+        params = draws.draw_sample(config, 5, b, draws.Augmentation()).params
         before, after, labels = today[0][b, ..., 0], image[b, ..., 0], today[1][b]
         liver, tumour = labels == 1, labels == 2
         assert liver.any() and tumour.any()
@@ -155,7 +155,7 @@ def test_preimage_holds_every_voxel_the_warp_reads(axes):
     extent = warp.preimage_extent(config.augment, True, slab)
     tightest = np.full(3, 99)
     for sample, cell in itertools.product(range(40), itertools.product(range(4), range(4))):
-        draw = augment.draw_sample(config, 1, sample, augment.draw_augmentation(config, 1, sample))
+        draw = draws.draw_sample(config, 1, sample, draws.draw_augmentation(config, 1, sample))
         start = [cell[0] * 12, cell[1] * 12, 0]
         low, high = warp.preimage(draw.matrix, box, start, slab)
         assert np.all(high - low <= extent)

@@ -28,7 +28,7 @@ from ctseg.run import checkpoints
 from ctseg.run.rundir import MetricsLog
 from ctseg.run.trained import load_model
 from ctseg.synth.dataset import write_dataset
-from ctseg.training import augment, loop, pipeline
+from ctseg.training import loop, pipeline
 from ctseg.training.loop import train_and_evaluate
 from ctseg.training.validation import population_statistics
 
@@ -79,27 +79,6 @@ def final_params(run_dir):
     params, stats, step = model.params, model.stats, model.step
     assert step == config.train.steps
     return jax.tree.leaves(jax.device_get((params, stats)))  # batch-norm statistics too
-
-
-def test_augmented_block_equals_block_of_augmented_volume():
-    volume = np.arange(6 * 6 * 4).reshape(6, 6, 4)
-    full_transform = {
-        augment.Augmentation((1, 0, 2), (True, False, True)): np.flip(
-            np.transpose(volume, (1, 0, 2)), (0, 2)
-        ),
-        augment.Augmentation((0, 1, 2), (False, True, False)): np.flip(volume, 1),
-    }
-    index = (slice(2, 5), slice(0, 3), slice(1, 4))
-    for aug, augmented in full_transform.items():
-        np.testing.assert_array_equal(aug.read(volume, index), augmented[index])
-
-
-@pytest.mark.parametrize("k", range(4))
-def test_rotations_are_exactly_np_rot90(k):
-    volume = np.arange(4 * 4 * 2).reshape(4, 4, 2)
-    source_axis, reverse = augment._ROTATIONS[k]
-    aug = augment.Augmentation(source_axis, reverse)
-    np.testing.assert_array_equal(aug.read(volume, (slice(None),) * 3), np.rot90(volume, k))
 
 
 def test_global_batch_is_the_same_on_every_layout(store_dir):
@@ -237,27 +216,29 @@ def test_crash_then_resume_ends_with_identical_parameters(
     assert summary.best_validation.liver == best["val_dice_liver"]
 
 
-def test_held_norm_steps_train_against_the_statistics_of_their_first_step(
+def test_frozen_norm_steps_train_against_the_statistics_of_their_first_step(
     store_dir, uninterrupted, tmp_path
 ):
-    """`train.held_norm_share=0.5` of 4 steps: steps 3 and 4 keep the statistics of step 2
+    """`train.frozen_norm_share=0.5` of 4 steps: steps 3 and 4 keep the statistics of step 2
     while the weights move, and a run cut in that phase resumes to the same parameters."""
-    config = tiny("train.held_norm_share=0.5")
-    held = []
-    train_and_evaluate(config, store_dir, tmp_path / "full", lambda p: held.append(p.held_norm))
-    assert held == [False, False, True, True]  # what the progress bar says
-    at_hold = load_model(tmp_path / "full", "2")
+    config = tiny("train.frozen_norm_share=0.5")
+    frozen = []
+    train_and_evaluate(config, store_dir, tmp_path / "full", lambda p: frozen.append(p.frozen_norm))
+    assert frozen == [False, False, True, True]  # what the progress bar says
+    at_frozen = load_model(tmp_path / "full", "2")
     last = load_model(tmp_path / "full", "latest")
-    for a, b in zip(jax.tree.leaves(last.stats), jax.tree.leaves(at_hold.stats), strict=True):
+    for a, b in zip(jax.tree.leaves(last.stats), jax.tree.leaves(at_frozen.stats), strict=True):
         np.testing.assert_array_equal(a, b)
     moved = [
         not np.array_equal(a, b)
-        for a, b in zip(jax.tree.leaves(last.params), jax.tree.leaves(at_hold.params), strict=True)
+        for a, b in zip(
+            jax.tree.leaves(last.params), jax.tree.leaves(at_frozen.params), strict=True
+        )
     ]
     assert all(moved)
-    # The same steps 1–2 as a run without held statistics; steps 3–4 differ from it.
-    unheld = load_model(uninterrupted, "latest")
-    assert not np.array_equal(jax.tree.leaves(last.params)[0], jax.tree.leaves(unheld.params)[0])
+    # The same steps 1–2 as a run without frozen statistics; steps 3–4 differ from it.
+    unfrozen = load_model(uninterrupted, "latest")
+    assert not np.array_equal(jax.tree.leaves(last.params)[0], jax.tree.leaves(unfrozen.params)[0])
 
     with pytest.raises(Crash):
         train_and_evaluate(config, store_dir, tmp_path / "cut", progress=crash_after(3))
@@ -561,8 +542,8 @@ def test_cli_prints_each_validation_on_a_line_and_keeps_the_bar_within_80_column
         dice = {"liver": 0.5, "tumour": 0.25}
         for step in (1, 2, 3, 4):
             validated = step in (2, 4)
-            held = step > 2
-            progress(StepProgress(step, 4, 1.2345, 0.5, dice, held, validated))
+            frozen = step > 2
+            progress(StepProgress(step, 4, 1.2345, 0.5, dice, frozen, validated))
         return ctseg.training.loop.TrainingSummary(
             4, dice, None, None, 4, 0.0, tmp_path, 1, 3, None
         )
@@ -575,4 +556,4 @@ def test_cli_prints_each_validation_on_a_line_and_keeps_the_bar_within_80_column
     for step in (2, 4):
         assert f"step {step}: validation Dice liver 0.500, tumour 0.250" in lines
     bar = next(line for line in lines if line.startswith("train"))
-    assert "4/4 loss 1.2345  0.50 steps/s  held batch-norm" in bar and "…" not in bar
+    assert "4/4 loss 1.2345  0.50 steps/s  frozen batch-norm" in bar and "…" not in bar
