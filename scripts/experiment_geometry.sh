@@ -10,7 +10,7 @@
 # Everything goes under experiment/ (git-ignored). Override with STEPS=…,
 # RESOLUTION=…, SPACING=… (mm, isotropic), LIVER_BOXES=… (share of training boxes
 # around the liver), HELDOUT=… (cases), OUT=… (folder), SETTINGS="KEY=VALUE …" (more
-# config settings for both runs, e.g. "train.held_norm_share=0").
+# config settings for both runs, e.g. "train.frozen_norm_share=0").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CTSEG=${CTSEG:-.venv/bin/ctseg}

@@ -18,7 +18,7 @@ STEPS=${STEPS:-500}
 GRID=${GRID:-spacing}
 # The last 40 % on held batch-norm statistics: 200 of the 500 steps, as measured.
 COMMON=(--config configs/demo.toml --set model.depth=3 --set "mesh.spatial=[1,1,1]"
-        --set "train.steps=$STEPS" --set train.eval_every=100 --set train.held_norm_share=0.4)
+        --set "train.steps=$STEPS" --set train.eval_every=100 --set train.frozen_norm_share=0.4)
 
 [ -f "$OUT/raw/segmentation-23.nii.gz" ] || "$CTSEG" synth "$OUT/raw" --cases 24 --size 96 --seed 0
 for r in $RESOLUTIONS; do
