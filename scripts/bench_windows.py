@@ -27,10 +27,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # How each mode asks for its plan (`Engine`'s arguments); `core` fills in the sizes.
 MODES = {
-    "whole": lambda core: {"tile": 0},
-    "tiles": lambda core: {"tile": core},
-    "windows": lambda core: {"tile": core, "windows": core},
-    "windows1": lambda core: {"tile": core, "windows": core},  # one window per dispatch
+    "whole": lambda boxes, core: {"tile": 0},
+    "tiles": lambda boxes, core: {"tile": core},
+    "windows": lambda boxes, core: {"tile": core, "windows": boxes.windows(core)},
+    # one window per dispatch
+    "windows1": lambda boxes, core: {"tile": core, "windows": boxes.windows(core)},
 }
 
 
@@ -88,7 +89,7 @@ def main() -> None:
             image = np.random.default_rng(0).uniform(-1, 1, box).astype(np.float32)
             seconds, programs = clock.seconds, dict(clock.by_name)
             start = time.perf_counter()
-            engine = Engine(model, backend, shape=box, **MODES[mode](args.core))
+            engine = Engine(model, backend, shape=box, **MODES[mode](backend.boxes, args.core))
             placed = engine.place(image)
             jax.block_until_ready(engine.logits(placed))
             first = time.perf_counter() - start

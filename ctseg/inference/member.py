@@ -18,28 +18,20 @@ import jax
 import numpy as np
 
 from ctseg.config import TileRequest
-from ctseg.data import grids
 from ctseg.data.grids import GridSpec
 from ctseg.errors import CtsegError
 from ctseg.inference.network import tiling
 from ctseg.inference.network.backends import Backend
-from ctseg.inference.network.engine import Engine, class_probabilities, fixed_window_core
+from ctseg.inference.network.boxes import Windows
+from ctseg.inference.network.engine import Engine, class_probabilities
 from ctseg.inference.network.jax_plans import is_out_of_memory
 from ctseg.inference.network.tiling import Shape, Span, TileProgress
 from ctseg.inference.scan import to_grid
-from ctseg.inference.scan.canvas import Canvas
 from ctseg.inference.scan.region import GridWindow, Region, window_of
 from ctseg.io.scans import Scan
 from ctseg.model import unet
 from ctseg.parallel import devices as dev
 from ctseg.run.trained import TrainedModel
-
-# Spacing-grid boxes are rounded up to a rung of this multiple's ladder under JAX (or the
-# alignment's, if larger; `grids.inference_box`): scans of different extents share one
-# compiled program. Under ONNX Runtime, to the next multiple: ≤ 15 voxels of air a side.
-# In fixed windows (accelerators), to multiples of their core instead (`tiling.windows_box`).
-BOX_MULTIPLE = 16
-
 
 # Engines (compiled programs, weights on the devices) kept for boxes of other shapes.
 _ENGINES_KEPT = 4
@@ -77,31 +69,21 @@ class Member:
         self.run_dir = run_dir
         self.grid = GridSpec.of(self.config.data)
         self.tile, self.backend = tile, backend
+        # This grid's boxes, as the backend's policy makes them (`ctseg.inference.network.boxes`).
+        self.boxes = backend.boxes.of_grid(model, tile)
         # One engine per box shape (scans of one grid share one). The cube's one box is
         # planned and compiled here, before the first scan; a spacing grid's boxes follow
         # the scans' extents, and each new one is planned when a scan first needs it.
-        self._engines: OrderedDict[tuple[Shape, int | None], Engine] = OrderedDict()
-        # Boxes of the spacing grid follow the scans' extents, and a region's box its
-        # liver's: where the backend compiles fixed windows, their programs serve every
-        # such box (at least their floor a side). The cube's own box is one shape: its plan.
-        self.windows = fixed_window_core(model, tile, backend)
-        if self.windows is not None and self.grid.kind == "spacing":
-            # Their programs do not depend on the box: they compile while the first scan
-            # is read and brought to the grid.
-            backend.prepare_windows(model, self.windows)
+        self._engines: OrderedDict[tuple[Shape, Windows | None], Engine] = OrderedDict()
         self.engine: Engine | None = None  # the one that ran (or will run) the latest scan
-        # Where the backend holds scans in a canvas, this grid's boxes share one too: the
-        # largest asked for, reaching the receptive field beyond each grid.
-        spacing_windows = self.grid.kind == "spacing" and self.windows is not None
-        self.canvas = Canvas() if spacing_windows and backend.scan_canvas is not None else None
         self._radius = unet.receptive_field_radius(self.config.model)
         if self.grid.kind == "cube":
             self.engine_for(tiling.grid_shape(self.config))
 
     def engine_for(self, box: Shape) -> Engine:
         """The engine for boxes of `box` voxels, planned (and compiled) when first asked for:
-        in fixed windows where the member runs them and the box holds them."""
-        key = self._key(box)
+        in fixed windows where the policy runs them for such a box."""
+        key = (box, self.boxes.windows_for(box))
         if key in self._engines:
             self._engines.move_to_end(key)
         else:
@@ -114,15 +96,6 @@ class Member:
                 self._engines.popitem(last=False)
         self.engine = self._engines[key]
         return self.engine
-
-    def _key(self, box: Shape) -> tuple[Shape, int | None]:
-        """An engine's key: the box, and the fixed windows' core if they run it."""
-        windows = self.windows
-        if self.grid.kind == "cube" and box == tiling.grid_shape(self.config):
-            windows = None
-        if windows is not None and min(box) < tiling.window_floor(self.config, windows):
-            windows = None  # a region's box too small for them: the box's own plan
-        return box, windows
 
     @property
     def name(self) -> str:
@@ -142,25 +115,13 @@ class Member:
     ) -> OnGrid:
         """The scan on the run's grid, HU-windowed: the training preprocessing, on the
         backend's grid device (`to_grid.unit_box`; the scan held in `scan_box`, default
-        its rung), then as the backend reads it. On the spacing grid the box holds the
-        scan's whole grid, padded with air: within the member's canvas where it has one
-        (`canvas_box`, the network exact on the grid's voxels), else to multiples of the
-        fixed windows' core where they run (`tiling.windows_box`), else to a rung of the
-        ladder where the backend compiles programs (`Backend.ladder`, JAX:
-        `grids.inference_box`'s programs serve scans of other extents), else to the next
-        multiple of `BOX_MULTIPLE`; with a `region`, only the box of the grid that gives
-        its labels exactly (`ctseg.inference.scan.region`)."""
+        its rung), then as the backend reads it, in the box the policy gives the grid
+        (`GridBoxes.box`); with a `region`, only the window of that box that gives the
+        region's labels exactly (`ctseg.inference.scan.region`)."""
         grid = self.grid.grid_of(scan.array.shape, scan.spacing)
-        box, offset, window, need = grid, (0, 0, 0), None, None
-        multiple = max(self.config.alignment, BOX_MULTIPLE)
-        if self.canvas is not None:
-            box = self.canvas.holding(self.canvas_box(grid))
-            need = tuple((0, n) for n in grid)
-        elif self.grid.kind == "spacing" and self.windows is not None:
-            box = tiling.windows_box(self.config, self.windows, grid)
-        elif self.grid.kind == "spacing":
-            box = grids.inference_box(grid, multiple, ladder=self.backend.ladder)
+        (box, need), offset, window = self.boxes.box(grid), (0, 0, 0), None
         if region is not None:
+            multiple = self.boxes.multiple
             window = window_of(region, scan.array.shape, grid, box, self._radius, multiple)
             box, offset, need = window.box, window.offset, window.need
         unit = to_grid.unit_box(
@@ -171,28 +132,17 @@ class Member:
             self.config.data.hu_window,
             self.backend.grid_device,
             scan_box,
-            to_grid.SLICES_LAST if self.backend.scan_canvas is not None else None,
+            self.backend.boxes.order,
         )
         # Waited for here, off the network's thread: a failure is this scan's reading
         # failure, and its seconds are the resampling's, not the next program's.
         unit = jax.block_until_ready(unit)
         return OnGrid(self.backend.adopt(unit), grid, window, need=need, scan_box=scan_box)
 
-    def canvas_box(self, grid: Shape) -> Shape:
-        """The smallest box of fixed windows (`tiling.windows_box`) that reaches the
-        network's receptive field beyond `grid`: every voxel of the grid then sees air
-        wherever the grid ends, however large the canvas around it, so its probabilities
-        do not depend on the canvas (the grid starts at the box's first voxel, on the
-        pooling's lattice, in every box)."""
-        assert self.windows is not None
-        reach = tuple(n + self._radius for n in grid)
-        return tiling.windows_box(self.config, self.windows, reach)
-
     def expect(self, shape: Sequence[int], spacing: Sequence[float]) -> None:
-        """Grow the canvas, if the member has one, to hold a scan of `shape` voxels of
-        `spacing` mm before it comes (`Predictor.expect`)."""
-        if self.canvas is not None:
-            self.canvas.holding(self.canvas_box(self.grid.grid_of(shape, spacing)))
+        """Make room, before it comes, for a scan of `shape` voxels of `spacing` mm
+        (`Predictor.expect`; a policy with canvases grows them)."""
+        self.boxes.expect(self.grid.grid_of(shape, spacing))
 
     def infer(
         self,
@@ -216,7 +166,8 @@ class Member:
             if not is_out_of_memory(exc):
                 raise
         before = self.engine.description
-        self.engine = self._engines[self._key(box)] = self.engine.smaller()
+        key = (box, self.boxes.windows_for(box))
+        self.engine = self._engines[key] = self.engine.smaller()
         if warnings is not None:
             warnings.append(f"out of memory with {before}; retried with {self.engine.description}")
         try:

@@ -31,7 +31,7 @@ from ctseg.inference.network.engine import Engine
 from ctseg.inference.network.tiling import Shape
 from ctseg.inference.quality import scan_checks, scores
 from ctseg.inference.quality.uncertainty import Uncertainty
-from ctseg.inference.scan import postprocess, to_grid, way_back
+from ctseg.inference.scan import postprocess, way_back
 from ctseg.inference.scan.region import Region, region_of
 from ctseg.io.readers import check_extent
 from ctseg.io.scans import Scan
@@ -266,7 +266,7 @@ class Predictor:
         with a locator or a region mask, only the box of each grid the region needs."""
         region, located = self.locate(scan, seconds)
         with self._canvases_kept_on_failure():
-            scan_box = self._scan_box(scan.array.shape)
+            scan_box = self.backend.boxes.scan_box(scan.array.shape)
             with timed(seconds, "resample"):
                 on_grids = [member.to_grid(scan, region, scan_box) for member in self.members]
         return [dataclasses.replace(g, located=located) for g in on_grids]
@@ -275,7 +275,7 @@ class Predictor:
     def _canvases_kept_on_failure(self) -> Iterator[None]:
         """The canvases as they were, where the block fails: a scan too large for the
         devices fails alone, and does not leave the canvas it grew for every scan after it."""
-        canvases = [self.backend.scan_canvas, *(m.canvas for m in self.members)]
+        canvases = [self.backend.boxes.scan_canvas, *(m.boxes.canvas for m in self.members)]
         canvases = [canvas for canvas in canvases if canvas is not None]
         before = [canvas.shape for canvas in canvases]
         try:
@@ -285,13 +285,6 @@ class Predictor:
                 canvas.restore(shape)
             raise
 
-    def _scan_box(self, shape: Sequence[int]) -> Shape:
-        """The shape the devices hold a scan of `shape` in, both ways: its rung of the
-        ladder (`to_grid.padded`), within the backend's scan canvas where it has one."""
-        padded = to_grid.padded(shape)
-        canvas = self.backend.scan_canvas
-        return padded if canvas is None else canvas.holding(padded)
-
     def expect(self, geometries: Iterable[tuple[Shape, Sequence[float]]]) -> None:
         """Size the canvases, where the backend has them (`ctseg.inference.scan.canvas`), for
         scans of these canonical shapes and spacings before they come: a batch then
@@ -299,16 +292,14 @@ class Predictor:
         scans: its canvases too. Without canvases, `geometries` is never iterated (no
         header read for nothing). A geometry no CT has (`readers.check_extent`) is left out:
         its scan fails when read."""
-        holders = [
-            p for p in (self, self.locator) if p is not None and p.backend.scan_canvas is not None
-        ]
-        if not holders:
+        boxes = self.backend.boxes  # the locator's too: it runs on this backend
+        if boxes.scan_canvas is None:
             return
-        geometries = [g for g in geometries if _plausible(*g)]
-        for holder in holders:
-            for shape, spacing in geometries:
-                holder._scan_box(shape)
-                for member in holder.members:
+        members = [*self.members, *(self.locator.members if self.locator else [])]
+        for shape, spacing in geometries:
+            if _plausible(shape, spacing):
+                boxes.scan_box(shape)
+                for member in members:
                     member.expect(shape, spacing)
 
     def locate(self, scan: Scan, seconds: Seconds) -> tuple[Region | None, dict | None]:
@@ -375,7 +366,7 @@ class Predictor:
         with timed(seconds, "resample"):
             # Where the backend runs: from the devices only the labels, the uncertainty's
             # sums (and asked-for probabilities) come back.
-            shape, space = scan.array.shape, self.backend.space
+            shape, space = scan.array.shape, self.backend.boxes.space
             scan_box = on_grids[0].scan_box
             if on_grids[0].window is not None:
                 on_scan = space.window_labels(probabilities, on_grids, shape, with_probabilities)

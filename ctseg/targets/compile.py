@@ -24,7 +24,7 @@ import jax
 from ctseg.config import Config, with_mesh
 from ctseg.data.grids import GridSpec, inference_box
 from ctseg.errors import CtsegError
-from ctseg.inference.member import BOX_MULTIPLE
+from ctseg.inference.network.boxes import BOX_MULTIPLE
 from ctseg.inference.network.jax_plans import COMPILED_SHARE, plan_inference
 from ctseg.model import aot, plan, unet
 from ctseg.parallel.layouts import auto_spatial, fit_training
@@ -191,7 +191,8 @@ def _with_mesh_or_none(config: Config, spatial: tuple[int, int, int]) -> Config 
 
 def inference_shape(config: Config) -> tuple[int, int, int]:
     """The box `ctseg predict` runs on: the cube's grid, or on the spacing grid the whole
-    extent of a typical LiTS scan (`LITS_SCAN`), padded as `ctseg.inference.member` pads it."""
+    extent of a typical LiTS scan (`LITS_SCAN`), padded as `ctseg.inference.network.boxes`
+    pads it."""
     grid = GridSpec.of(config.data)
     if grid.kind == "cube":
         return (config.data.resolution,) * 3

@@ -118,11 +118,11 @@ def test_a_lying_header_leaves_the_batch_s_canvases_alone(tmp_path, monkeypatch,
     honest, batch = Predictor(model, JaxBackend(), options), Predictor(model, JaxBackend(), options)
     honest.expect(map(nifti_geometry, good))
     batch.expect(g for g in map(nifti_geometry, [lies[0], *good, lies[1]]) if g is not None)
-    assert batch.backend.scan_canvas.shape == honest.backend.scan_canvas.shape
-    assert batch.members[0].canvas.shape == honest.members[0].canvas.shape
+    assert batch.backend.boxes.scan_canvas.shape == honest.backend.boxes.scan_canvas.shape
+    assert batch.members[0].boxes.canvas.shape == honest.members[0].boxes.canvas.shape
     # A geometry no CT has, from wherever it comes (a store's manifest), is left out too.
     batch.expect([((40, 40, 40), (100.0, 100.0, 100.0))])
-    assert batch.members[0].canvas.shape == honest.members[0].canvas.shape
+    assert batch.members[0].boxes.canvas.shape == honest.members[0].boxes.canvas.shape
 
 
 def test_a_canvas_never_grows_past_the_largest_scan_read(monkeypatch):
@@ -157,7 +157,7 @@ def test_segmenter_map_yields_what_it_made_before_a_lying_scan(tmp_path, monkeyp
     with pytest.raises(CtsegError) as info:
         next(results)
     assert "huge.nii.gz" in _one_line(info)
-    canvas = segmenter.predictor.backend.scan_canvas
+    canvas = segmenter.predictor.backend.boxes.scan_canvas
     assert canvas.shape is not None and max(canvas.shape) < 100
 
 

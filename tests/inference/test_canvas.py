@@ -77,7 +77,7 @@ def test_a_batch_of_ten_extents_compiles_nothing_after_its_first_scan(
         model, JaxBackend(), InferenceOptions(backend="jax", tile=CORE, tta=False)
     )
     member = predictor.members[0]
-    assert member.canvas is not None and predictor.backend.scan_canvas is not None
+    assert member.boxes.canvas is not None and predictor.backend.boxes.scan_canvas is not None
     grids = [member.grid.grid_of(s.array.shape, s.spacing) for s in map(read_scan, paths)]
     # Without canvases: six rungs of scans, five boxes of windows, each compiling anew.
     assert len({to_grid.padded(shape) for shape in SHAPES}) >= 6
@@ -166,16 +166,17 @@ def test_a_locator_s_canvases_are_sized_with_its_predictor_s(windows_on_the_cpu,
     """`--locate`'s coarse run predicts the same scans: `expect` sizes its canvases too,
     each the largest of the batch's on every axis."""
     options = InferenceOptions(backend="jax", tile=CORE, tta=False)
-    predictor = Predictor(model, JaxBackend(), options)
-    predictor.locator = Predictor(model, JaxBackend(), options)
+    backend = JaxBackend()  # the locator runs on its predictor's backend
+    predictor = Predictor(model, backend, options)
+    predictor.locator = Predictor(model, backend, options)
     batch = [((40, 180, 12), SPACING), ((184, 54, 39), SPACING)]
     predictor.expect(iter(batch))
     for each in (predictor, predictor.locator):
         member = each.members[0]
         scans = [to_grid.padded(shape) for shape, _ in batch]
-        boxes = [member.canvas_box(member.grid.grid_of(*geometry)) for geometry in batch]
-        assert each.backend.scan_canvas.shape == tuple(np.max(scans, axis=0))
-        assert member.canvas.shape == tuple(np.max(boxes, axis=0))
+        boxes = [member.boxes.canvas_box(member.grid.grid_of(*geometry)) for geometry in batch]
+        assert each.backend.boxes.scan_canvas.shape == tuple(np.max(scans, axis=0))
+        assert member.boxes.canvas.shape == tuple(np.max(boxes, axis=0))
 
 
 def test_without_canvases_no_header_is_read(model):
@@ -188,5 +189,5 @@ def test_without_canvases_no_header_is_read(model):
     predictor = Predictor(
         model, JaxBackend(), InferenceOptions(backend="jax", tile=CORE, tta=False)
     )
-    assert predictor.backend.scan_canvas is None
+    assert predictor.backend.boxes.scan_canvas is None
     predictor.expect(headers())

@@ -18,8 +18,9 @@ from ctseg import config as cfg
 from ctseg.config import TileRequest
 from ctseg.inference.member import Member
 from ctseg.inference.network import jax_windows, tiling, window_programs
-from ctseg.inference.network.engine import Engine, class_probabilities, fixed_window_core
+from ctseg.inference.network.engine import Engine, class_probabilities
 from ctseg.inference.network.jax_backend import JaxBackend
+from ctseg.inference.network.jax_boxes import Windowed
 from ctseg.io.scans import Scan
 from ctseg.model import unet
 from ctseg.parallel import devices as dev
@@ -45,6 +46,11 @@ def batched_windows(monkeypatch):
     dispatch: at these tests' small extents (a GPU batches only the deep stages'
     windows, `BATCHED_SHARE`), so that the exact results hold for batches too."""
     monkeypatch.setattr(window_programs, "BATCHED_SHARE", 1.0)
+
+
+def _windowed(model: TrainedModel, backend: JaxBackend, core: int, box: tuple) -> Engine:
+    """An engine running boxes of `box` in the backend's fixed windows of `core` voxels."""
+    return Engine(model, backend, tile=core, shape=box, windows=backend.boxes.windows(core))
 
 
 def _windows_backend(devices: int = 1) -> JaxBackend:
@@ -74,7 +80,7 @@ def test_fixed_windows_equal_the_whole_pass_on_boxes_of_several_shapes(depth, co
         image = np.random.default_rng(index).uniform(-1, 1, box).astype(np.float32)
         reference = np.asarray(Engine(model, backend, tile=0, shape=box).logits(image))
         assert np.ptp(reference.argmax(-1)) > 0
-        engine = Engine(model, backend, tile=core, shape=box, windows=core)
+        engine = _windowed(model, backend, core, box)
         assert engine.description.startswith(f"fixed windows ≤ {core}³")
         assert sum(len(s.windows()) for s in engine.stages) > 2 * depth - 1
         assert max(engine._plan.batches) > 1  # deep stages' windows several to a dispatch
@@ -114,7 +120,7 @@ def test_fixed_windows_with_tta_and_a_region_equal_the_whole_pass():
     box = (32, 24, 96)
     image = np.random.default_rng(3).uniform(-1, 1, box).astype(np.float32)
     whole = Engine(model, backend, tile=0, shape=box)
-    windows = Engine(model, backend, tile=8, shape=box, windows=8)
+    windows = _windowed(model, backend, 8, box)
     mirrored = [np.asarray(class_probabilities(e, image, True)) for e in (whole, windows)]
     np.testing.assert_allclose(mirrored[1], mirrored[0], rtol=0, atol=1e-5)
     need = ((6, 20), (0, 24), (40, 58))
@@ -135,8 +141,8 @@ def test_fixed_windows_dealt_over_four_devices_equal_one_device(one_device, four
     for index, box in enumerate([(32, 32, 32), (24, 40, 24)]):
         image = np.random.default_rng(index).uniform(-1, 1, box).astype(np.float32)
         whole = np.asarray(Engine(model, one_device, tile=0, shape=box).logits(image))
-        alone = Engine(model, one_device, tile=core, shape=box, windows=core)
-        dealt = Engine(model, four_devices, tile=core, shape=box, windows=core)
+        alone = _windowed(model, one_device, core, box)
+        dealt = _windowed(model, four_devices, core, box)
         assert dealt.description == alone.description.replace(")", ", 4 at a time)")
         windows = [len(s.windows()) for s in dealt.stages]
         assert min(windows) > 4  # every device has windows in every stage
@@ -158,8 +164,8 @@ def test_fixed_windows_over_four_devices_with_tta_and_a_region(one_device, four_
     model = random_model(3)
     box = (24, 40, 24)
     image = np.random.default_rng(5).uniform(-1, 1, box).astype(np.float32)
-    alone = Engine(model, one_device, tile=8, shape=box, windows=8)
-    dealt = Engine(model, four_devices, tile=8, shape=box, windows=8)
+    alone = _windowed(model, one_device, 8, box)
+    dealt = _windowed(model, four_devices, 8, box)
     mirrored = [np.asarray(class_probabilities(e, image, True)) for e in (alone, dealt)]
     np.testing.assert_array_equal(mirrored[1], mirrored[0])
     need = ((6, 12), (10, 16), (8, 14))
@@ -188,7 +194,7 @@ def test_window_programs_compile_once_for_boxes_of_every_shape(devices):
     for box in [(32, 32, 40), (24, 40, 56), (48, 24, 32), (24, 40, 56)]:
         before = dict(clock.by_name)
         image = np.random.default_rng(0).uniform(-1, 1, box).astype(np.float32)
-        engine = Engine(model, backend, tile=core, shape=box, windows=core)
+        engine = _windowed(model, backend, core, box)
         jax.block_until_ready(engine.logits(image))
         compiled.append({k: v - before.get(k, 0) for k, v in clock.by_name.items()})
         compiled[-1] = {k: v for k, v in compiled[-1].items() if v}
@@ -207,19 +213,22 @@ def test_the_automatic_plan_runs_fixed_windows_on_accelerators(monkeypatch):
     """On the CPU the default stays the box's own plan (fastest there, measured); on one
     accelerator or several the spacing grid's boxes run in fixed windows of a core chosen
     from memory; the whole volume asked for, or a backend without them, runs none."""
-    model = random_model(2)
-    assert not JaxBackend(jax.devices()[:1]).fixed_windows
-    assert not JaxBackend(jax.devices()[:4]).fixed_windows
+    config = random_model(2).config
+    assert not isinstance(JaxBackend(jax.devices()[:1]).boxes, Windowed)
+    assert not isinstance(JaxBackend(jax.devices()[:4]).boxes, Windowed)
     monkeypatch.setattr(dev, "is_accelerator", lambda devices: True)
-    assert JaxBackend(jax.devices()[:1]).fixed_windows
-    assert JaxBackend(jax.devices()[:4]).fixed_windows  # the windows dealt out over them
-    backend = JaxBackend(jax.devices()[:1])
-    assert fixed_window_core(model, TileRequest.size(16), backend, 2**30) == 16
-    assert fixed_window_core(model, TileRequest.whole(), backend, 2**30) is None
-    assert fixed_window_core(model, TileRequest.auto(), backend, 2**40) == 128
-    assert fixed_window_core(model, TileRequest.auto(), backend, 2**20) < 128
+    assert isinstance(JaxBackend(jax.devices()[:1]).boxes, Windowed)
+    assert isinstance(JaxBackend(jax.devices()[:4]).boxes, Windowed)  # dealt out over them
+
+    def core(tile: TileRequest, memory: int) -> int | None:
+        return Windowed(jax.devices()[:1], memory, 1).core(config, tile)
+
+    assert core(TileRequest.size(16), 2**30) == 16
+    assert core(TileRequest.whole(), 2**30) is None
+    assert core(TileRequest.auto(), 2**40) == 128
+    assert core(TileRequest.auto(), 2**20) < 128
     off = JaxBackend(jax.devices()[:1], fixed_windows=False)
-    assert fixed_window_core(model, TileRequest.auto(), off, 2**40) is None
+    assert off.boxes.of_grid(random_model(2), TileRequest.auto()).windows is None
 
 
 def _spacing_model() -> TrainedModel:
@@ -240,10 +249,10 @@ def test_a_member_holds_spacing_grid_boxes_in_a_canvas_and_predicts_exactly():
     clock = compile_clock()
     made = clock.by_name["jit(window_program)"]
     member = Member(model, TileRequest.size(core), _windows_backend())
-    assert member.windows == core and member.canvas is not None
+    assert member.boxes.windows.core == core and member.boxes.canvas is not None
     radius = unet.receptive_field_radius(model.config.model)
     stages = tiling.fixed_stages(model.config, core, (64, 64, 64))
-    assert len(member.backend.window_programs._compiled) == len(stages)  # compiling already
+    assert len(member.backend.boxes.programs._compiled) == len(stages)  # compiling already
     floor = tiling.window_floor(model.config, core)
     rng = np.random.default_rng(0)
     compiled, boxes = [], []
@@ -260,7 +269,7 @@ def test_a_member_holds_spacing_grid_boxes_in_a_canvas_and_predicts_exactly():
         boxes.append(box)
         probabilities = member.infer(on_grid, False, lambda *c: None, None)
         compiled.append(clock.by_name["jit(window_program)"] - before)
-        assert member.engine.windows == core and member.engine.shape == box
+        assert member.engine.windows.core == core and member.engine.shape == box
         whole = Engine(model, member.backend, tile=0, shape=box)
         expected = jax.nn.softmax(whole.logits(on_grid.unit), axis=-1)
         inside = tuple(slice(0, n) for n in grid)  # the rest of the canvas is not computed
@@ -268,7 +277,7 @@ def test_a_member_holds_spacing_grid_boxes_in_a_canvas_and_predicts_exactly():
             np.asarray(probabilities)[inside], np.asarray(expected)[inside], rtol=0, atol=1e-5
         )
     assert all(min(np.subtract(b, a)) >= 0 for a, b in zip(boxes, boxes[1:], strict=False))
-    assert boxes[-1] == member.canvas.shape and len(member._engines) == len(set(boxes))
+    assert boxes[-1] == member.boxes.canvas.shape and len(member._engines) == len(set(boxes))
     assert compiled == [len(stages), 0, 0]  # compiled once
 
 
@@ -279,7 +288,7 @@ def test_a_cube_member_runs_fixed_windows_for_region_boxes_only():
     member = Member(model, TileRequest.size(8), _windows_backend())
     assert member.engine is not None and member.engine.windows is None
     floor = tiling.window_floor(model.config, 8)
-    assert member.engine_for((floor, 28, 32)).windows == 8
+    assert member.engine_for((floor, 28, 32)).windows.core == 8
     assert member.engine_for((floor - 4, 28, 32)).windows is None
 
 

@@ -191,7 +191,7 @@ def test_both_backends_give_the_same_probabilities_through_one_interface(tile):
         np.testing.assert_allclose(on_onnx.sum(-1), 1, atol=1e-5)
         shape = (40, 20, 30)
         pairs = zip(engines, (on_jax, on_onnx), strict=True)
-        labels = [engine.backend.space.scan_labels(p, shape).labels for engine, p in pairs]
+        labels = [engine.backend.boxes.space.scan_labels(p, shape).labels for engine, p in pairs]
         assert labels[0].shape == shape and (labels[0] == labels[1]).mean() > 0.99
     # ONNX Runtime's logits, whole or stitched from tiles, pass to JAX without a copy.
     logits = engines[1].logits(image)

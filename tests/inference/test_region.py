@@ -64,7 +64,7 @@ def test_inside_the_region_the_labels_are_the_whole_scan_s(
     options = InferenceOptions(tile=tile, backend=backend)
     predictor = Predictor(model, JaxBackend(jax.devices()[:devices]), options)
     whole = predictor.predict(scan).labels
-    assert (predictor.members[0].canvas is not None) == windows  # the whole scan's in one
+    assert (predictor.members[0].boxes.canvas is not None) == windows  # the whole scan's in one
     mask = np.zeros(SHAPE, np.uint8)
     mask[200:240, 40:70, 20:40] = 1
     path = tmp_path / "roi.nii.gz"

@@ -4,8 +4,9 @@ JAX (XLA) runs on the chosen devices; ONNX Runtime on the host's CPU cores, wher
 3-D convolutions are several times slower. Both are a `Backend`
 (`ctseg.inference.network.jax_backend.JaxBackend`,
 `ctseg.inference.network.onnx_backend.OnnxBackend`):
-its name, dtype and exactness class, where the scan is brought to the grid and how the
-backend reads it, a compiled `Plan` per box shape (logits, whole or tiled), the mirrored
+its name, dtype and exactness class, its policy of boxes (`ctseg.inference.network.boxes`),
+where the scan is brought to the grid and how the backend reads it, a compiled `Plan` per
+box shape (logits, whole or tiled), the mirrored
 passes' flips, and the logits handed to JAX (on the host CPU's device for ONNX Runtime,
 without a copy), where the class probabilities (`ctseg.inference.network.probability_ops`, the one
 loop `ctseg.inference.network.engine.class_probabilities`) and the way back to the scan's voxels
@@ -25,9 +26,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ctseg.config import Config
+    from ctseg.inference.network.boxes import Boxes
     from ctseg.inference.network.tiling import Shape, Span, Stage, TileProgress
-    from ctseg.inference.scan.canvas import Canvas
-    from ctseg.inference.scan.way_back import Space
     from ctseg.run.trained import TrainedModel
 
 BACKENDS = ("jax", "onnx")
@@ -56,35 +56,10 @@ class Backend(ABC):
 
     name: str  # "jax" or "onnx", as options and records spell it
     runtime: str  # in words: "XLA", "ONNX Runtime"
-    # Spacing-grid boxes rounded up to a rung of a ladder (`grids.inference_box`): the
-    # compiled programs of one box serve scans of other extents.
-    ladder: bool
     devices: list[Any]  # where the network runs ([]: the host's CPU cores)
-    space: Space  # the way back to the scan's voxels, on this backend's arrays
-
-    # Boxes whose shape varies from scan to scan run in windows of extents that do not
-    # depend on the box (`tiling.fixed_stages`, `window_plan`): where a compiled program per
-    # box shape costs more than the windows' overlap (JAX on one accelerator).
-    fixed_windows: bool = False
-    # Where every scan is held in one canvas on the devices (`ctseg.inference.scan.canvas`):
-    # with fixed windows, whose programs already serve every box; None elsewhere.
-    scan_canvas: Canvas | None = None
-
-    def window_core(self, model: TrainedModel, memory: int) -> int:
-        """Fixed windows' core for `memory` bytes (a backend with `fixed_windows`)."""
-        raise NotImplementedError(f"{self.name} runs no fixed windows")
-
-    def prepare_windows(self, model: TrainedModel, core: int) -> None:
-        """Begin compiling the programs of fixed windows of `core` voxels, which every box
-        at least their floor a side runs, in the background, and return (a backend with
-        `fixed_windows`)."""
-        raise NotImplementedError(f"{self.name} runs no fixed windows")
-
-    def window_plan(
-        self, model: TrainedModel, shape: Shape, stages: list[Stage], memory: int
-    ) -> Plan:
-        """The programs for boxes of `shape` in the fixed windows of `stages`."""
-        raise NotImplementedError(f"{self.name} runs no fixed windows")
+    # Where scans are held, the box each run's grid runs in, and the way back to the
+    # scan's voxels on this backend's arrays: its one policy of boxes.
+    boxes: Boxes
 
     @abstractmethod
     def dtype(self, config: Config) -> np.dtype:

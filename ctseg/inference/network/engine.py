@@ -21,10 +21,10 @@ import jax
 import numpy as np
 
 from ctseg.config import Config, TileRequest
-from ctseg.config.tile import SIZE, WHOLE
 from ctseg.errors import CtsegError
 from ctseg.inference.network import probability_ops, tiling
 from ctseg.inference.network.backends import Backend
+from ctseg.inference.network.boxes import Windows
 from ctseg.inference.network.jax_plans import COMPILED_SHARE
 from ctseg.inference.network.tiling import Shape, Span, Stage, TileProgress
 from ctseg.run.trained import TrainedModel
@@ -44,7 +44,7 @@ class Engine:
         tile: TileRequest | int = AUTO,
         memory: int | None = None,
         shape: Shape | None = None,
-        windows: int | None = None,
+        windows: Windows | None = None,
     ):
         """`tile`: automatic, the whole volume, or cores of a size at every level (an int
         is read by `TileRequest.from_int`: −1, 0 or an even size).
@@ -55,10 +55,10 @@ class Engine:
         `memory`: bytes per device to plan for; default, the devices' free memory
         (the host's available memory under ONNX Runtime). `shape`: the grids it takes
         (x, y, z voxels, each a multiple of the model's alignment); default the run's R³.
-        `windows`: cores of fixed windows (`fixed_window_core`; a backend with
-        `fixed_windows`), whose compiled programs serve boxes of every shape
+        `windows`: fixed windows (the backend's policy of boxes gives them,
+        `GridBoxes.windows_for`), whose compiled programs serve boxes of every shape
         (`tiling.fixed_stages`; the box at least `tiling.window_floor` a side); the tile
-        request is then read as that core.
+        request is then read as their core.
         """
         tile = TileRequest.of(tile)
         config = model.config
@@ -72,9 +72,9 @@ class Engine:
         self.memory = backend.free_memory() if memory is None else memory
         self.windows = windows
         if windows is not None:
-            fixed = tiling.fixed_stages(config, windows, self.shape)
+            fixed = tiling.fixed_stages(config, windows.core, self.shape)
             try:
-                self._plan = backend.window_plan(model, self.shape, fixed, self.memory)
+                self._plan = windows.plan(model, self.shape, fixed, self.memory)
             except CtsegError:
                 if not tile.is_auto:
                     raise
@@ -91,7 +91,7 @@ class Engine:
         largest = max((stage.largest_core for stage in self.stages), default=0)
         self.tile = (largest if tile.is_auto else tile.to_int()) if self.stages else 0
         if self.windows is not None:
-            self.tile = self.windows
+            self.tile = self.windows.core
 
     @property
     def description(self) -> str:
@@ -146,20 +146,6 @@ class Engine:
         out-of-memory on the accelerator)."""
         memory = int(self.needed / 2 / COMPILED_SHARE)
         return Engine(self.model, self.backend, AUTO, memory, self.shape)
-
-
-def fixed_window_core(
-    model: TrainedModel, tile: TileRequest, backend: Backend, memory: int | None = None
-) -> int | None:
-    """The core of fixed windows for boxes whose shape varies from scan to scan (the
-    spacing grid), as `tile` asks: its size, or the backend's choice for `memory` (default
-    its free memory); None where the backend compiles no fixed windows
-    (`Backend.fixed_windows`) or the whole volume is asked."""
-    if not backend.fixed_windows or tile.kind == WHOLE:
-        return None
-    if tile.kind == SIZE:
-        return tile.core
-    return backend.window_core(model, backend.free_memory() if memory is None else memory)
 
 
 def plan_stages_for(config: Config, tile: TileRequest, shape: Shape) -> list[Stage]:

@@ -21,8 +21,8 @@ from ctseg.config import Config
 from ctseg.errors import CtsegError
 from ctseg.inference.network import tile_memory, tiling
 from ctseg.inference.network.backends import Backend
+from ctseg.inference.network.boxes import Boxes
 from ctseg.inference.network.tiling import Shape, Span, Stage, TileProgress
-from ctseg.inference.scan import way_back
 from ctseg.memory import aligned_zeros, host_memory, human_bytes
 from ctseg.model.unet import BOTTOM, DOWN, UP
 from ctseg.run.trained import TrainedModel
@@ -165,8 +165,10 @@ class OnnxBackend(Backend):
     """ONNX Runtime on the host's CPU cores: host arrays from the grid to the logits; from
     there JAX on the host CPU's device, as under the JAX backend."""
 
-    name, runtime, ladder = "onnx", "ONNX Runtime", False
-    space = way_back.ON_DEVICES  # on the host CPU's JAX device
+    name, runtime = "onnx", "ONNX Runtime"
+    # Nothing compiles per box shape: the fewest voxels; the way back on the host CPU's
+    # JAX device.
+    boxes = Boxes(ladder=False)
 
     def __init__(self) -> None:
         self.devices: list[Any] = []  # the host's CPU cores, no JAX device

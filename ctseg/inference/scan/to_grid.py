@@ -32,10 +32,13 @@ _INT16 = np.iinfo(np.int16)
 # so that the programs between a scan and a grid depend on the rungs, not on the extents.
 SCAN_MULTIPLE = 16
 Tables = tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]  # per axis: first, second, weight
-# The order of axes of the way there where scans are held in a canvas: one for every scan,
-# since an order from the padded shapes would change as the canvas grows and round a voxel's
-# HU the other way now and then; the slices last, their count grows the most.
+# The orders of axes where scans are held in a canvas, one for every scan each way: an order
+# from the padded shapes would change as the canvas grows (and on the way there round a
+# voxel's HU the other way now and then). The way there resamples the slices last, the way
+# back (`way_back`) first: their count changes the most from scan to grid and back (a
+# 512×512×63 scan from a 560×560×320 grid).
 SLICES_LAST = (0, 1, 2)
+SLICES_FIRST = (2, 0, 1)
 
 
 def padded(shape: Sequence[int]) -> Shape:

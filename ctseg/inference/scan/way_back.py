@@ -29,7 +29,7 @@ from ctseg.data import grids
 from ctseg.data.grids import linear_weights
 from ctseg.inference.quality import uncertainty as unc
 from ctseg.inference.quality.uncertainty import Uncertainty
-from ctseg.inference.scan.to_grid import Tables, lerp, padded, resampled, tables_of
+from ctseg.inference.scan.to_grid import SLICES_FIRST, Tables, lerp, padded, resampled, tables_of
 
 
 def axis_order(scan_shape: Sequence[int], grid: Sequence[int]) -> tuple[int, ...]:
@@ -39,13 +39,6 @@ def axis_order(scan_shape: Sequence[int], grid: Sequence[int]) -> tuple[int, ...
     as in the whole scan's: the order changes the float32 rounding."""
     scan, box = padded(scan_shape), padded(grid)
     return tuple(sorted(range(3), key=lambda a: scan[a] / box[a]))
-
-
-# The order of axes of the way back where scans are held in a canvas: one order for every
-# scan (`axis_order`'s would follow the scan and compile a program per order), the slices
-# first, since their count changes the most from grid to scan (a 512×512×63 scan from a
-# 560×560×320 grid). The way there's is `to_grid.SLICES_LAST`.
-SLICES_FIRST = (2, 0, 1)
 
 
 def _back_tables(grid: Sequence[int], shape: Sequence[int], scan_box: Sequence[int]) -> Tables:
@@ -113,7 +106,7 @@ class Space:
     measures the model's uncertainty there (`ctseg.inference.quality.uncertainty`)."""
 
     def __init__(self, order: tuple[int, ...] | None = None):
-        """`order`: the axes every way back resamples in (`SLICES_FIRST`); None: each
+        """`order`: the axes every way back resamples in (`to_grid.SLICES_FIRST`); None: each
         scan's own (`axis_order`). The whole scan's way and a window's take the same."""
         self.order = order
 
