@@ -68,7 +68,7 @@ def main() -> None:
 
     from ctseg import config as cfg
     from ctseg.inference.network.engine import Engine
-    from ctseg.inference.network.jax_backend import JaxBackend
+    from ctseg.inference.network.jax.backend import JaxBackend
     from ctseg.model import unet
     from ctseg.parallel.compile_cache import compile_clock
     from ctseg.run.trained import TrainedModel

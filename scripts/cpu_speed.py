@@ -2,7 +2,7 @@
 
 One process, one input: base 16, depth 4, 128³, float32, batch 1, 2 threads,
 inference mode; best of a few runs after warm-up. ONNX Runtime runs our exported
-graph (`ctseg.inference.network.onnx_export`) of the same weights as the JAX run. PyTorch is not a
+graph (`ctseg.inference.network.onnx.export`) of the same weights as the JAX run. PyTorch is not a
 ctseg dependency; install it and the onnx extra into the virtualenv first:
 
     pip install torch==2.13.0 'ctseg[onnx]'
@@ -58,7 +58,7 @@ def jax_forward(x: np.ndarray, graphdef, params, stats):
 def onnx_forward(x: np.ndarray, graphdef, params, stats):
     import onnxruntime as ort
 
-    from ctseg.inference.network import onnx_export
+    from ctseg.inference.network.onnx import export as onnx_export
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = THREADS

@@ -18,7 +18,11 @@ def _setuptools() -> dict:
 
 
 def test_every_package_folder_is_listed_once():
-    inside = {f"ctseg.{init.parent.name}" for init in (REPO / "ctseg").glob("*/__init__.py")}
+    root = REPO / "ctseg"
+    inside = {
+        ".".join(("ctseg", *init.parent.relative_to(root).parts))
+        for init in root.rglob("*/__init__.py")
+    }
     assert set(_setuptools()["packages"]) == {"ctseg", *inside, *BESIDE_CTSEG}
     assert _setuptools()["package-dir"] == BESIDE_CTSEG
     # Only ctseg/ and the folders mapped into it are importable packages at the top level.

@@ -41,7 +41,7 @@ from ctseg import atomic
 from ctseg.errors import CtsegError, OptionError
 from ctseg.inference import requests
 from ctseg.inference.inputs import ScanOutcome, output_name, output_paths
-from ctseg.inference.network.jax_plans import is_out_of_memory
+from ctseg.inference.network.jax.plans import is_out_of_memory
 from ctseg.inference.outputs_record import OwnOutputs
 from ctseg.inference.pipeline import Ready, pipelined
 from ctseg.inference.predictor import (

@@ -18,19 +18,20 @@ import jax
 import numpy as np
 
 from ctseg.config import TileRequest
-from ctseg.data.grids import GridSpec
+from ctseg.data.grids import GridSpec, Shape
 from ctseg.errors import CtsegError
 from ctseg.inference.network import tiling
 from ctseg.inference.network.backends import Backend
 from ctseg.inference.network.boxes import Windows
 from ctseg.inference.network.engine import Engine, class_probabilities
-from ctseg.inference.network.jax_plans import is_out_of_memory
-from ctseg.inference.network.tiling import Shape, Span, TileProgress
+from ctseg.inference.network.jax.plans import is_out_of_memory
+from ctseg.inference.network.tiling import Span
 from ctseg.inference.scan import to_grid
 from ctseg.inference.scan.region import GridWindow, Region, window_of
 from ctseg.io.scans import Scan
 from ctseg.model import unet
 from ctseg.parallel import devices as dev
+from ctseg.progress import TileProgress
 from ctseg.run.trained import TrainedModel
 
 # Engines (compiled programs, weights on the devices) kept for boxes of other shapes.

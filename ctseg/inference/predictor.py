@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 
 from ctseg.config import Config, InferenceOptions, TileRequest
+from ctseg.data.grids import Shape
 from ctseg.errors import CtsegError, OptionError
 from ctseg.inference.inputs import read_roi, roi_mask
 from ctseg.inference.member import Member, OnGrid
 from ctseg.inference.network.backends import Backend
 from ctseg.inference.network.engine import Engine
-from ctseg.inference.network.tiling import Shape
 from ctseg.inference.quality import scan_checks, scores
 from ctseg.inference.quality.uncertainty import Uncertainty
 from ctseg.inference.scan import postprocess, way_back

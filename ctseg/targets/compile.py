@@ -5,7 +5,7 @@ compile-only plugins never touch the command's own process), or in a test's. Giv
 `Target`, it asks XLA for compile-only devices (`jax.experimental.topologies`), fits the
 config's layout to them as `ctseg train` fits it to real ones, compiles the training step
 and the whole-volume inference pass (`ctseg.model.plan`), and lets the inference engine
-choose its plan there (`ctseg.inference.network.jax_plans.plan_inference`: whole volume or
+choose its plan there (`ctseg.inference.network.jax.plans.plan_inference`: whole volume or
 level-wise tiles, from the same compiled candidates and memory share as on a real device).
 Where the training step does not fit, it finds the fewest partitions that fit, and the
 largest grid that fits the devices given.
@@ -25,7 +25,7 @@ from ctseg.config import Config, with_mesh
 from ctseg.data.grids import GridSpec, inference_box
 from ctseg.errors import CtsegError
 from ctseg.inference.network.boxes import BOX_MULTIPLE
-from ctseg.inference.network.jax_plans import COMPILED_SHARE, plan_inference
+from ctseg.inference.network.jax.plans import COMPILED_SHARE, plan_inference
 from ctseg.model import aot, plan, unet
 from ctseg.parallel.layouts import auto_spatial, fit_training
 from ctseg.parallel.partition import make_mesh

@@ -19,7 +19,7 @@ from ctseg.config import InferenceOptions
 from ctseg.data.store import Store
 from ctseg.errors import CtsegError
 from ctseg.inference.api import Segmenter
-from ctseg.inference.network.jax_backend import JaxBackend
+from ctseg.inference.network.jax.backend import JaxBackend
 from ctseg.inference.predictor import Predictor
 from ctseg.inference.scan.canvas import Canvas
 from ctseg.io import readers

@@ -16,7 +16,7 @@ from ctseg.inference import files
 from ctseg.inference.api import Segmenter
 from ctseg.inference.network import tiling
 from ctseg.inference.network.engine import Engine
-from ctseg.inference.network.jax_backend import JaxBackend
+from ctseg.inference.network.jax.backend import JaxBackend
 from ctseg.inference.predictor import Predictor
 from ctseg.inference.scan import to_grid
 from ctseg.inference.scan.canvas import Canvas

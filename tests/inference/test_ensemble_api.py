@@ -21,7 +21,7 @@ from ctseg import Segmenter, segment
 from ctseg.cli.app import app
 from ctseg.config import DataConfig, InferenceOptions
 from ctseg.errors import CtsegError
-from ctseg.inference.network.jax_backend import JaxBackend
+from ctseg.inference.network.jax.backend import JaxBackend
 from ctseg.inference.predictor import Predictor
 from ctseg.inference.scan import postprocess
 from ctseg.io import scans

@@ -17,10 +17,12 @@ from helpers import REPO, no_host_transfers, random_model, tiny_config
 from ctseg import config as cfg
 from ctseg.config import TileRequest
 from ctseg.inference.member import Member
-from ctseg.inference.network import jax_windows, tiling, window_programs
+from ctseg.inference.network import tiling
 from ctseg.inference.network.engine import Engine, class_probabilities
-from ctseg.inference.network.jax_backend import JaxBackend
-from ctseg.inference.network.jax_boxes import Windowed
+from ctseg.inference.network.jax import window_programs
+from ctseg.inference.network.jax import windows as jax_windows
+from ctseg.inference.network.jax.backend import JaxBackend
+from ctseg.inference.network.jax.boxes import Windowed
 from ctseg.io.scans import Scan
 from ctseg.model import unet
 from ctseg.parallel import devices as dev

@@ -10,9 +10,9 @@ from ctseg.errors import CtsegError
 from ctseg.inference.network import probability_ops, tiling
 from ctseg.inference.network.choice import backend_named
 from ctseg.inference.network.engine import Engine, class_probabilities
-from ctseg.inference.network.jax_backend import JaxBackend
-from ctseg.inference.network.jax_plans import COMPILED_SHARE
-from ctseg.inference.network.onnx_backend import OnnxBackend
+from ctseg.inference.network.jax.backend import JaxBackend
+from ctseg.inference.network.jax.plans import COMPILED_SHARE
+from ctseg.inference.network.onnx.backend import OnnxBackend
 from ctseg.inference.scan import way_back
 from ctseg.memory import aligned_zeros
 from ctseg.model import unet

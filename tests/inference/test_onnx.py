@@ -17,7 +17,7 @@ from ctseg.errors import CtsegError
 from ctseg.inference.network import tiling
 from ctseg.inference.network.choice import backend_named
 from ctseg.inference.network.engine import Engine
-from ctseg.inference.network.jax_backend import JaxBackend
+from ctseg.inference.network.jax.backend import JaxBackend
 from ctseg.labels import NUM_CLASSES
 from ctseg.model import unet
 from ctseg.parallel.partition import LOCAL
@@ -50,7 +50,7 @@ def test_onnx_logits_equal_jax_inference_mode(depth):
     import onnx
     import onnxruntime as ort
 
-    from ctseg.inference.network import onnx_export
+    from ctseg.inference.network.onnx import export as onnx_export
 
     model = with_head_bias(random_model(depth))
     proto = onnx_export.export(model.graphdef, model.params, model.stats)
@@ -72,7 +72,7 @@ def test_onnx_stage_graphs_equal_jax_stages():
     import onnx
     import onnxruntime as ort
 
-    from ctseg.inference.network import onnx_export
+    from ctseg.inference.network.onnx import export as onnx_export
 
     model = with_head_bias(random_model(3))
     net = nnx.merge(model.graphdef, model.params, model.stats)

@@ -24,7 +24,7 @@ from ctseg.cli.app import app
 from ctseg.config import InferenceOptions
 from ctseg.errors import CtsegError
 from ctseg.inference.inputs import expand_inputs
-from ctseg.inference.network.jax_backend import JaxBackend
+from ctseg.inference.network.jax.backend import JaxBackend
 from ctseg.inference.predictor import PHASES, Predictor
 from ctseg.inference.quality.scan_checks import hu_warnings
 from ctseg.model.step import TrainState

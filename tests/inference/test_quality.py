@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg.cli.app import app
 from ctseg.config import InferenceOptions
-from ctseg.inference.network.jax_backend import JaxBackend
+from ctseg.inference.network.jax.backend import JaxBackend
 from ctseg.inference.quality import scores, thresholds, uncertainty
 from ctseg.inference.quality.scan_checks import liver_checks
 from ctseg.inference.scan import way_back

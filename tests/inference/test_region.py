@@ -10,7 +10,7 @@ from helpers import fixed_windows_everywhere, random_model
 
 from ctseg import config as cfg
 from ctseg.config import InferenceOptions
-from ctseg.inference.network.jax_backend import JaxBackend
+from ctseg.inference.network.jax.backend import JaxBackend
 from ctseg.inference.predictor import Predictor
 from ctseg.inference.scan import postprocess
 from ctseg.inference.scan.region import Region, region_of, window_of

@@ -104,7 +104,7 @@ def save(path: Path, volume: np.ndarray, spacing=SPACING, origin=(0.0, 0.0, 0.0)
 def fixed_windows_everywhere(monkeypatch) -> None:
     """Every JAX backend made from now on runs fixed windows, as on an accelerator (and so
     holds its scans in canvases), here on the CPU's devices."""
-    from ctseg.inference.network import jax_backend
+    from ctseg.inference.network.jax import backend as jax_backend
 
     made = jax_backend.JaxBackend.__init__
 

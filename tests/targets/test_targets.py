@@ -17,7 +17,7 @@ from helpers import REPO, tiny_config
 
 from ctseg.errors import CtsegError
 from ctseg.inference.network import tiling
-from ctseg.inference.network.jax_plans import plan_inference
+from ctseg.inference.network.jax.plans import plan_inference
 from ctseg.model import aot, unet
 from ctseg.parallel.partition import make_mesh
 from ctseg.parallel.xla_options import OPTIONS

@@ -2,8 +2,8 @@
 
 JAX (XLA) runs on the chosen devices; ONNX Runtime on the host's CPU cores, where XLA:CPU's
 3-D convolutions are several times slower. Both are a `Backend`
-(`ctseg.inference.network.jax_backend.JaxBackend`,
-`ctseg.inference.network.onnx_backend.OnnxBackend`):
+(`ctseg.inference.network.jax.backend.JaxBackend`,
+`ctseg.inference.network.onnx.backend.OnnxBackend`):
 its name, dtype and exactness class, its policy of boxes (`ctseg.inference.network.boxes`),
 where the scan is brought to the grid and how the backend reads it, a compiled `Plan` per
 box shape (logits, whole or tiled), the mirrored
@@ -26,8 +26,10 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ctseg.config import Config
+    from ctseg.data.grids import Shape
     from ctseg.inference.network.boxes import Boxes
-    from ctseg.inference.network.tiling import Shape, Span, Stage, TileProgress
+    from ctseg.inference.network.tiling import Span, Stage
+    from ctseg.progress import TileProgress
     from ctseg.run.trained import TrainedModel
 
 BACKENDS = ("jax", "onnx")

@@ -9,7 +9,7 @@ it for a box and nothing else:
   air a side);
 - `Boxes(ladder=True)`, JAX's on the CPU: a spacing grid's box on a ladder of sizes
   (`grids.inference_box`), so that scans of nearby extents share one compiled program;
-- `ctseg.inference.network.jax_boxes.Windowed`, JAX's on accelerators: fixed windows
+- `ctseg.inference.network.jax.boxes.Windowed`, JAX's on accelerators: fixed windows
   whose programs serve boxes of every shape, every scan held in one canvas and every box
   of a spacing grid in another, so that a batch compiles nothing after its first scan.
 

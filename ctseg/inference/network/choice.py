@@ -15,8 +15,8 @@ from typing import Any
 from ctseg.config import InferenceOptions
 from ctseg.errors import OptionError
 from ctseg.inference.network.backends import BACKENDS, Backend
-from ctseg.inference.network.jax_backend import JaxBackend
-from ctseg.inference.network.onnx_backend import OnnxBackend
+from ctseg.inference.network.jax.backend import JaxBackend
+from ctseg.inference.network.onnx.backend import OnnxBackend
 from ctseg.parallel.devices import ACCELERATORS, ChosenDevices, is_accelerator, start_quietly
 
 

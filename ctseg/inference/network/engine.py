@@ -1,9 +1,9 @@
 """The inference engine: logits and class probabilities of whole boxes of the grid.
 
-An `Engine` runs a trained model on one backend: ``jax`` (`ctseg.inference.network.jax_backend`,
-its plans in `jax_plans` and `jax_windows`: the whole volume partitioned over the
+An `Engine` runs a trained model on one backend: ``jax`` (`ctseg.inference.network.jax.backend`,
+its plans in `jax.plans` and `jax.windows`: the whole volume partitioned over the
 devices, exact level-wise tiles or fixed windows, all on the devices) or ``onnx``
-(`ctseg.inference.network.onnx_backend`: ONNX Runtime on the host's CPU cores). Level-wise tiles
+(`ctseg.inference.network.onnx.backend`: ONNX Runtime on the host's CPU cores). Level-wise tiles
 are cut as `ctseg.inference.network.tiling` plans them; stitched, they equal one whole-volume
 pass.
 
@@ -21,12 +21,14 @@ import jax
 import numpy as np
 
 from ctseg.config import Config, TileRequest
+from ctseg.data.grids import Shape
 from ctseg.errors import CtsegError
 from ctseg.inference.network import probability_ops, tiling
 from ctseg.inference.network.backends import Backend
 from ctseg.inference.network.boxes import Windows
-from ctseg.inference.network.jax_plans import COMPILED_SHARE
-from ctseg.inference.network.tiling import Shape, Span, Stage, TileProgress
+from ctseg.inference.network.jax.plans import COMPILED_SHARE
+from ctseg.inference.network.tiling import Span, Stage
+from ctseg.progress import TileProgress
 from ctseg.run.trained import TrainedModel
 
 AUTO = TileRequest.auto()

@@ -46,16 +46,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ctseg.config import Config
+from ctseg.data.grids import Shape
 from ctseg.model.unet import BOTTOM, DOWN, UP
 
-TileProgress = Callable[[int, int], None]  # (windows done, windows in total)
-Shape = tuple[int, int, int]  # voxels along x, y, z
 # Per axis, the voxels [lo, hi) of a level that are needed (a region's cone, below).
 Span = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
 
@@ -302,7 +301,7 @@ def fixed_stages(config: Config, core: int, shape: Shape) -> list[Stage]:
     """Every stage of a box of `shape` with windows whose extents do not depend on the box:
     cores of `fixed_core` along every axis (not balanced to it), the last window of an
     axis shifted inwards, so one compiled program per stage serves boxes of any shape
-    (`ctseg.inference.network.jax_backend`). The box must be at least `window_floor` a side."""
+    (`ctseg.inference.network.jax.backend`). The box must be at least `window_floor` a side."""
     floor = window_floor(config, core)
     if min(shape) < floor:
         raise ValueError(f"box {shape_text(shape)} is below fixed windows' {floor} a side")

@@ -2,7 +2,7 @@
 so that scans of every extent run the programs the first scan compiled.
 
 A compiled program takes arrays of one shape. Fixed windows make the network's programs
-independent of the box (`ctseg.inference.network.jax_windows`), but the programs around them
+independent of the box (`ctseg.inference.network.jax.windows`), but the programs around them
 follow the scan's and the box's shapes: the way to the grid, the windows' driver, the
 softmax, the way back. On an accelerator each new shape compiles them anew. A canvas
 holds every scan, and every box of a member's grid, in the largest shape asked of it
@@ -34,9 +34,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ctseg.data.grids import Shape
 from ctseg.io.readers import max_scan_bytes
-
-Shape = tuple[int, ...]
 
 
 class Canvas:

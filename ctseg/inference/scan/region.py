@@ -22,11 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ctseg.data.grids import linear_weights
+from ctseg.data.grids import Shape, linear_weights
 from ctseg.errors import OptionError
 from ctseg.labels import bounding_box, liver_mask
-
-Shape = tuple[int, int, int]
 
 
 def check_margin(margin_mm: float | None, region: bool) -> None:

@@ -2,7 +2,7 @@
 
 A compiled program takes arrays of one shape, and on an accelerator each new shape costs
 XLA's autotuning. Fixed windows make the network's programs independent of the box
-(`ctseg.inference.network.jax_windows`): they compile once per model, stage and device,
+(`ctseg.inference.network.jax.windows`): they compile once per model, stage and device,
 while the first scan is read. The programs around them follow the scan's and the box's
 shapes; so every scan is held in one canvas, and every box of a spacing grid in another
 (`ctseg.inference.scan.canvas`), each box reaching the network's receptive field beyond
@@ -22,9 +22,9 @@ from ctseg.config.tile import SIZE, WHOLE
 from ctseg.data.grids import GridSpec, Shape
 from ctseg.inference.network import tile_memory, tiling
 from ctseg.inference.network.boxes import Boxes, GridBoxes, Windows
-from ctseg.inference.network.jax_windows import WindowPlan
+from ctseg.inference.network.jax.window_programs import WINDOW_CORES, WindowPrograms, window_batch
+from ctseg.inference.network.jax.windows import WindowPlan
 from ctseg.inference.network.tiling import Span, Stage
-from ctseg.inference.network.window_programs import WINDOW_CORES, WindowPrograms, window_batch
 from ctseg.inference.scan import to_grid, way_back
 from ctseg.inference.scan.canvas import Canvas
 from ctseg.model import unet

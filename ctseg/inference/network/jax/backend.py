@@ -2,10 +2,10 @@
 to the labels.
 
 A box runs as the whole volume partitioned over the devices, or in level-wise tiles
-(`ctseg.inference.network.jax_plans`), or in fixed windows whose programs do not depend on the
-box (`ctseg.inference.network.jax_windows`, dealt out over the devices): the default for the
+(`ctseg.inference.network.jax.plans`), or in fixed windows whose programs do not depend on the
+box (`ctseg.inference.network.jax.windows`, dealt out over the devices): the default for the
 spacing grid on accelerators, where compiling per box shape costs minutes and the
-windows' overlap milliseconds (the backend's `boxes`, `ctseg.inference.network.jax_boxes`).
+windows' overlap milliseconds (the backend's `boxes`, `ctseg.inference.network.jax.boxes`).
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ctseg.config import Config
+from ctseg.data.grids import Shape
 from ctseg.inference.network.backends import Backend
 from ctseg.inference.network.boxes import Boxes
-from ctseg.inference.network.jax_boxes import Windowed
-from ctseg.inference.network.jax_plans import JaxPlan
-from ctseg.inference.network.tiling import Shape, Stage
-from ctseg.inference.network.window_programs import MAX_WINDOW_BATCH
+from ctseg.inference.network.jax.boxes import Windowed
+from ctseg.inference.network.jax.plans import JaxPlan
+from ctseg.inference.network.jax.window_programs import MAX_WINDOW_BATCH
+from ctseg.inference.network.tiling import Stage
 from ctseg.parallel import devices as dev
 from ctseg.run.trained import TrainedModel
 
@@ -41,7 +42,7 @@ class JaxBackend(Backend):
         most_batched: int = MAX_WINDOW_BATCH,
     ):
         """`fixed_windows`: boxes whose shape varies (the spacing grid, a region's) run in
-        fixed windows, every scan held in canvases (`ctseg.inference.network.jax_boxes`);
+        fixed windows, every scan held in canvases (`ctseg.inference.network.jax.boxes`);
         default, on accelerators, one or several, where a program per box shape costs
         minutes of compiling (XLA's autotuning) and the windows' overlap milliseconds of
         running. On several devices the windows are dealt out over them and run side by

@@ -13,8 +13,8 @@ dealt out over them, each device stitches the cores it computed into its own cop
 the level, and a sum over the devices (the cores are disjoint) gives every device the
 whole level for the next stage. The levels kept for the up stages stay on the devices
 while they fit, and are moved to the host whole (never per window) when they do not.
-The levels' shapes and the window cut: `ctseg.inference.network.levels`, shared with fixed
-windows (`ctseg.inference.network.jax_windows`).
+The levels' shapes and the window cut: `ctseg.inference.network.jax.levels`, shared with fixed
+windows (`ctseg.inference.network.jax.windows`).
 
 Planning (no stages given): the hand formula of `ctseg.inference.network.tile_memory`
 proposes candidates
@@ -39,9 +39,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ctseg.config import Config
+from ctseg.data.grids import Shape
 from ctseg.errors import CtsegError
 from ctseg.inference.network import tile_memory, tiling
-from ctseg.inference.network.levels import (
+from ctseg.inference.network.jax.levels import (
     as_batch,
     below_level,
     cut,
@@ -52,7 +53,7 @@ from ctseg.inference.network.levels import (
     post_bytes,
     stage_needs,
 )
-from ctseg.inference.network.tiling import Shape, Stage, TileProgress
+from ctseg.inference.network.tiling import Stage
 from ctseg.memory import human_bytes
 from ctseg.model import aot
 from ctseg.model.step import make_predict
@@ -67,6 +68,7 @@ from ctseg.parallel.partition import (
     partitioned,
     replicated_shapes,
 )
+from ctseg.progress import TileProgress
 from ctseg.run.trained import TrainedModel
 
 # Share of the devices' free memory a plan's compiled programs, with the levels alive

@@ -1,6 +1,6 @@
 """The levels of level-wise tiles on JAX devices, shared by the stage programs
-(`ctseg.inference.network.jax_plans`) and fixed windows
-(`ctseg.inference.network.jax_windows`): each
+(`ctseg.inference.network.jax.plans`) and fixed windows
+(`ctseg.inference.network.jax.windows`): each
 stage's input and output level's shape and bytes, a window cut out of them and the voxels
 its core owns, and the bytes a plan needs beside its programs."""
 
@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ctseg.config import Config
-from ctseg.inference.network.tiling import Shape, Stage
+from ctseg.data.grids import Shape
+from ctseg.inference.network.tiling import Stage
 from ctseg.labels import NUM_CLASSES
 from ctseg.model import aot, unet
 from ctseg.model.unet import DOWN, UP

@@ -1,6 +1,6 @@
 """Inference in ONNX Runtime on the host's CPU cores (several times faster than XLA:CPU).
 
-The same inference-mode network as under JAX, exported by `ctseg.inference.network.onnx_export`:
+The same inference-mode network as under JAX, exported by `ctseg.inference.network.onnx.export`:
 whole, or one ONNX graph per level-wise stage (the geometry in `ctseg.inference.network.tiling`),
 run one window at a time on host arrays and stitched on the host (host memory is
 this backend's device). The logits equal the JAX pass's to float32 rounding. From them
@@ -18,13 +18,15 @@ import jax
 import numpy as np
 
 from ctseg.config import Config
+from ctseg.data.grids import Shape
 from ctseg.errors import CtsegError
 from ctseg.inference.network import tile_memory, tiling
 from ctseg.inference.network.backends import Backend
 from ctseg.inference.network.boxes import Boxes
-from ctseg.inference.network.tiling import Shape, Span, Stage, TileProgress
+from ctseg.inference.network.tiling import Span, Stage
 from ctseg.memory import aligned_zeros, host_memory, human_bytes
 from ctseg.model.unet import BOTTOM, DOWN, UP
+from ctseg.progress import TileProgress
 from ctseg.run.trained import TrainedModel
 
 
@@ -75,7 +77,7 @@ def _onnx_forwards(model: TrainedModel, stages: list[Stage]) -> list[Callable[..
     try:
         import onnxruntime  # noqa: F401
 
-        from ctseg.inference.network import onnx_export
+        from ctseg.inference.network.onnx import export as onnx_export
     except ImportError:
         raise CtsegError(
             "the onnx backend needs the onnx and onnxruntime packages: pip install 'ctseg[onnx]'"

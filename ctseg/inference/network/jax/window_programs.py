@@ -2,7 +2,7 @@
 window whose extent does not depend on the box (`window_program`, `tiling.fixed_stages`),
 compiled once per model, stage and device and kept by the backend (`WindowPrograms`), in
 the background from when a member is made; and how many windows one dispatch runs
-(`window_batch`). The driver that runs them over a box is `ctseg.inference.network.jax_windows`.
+(`window_batch`). The driver that runs them over a box is `ctseg.inference.network.jax.windows`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from jax.sharding import SingleDeviceSharding
 
 from ctseg.config import Config
 from ctseg.inference.network import tiling
-from ctseg.inference.network.levels import below_level, input_level, output_level, owned
+from ctseg.inference.network.jax.levels import below_level, input_level, output_level, owned
 from ctseg.inference.network.tiling import Stage
 from ctseg.model.unet import UP
 from ctseg.parallel.partition import LOCAL

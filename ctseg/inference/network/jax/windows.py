@@ -1,10 +1,10 @@
 """Fixed windows on JAX devices: level-wise tiles whose programs do not depend on the box.
 
 The spacing grid's boxes follow the scans' extents, and every new box shape would compile
-the whole-volume or stage programs anew (`ctseg.inference.network.jax_plans`; lits512's whole
+the whole-volume or stage programs anew (`ctseg.inference.network.jax.plans`; lits512's whole
 volume: ~107 s on an H200, mostly XLA's autotuning of the convolutions). Here each stage's
 convolutions are one program on one window whose extent does not depend on the box,
-compiled once per model, stage and device (`ctseg.inference.network.window_programs`); a driver
+compiled once per model, stage and device (`ctseg.inference.network.jax.window_programs`); a driver
 on the host cuts the windows out of the level and adds
 their masked cores into the next one with small programs that follow the box's level
 shapes and compile in milliseconds (`WindowPlan`).
@@ -30,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from ctseg.data.grids import Shape
 from ctseg.errors import CtsegError
 from ctseg.inference.network import tiling
-from ctseg.inference.network.levels import (
+from ctseg.inference.network.jax.levels import (
     as_batch,
     below_level,
     cut,
@@ -42,11 +43,16 @@ from ctseg.inference.network.levels import (
     output_level,
     stage_needs,
 )
-from ctseg.inference.network.tiling import Shape, Stage, TileProgress
-from ctseg.inference.network.window_programs import MAX_WINDOW_BATCH, WindowPrograms, window_batch
+from ctseg.inference.network.jax.window_programs import (
+    MAX_WINDOW_BATCH,
+    WindowPrograms,
+    window_batch,
+)
+from ctseg.inference.network.tiling import Stage
 from ctseg.memory import human_bytes
 from ctseg.model.unet import BOTTOM, DOWN, UP
 from ctseg.parallel import devices as dev
+from ctseg.progress import TileProgress
 from ctseg.run.trained import TrainedModel
 
 
