@@ -1,3 +1,3 @@
-"""`ctseg predict` and the Python API: engines (JAX devices or ONNX Runtime, whole or
-exactly tiled), a run's model on its grid, ensembles, the way back to the scan, post-
-processing, scan checks and the files written."""
+"""`ctseg predict` and the Python API: the predictor and its one scan pipeline, over the
+network on a backend (`network/`), the scan's way to a grid and back (`scan/`) and the
+quality of each prediction (`quality/`)."""

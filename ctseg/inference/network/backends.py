@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
@@ -28,29 +28,11 @@ if TYPE_CHECKING:
     from ctseg.config import Config
     from ctseg.data.grids import Shape
     from ctseg.inference.network.boxes import Boxes
-    from ctseg.inference.network.tiling import Span, Stage
-    from ctseg.progress import TileProgress
+    from ctseg.inference.network.plan import Plan
+    from ctseg.inference.network.tiling import Stage
     from ctseg.run.trained import TrainedModel
 
 BACKENDS = ("jax", "onnx")
-
-
-class Plan(Protocol):
-    """A backend's programs for boxes of one shape: the whole volume, or level-wise stages."""
-
-    stages: list[Stage]  # [] the whole volume
-    needed: int  # bytes per device the programs need (0: not measured)
-    spatial: tuple[int, int, int]  # the whole volume's split over the devices
-    spills: bool  # levels waiting for their up stage are kept on the host
-
-    def place(self, image: Any) -> Any:
-        """A unit-scaled image [x, y, z] as the programs take it: [1, x, y, z, 1] float32."""
-
-    def logits(self, image: Any, progress: TileProgress | None, need: Span | None = None) -> Any:
-        """Logits [x, y, z, 3] float32 of a `place`d image (exact on `need` if given)."""
-
-    def memory_words(self, memory: int) -> str:
-        """What the plan needs of `memory`, in words following its description."""
 
 
 class Backend(ABC):

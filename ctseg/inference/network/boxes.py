@@ -29,7 +29,7 @@ from ctseg.inference.scan import to_grid, way_back
 from ctseg.inference.scan.canvas import Canvas
 
 if TYPE_CHECKING:
-    from ctseg.inference.network.backends import Plan
+    from ctseg.inference.network.plan import Plan
     from ctseg.inference.network.tiling import Span, Stage
     from ctseg.run.trained import TrainedModel
 
