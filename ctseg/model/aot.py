@@ -120,8 +120,9 @@ def flops_of(
 
     Counted on the program as lowered, before XLA optimises it, where the backend can: a
     GPU's optimised program calls cuDNN for its convolutions, which XLA's count of it
-    leaves out (on an H100, 61 GFLOP of lits128's training step, whose convolutions alone
-    are about 2.6 TFLOP), so a GPU's compiled count is never used. Elsewhere the compiled
+    leaves out (a small share of the true count:
+    docs/experiments/design-figures.md#flop-counts), so a GPU's compiled count is never
+    used. Elsewhere the compiled
     program's count stands in for a lowered one the backend does not give.
     `cost_analysis()` is a dict in recent JAX and a one-element list in older versions.
     """

@@ -1,9 +1,9 @@
 """The U-Net's first convolution, of the one-channel image, on GPUs as matrix products.
 
-The gradient of its weights is where cuDNN does worst: on an H100 (bfloat16, 256³,
-`scripts/bench_conv.py`, 2026-11-26) the kernel XLA's tuning picks from cuDNN took
-34.5 ms, PyTorch's 4.0 ms — a fifth of lits256's 155 ms training step, and most of the gap
-to PyTorch's 117 ms. With one input channel, the convolution is a product of small
+The gradient of its weights is where cuDNN does worst: the kernel XLA's tuning picks from
+cuDNN was measured several times slower than PyTorch's, most of the gap between the two
+training steps (`scripts/bench_conv.py`; docs/experiments/design-figures.md#image-convolution).
+With one input channel, the convolution is a product of small
 matrices: the image's 27 shifted copies (its patches, voxels × 27) times the kernel
 (27 × filters); and the weights' gradient, the patches' transpose times the output's
 gradient, a sum over every voxel. Cut into up to `CHUNKS` row blocks against copies of the

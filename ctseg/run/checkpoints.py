@@ -154,8 +154,9 @@ def _difference(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int
 @functools.cache
 def _save_from_one_replica() -> None:
     """Orbax writes a replicated array from one of its replicas, not a slice of it from
-    each: slicing compiled a program per slice (160 for the demo's state on 16 devices:
-    4.3 s of 2 cores at the first checkpoint, and each a compile on a GPU) to split a
+    each: slicing compiled a program per slice (seconds at the first checkpoint for the
+    demo's state on 16 devices, and each a compile on a GPU:
+    docs/experiments/design-figures.md#checkpoints) to split a
     state of megabytes. Orbax decides this for the process (its type registry), as it
     does itself where JAX_PLATFORMS names a GPU; the default handler's store of arrays'
     metadata (random keys' types) is kept for the process's other checkpoints."""

@@ -193,8 +193,8 @@ class Augmenter:
 
     def _compile(self, block: tuple[int, ...] | None) -> jax.stages.Compiled:
         """The devices' program for slabs (`block` None) or for blocks of that shape, compiled
-        without tuning its fusions (with it, the blocks' program compiled for 40 s on an
-        H100)."""
+        without tuning its fusions (with it, the blocks' program compiled for far longer:
+        docs/experiments/design-figures.md#xla-options)."""
         lowered = jax.jit(self._program_fn(block)).lower(*self._abstract_inputs(block))
         return compile_untuned(lowered)
 

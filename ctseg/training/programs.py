@@ -91,9 +91,8 @@ def compile_programs(config: cfg.Config, mesh: Any, store: Store) -> Programs:
     The frozen step has the training step's convolutions. Compiled after it, it finds their
     tuning (a GPU times each convolution's algorithms by running them) in the process's
     cache; compiled beside it, both tuned the same convolutions on one GPU at once, and
-    lits256's first step on an H100 came 134 s after the command started, against 73.5 s
-    with the frozen step compiled mid-run and 67.9 s with it compiled after
-    (docs/experiments/gpu.md)."""
+    the first step came much later (measured:
+    docs/experiments/design-figures.md#training-programs)."""
     graphdef, state = aot.replicated_abstract_state(config, mesh)
     batch = aot.abstract_batch(config, mesh)
     step = partial(aot.compile_train_step, graphdef, config, mesh, state, *batch)

@@ -28,13 +28,14 @@ from ctseg.model.unet import DOWN, UP, level_widths
 # in the decoder, the concatenated skip (twice the width).
 _LIVE_BUFFERS_PER_CHANNEL = 6
 # Per-voxel bytes that do not scale with the width: the input and its padded copies, the
-# logits, and XLA:CPU's temporaries for few-channel convolutions. Measured: a base-2 model
-# takes about 120 B per voxel at 128³, where the width term alone predicts 64.
+# logits, and XLA:CPU's temporaries for few-channel convolutions: a narrow model measured
+# about twice what the width term alone predicts
+# (docs/experiments/design-figures.md#tile-memory).
 _FIXED_BYTES_PER_VOXEL = 128
 # Share of the available memory the first guess plans for; the rest is for the caller's
 # arrays, the runtime's own buffers, the estimate's error and whatever else runs there.
-# Measured at 512³ (lits512, ONNX, 23 GiB available): a share of 0.5 planned 11.4 GiB
-# and the process peaked at 12.5 GiB.
+# A share of 0.5 left too little room where it was measured
+# (docs/experiments/design-figures.md#tile-memory).
 MEMORY_SHARE = 0.4
 # Automatic cores when not even the smallest fits the estimate: a usable size (4096
 # windows at 512³) beats hundreds of thousands of windows.
@@ -46,9 +47,9 @@ def window_bytes(config: Config, level: int, extent: Shape, itemsize: int) -> fl
 
     The stage's level dominates (an up stage's input from below has 1/8 of the voxels):
     a fixed share per voxel plus the live buffers of the level's width in the compute
-    dtype (`itemsize` bytes a value). Conservative for wide models: whole-network windows
-    of the lits512 model (base 32, float32) measured about 440 B per voxel, where the
-    level-0 term alone is 896.
+    dtype (`itemsize` bytes a value). Conservative for wide models: the lits512 model's
+    whole-network windows measured about half the level-0 term
+    (docs/experiments/design-figures.md#tile-memory).
     """
     width = level_widths(config.model)[level]
     per_voxel = _FIXED_BYTES_PER_VOXEL + _LIVE_BUFFERS_PER_CHANNEL * itemsize * width

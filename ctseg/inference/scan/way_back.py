@@ -59,8 +59,8 @@ def _on_scan(
     """Box probabilities [x, y, z, C] resampled onto the padded scan, their argmax, and the
     uncertainty's sums on the scan's own voxels (`shape`, traced: one program per rung).
 
-    Two programs: as one, XLA:CPU took 0.53 s for the 512×512×63 scan's way back from a
-    560×560×320 box on 2 cores, against 0.30 s for the two (the same results)."""
+    Two programs, with the same results as one and measured faster
+    (docs/experiments/design-figures.md#way-back)."""
     return _measured_on_scan(resampled(probabilities, tables, order), shape, with_probabilities)
 
 
@@ -85,7 +85,7 @@ def _cropped(array: np.ndarray | None, shape: Sequence[int]) -> np.ndarray | Non
 
 def _cropped_labels(labels: np.ndarray, shape: Sequence[int]) -> np.ndarray:
     """The scan's labels of its padded label map, contiguous: cc3d and the writers read a
-    contiguous map faster (the 512×512×63 scan's NIfTI is written in 0.02 s, not 0.05)."""
+    contiguous map faster (docs/experiments/design-figures.md#way-back)."""
     return np.ascontiguousarray(_cropped(labels, shape))
 
 

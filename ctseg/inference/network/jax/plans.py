@@ -270,9 +270,9 @@ def plan_inference(
                 f"{advice} (tile -1 chooses them, or e.g. tile 64)"
             )
         return chosen
-    # The hand formula overestimates wide models severalfold (lits512: 85 GB planned
-    # in bfloat16, 48 GiB compiled), so the whole volume is compiled to be measured
-    # whenever the formula is within that factor of fitting.
+    # The hand formula overestimates wide models severalfold
+    # (docs/experiments/design-figures.md#whole-volume-plans), so the whole volume is
+    # compiled to be measured whenever the formula is within that factor of fitting.
     itemsize = jnp.dtype(config.model.dtype).itemsize
     if tile_memory.whole_volume_bytes(config, itemsize, shape) <= 3 * budget:
         whole = _compile_whole(model, devices, shape)

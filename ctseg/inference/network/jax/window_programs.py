@@ -37,10 +37,9 @@ WINDOW_CORES = (128, 96, 64, 48, 32, 24, 16)
 MAX_WINDOW_BATCH = 8
 
 # A stage's windows run several to a dispatch where they hold at most this share of the
-# plan's largest window's voxels. Measured on an H100 (lits512, cores of 128, a 640×640×320
-# box, one process): batched 8 to a dispatch, the stages of levels 2 and 3 (windows of 34³
-# and 16³, 1/64 and 1/600 of the largest) took 0.14 s instead of 0.41 s; level 1's (68³,
-# 1/8) were no faster (0.24 s against 0.20 s).
+# plan's largest window's voxels: batched, the deep stages' small windows ran faster and
+# windows of 1/8 of the largest no faster (measured:
+# docs/experiments/design-figures.md#fixed-windows).
 BATCHED_SHARE = 1 / 64
 
 

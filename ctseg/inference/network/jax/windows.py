@@ -1,8 +1,9 @@
 """Fixed windows on JAX devices: level-wise tiles whose programs do not depend on the box.
 
 The spacing grid's boxes follow the scans' extents, and every new box shape would compile
-the whole-volume or stage programs anew (`ctseg.inference.network.jax.plans`; lits512's whole
-volume: ~107 s on an H200, mostly XLA's autotuning of the convolutions). Here each stage's
+the whole-volume or stage programs anew (`ctseg.inference.network.jax.plans`; minutes for
+lits512's whole volume, mostly XLA's autotuning of the convolutions:
+docs/experiments/design-figures.md#fixed-windows). Here each stage's
 convolutions are one program on one window whose extent does not depend on the box,
 compiled once per model, stage and device (`ctseg.inference.network.jax.window_programs`); a driver
 on the host cuts the windows out of the level and adds
