@@ -25,6 +25,7 @@ FLAGS = {
     "process_id": "--process-id",
     "roi": "--roi",
     "run_dir": "--workdir",
+    "overrides": "--set",
     "seed": "--seed",
     "size": "--size",
     "steps": "--steps",

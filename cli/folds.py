@@ -46,7 +46,7 @@ def folds(
     lock), never the arrays. Train one run per fold with `ctseg train --fold I` and
     evaluate them together with `ctseg evaluate RUN_DIR... --cross-validation`.
     """
-    check_seed("--seed", seed)
+    check_seed("seed", seed)
     result = write_folds(prep_dir, k, seed, force=force, warn=warn)
     console = Console(highlight=False)
     store = result.store

@@ -59,7 +59,7 @@ def synth(
     unless --force.
     """
     # Before the lock (which makes the folder): a bad seed or size leaves nothing behind.
-    check_seed("--seed", seed)
+    check_seed("seed", seed)
     check_size(size)
     # One writer per folder: two at once would write the same files over each other.
     with lock.hold(out_dir, warn), counting("synth") as report:

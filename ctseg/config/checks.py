@@ -16,7 +16,7 @@ from ctseg.config.sections import (
     TrainConfig,
 )
 from ctseg.config.tile import TileRequest
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 
 # JAX computes with 32-bit integers (its default, without x64): a step count, a seed, an
 # index into a volume. Every integer key stays within them, and so does a volume's voxel
@@ -32,12 +32,13 @@ HU_RANGE = (-2000.0, 10000.0)
 
 def check_seed(name: str, value: int) -> None:
     """A seed numpy's and JAX's generators both take: 0 … 2^31 − 1 (one definition, for the
-    config's seeds and `ctseg synth --seed`)."""
-    _require(value >= 0, f"{name} must not be negative, got {value}")
-    _require(
-        value <= LARGEST_INT,
-        f"{name} must be a seed from 0 to {LARGEST_INT} (2^31 − 1), got {value}",
-    )
+    config's seeds and the API's `seed` arguments). `name` as the caller spells it."""
+    if value < 0:
+        raise OptionError(f"`{name}` must not be negative, got {value}")
+    if value > LARGEST_INT:
+        raise OptionError(
+            f"`{name}` must be a seed from 0 to {LARGEST_INT} (2^31 − 1), got {value}"
+        )
 
 
 def grid_problem(shape: typing.Sequence[int]) -> str | None:

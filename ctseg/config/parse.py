@@ -1,4 +1,4 @@
-"""Configs in and out: TOML files and `--set section.key=value` overrides parsed into a
+"""Configs in and out: TOML files and section.key=value overrides parsed into a
 checked `Config`, and a config written back as TOML (every run directory's config.toml)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Literal
 from ctseg import compat
 from ctseg.config.checks import LARGEST_INT, check
 from ctseg.config.sections import SECTION_TYPES, SECTIONS, Config
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 
 # Keys of earlier versions, which `compat.config` reads in a run's config.toml, and what
 # replaced them: a `--set` of one is a user's mistake (beside a config that sets the new
@@ -105,8 +105,8 @@ def from_dict(raw: dict[str, Any]) -> Config:
 def _refuse_legacy_override(section: str, key: str) -> None:
     new = LEGACY_KEYS.get((section, key))
     if new is not None:
-        raise CtsegError(
-            f"--set {section}.{key}: an earlier version's key (read only in old runs' "
+        raise OptionError(
+            f"`overrides` {section}.{key}: an earlier version's key (read only in old runs' "
             f"config.toml), replaced by {new}"
         )
 
@@ -157,11 +157,11 @@ def with_mesh(
 
 def _parse_override(item: str) -> tuple[str, str, Any]:
     if "=" not in item:
-        raise CtsegError(f"--set expects section.key=value, got '{item}'")
+        raise OptionError(f"`overrides` expects section.key=value, got '{item}'")
     dotted, text = item.split("=", 1)
     parts = dotted.strip().split(".")
     if len(parts) != 2:
-        raise CtsegError(f"--set expects section.key=value, got '{item}'")
+        raise OptionError(f"`overrides` expects section.key=value, got '{item}'")
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -170,7 +170,7 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
 
 
 def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Load a TOML config (or the defaults) and apply `--set section.key=value` overrides."""
+    """Load a TOML config (or the defaults) and apply `overrides` (section.key=value)."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)

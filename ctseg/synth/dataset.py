@@ -181,7 +181,7 @@ def write_dataset(
     Into a new or empty folder, one that synth wrote before, or (`force`) any folder:
     pointed at real data by mistake, it must not overwrite a LiTS volume-0.nii.gz.
     """
-    check_seed("`seed`", seed)
+    check_seed("seed", seed)
     check_size(size)
     out_dir = claim_folder(out_dir, (MARKER,), force)
     # An earlier synth's cases that this run leaves keep their entries (another's

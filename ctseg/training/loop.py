@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 
 from ctseg import atomic, lock
 from ctseg import config as cfg
+from ctseg.data.manifest import PREPARE_AGAIN
 from ctseg.data.store import Store
 from ctseg.errors import CtsegError
 from ctseg.io import pictures
@@ -121,7 +122,7 @@ def _nan_cause(store: Store) -> str:
         if top > TUMOUR:
             return (
                 f"The label map of case {case.id} holds the value {top} (labels are 0, 1, 2): "
-                "re-run `ctseg preprocess --force`"
+                f"{PREPARE_AGAIN}"
             )
     return "The training data look sound (labels 0–2): lower train.learning_rate"
 

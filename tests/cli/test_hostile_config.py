@@ -41,7 +41,7 @@ def _refused(args, *patterns):
         # Seeds: within what numpy and JAX take, one definition for every seed.
         ("train.seed=1180591620717411303424", r"train.seed = 1180591620717411303424 is beyond"),
         ("train.seed=4294967296", r"train.seed = 4294967296 is beyond the integers JAX"),
-        ("train.seed=-1", r"train.seed must not be negative, got -1"),
+        ("train.seed=-1", r"`train.seed` must not be negative, got -1"),
         ("data.split_seed=2147483648", r"data.split_seed = 2147483648 is beyond"),
         # Every integer within JAX's: a step count optax keeps in int32.
         ("train.steps=3000000000", r"train.steps = 3000000000 is beyond the integers JAX"),
@@ -71,6 +71,8 @@ def _refused(args, *patterns):
         ("model.bn_epsilon=1e30", r"model.bn_epsilon must be in \(0, 1\]"),
         # A legacy key, which would be silently overridden: said what replaced it.
         ("train.held_norm_steps=5", r"--set train.held_norm_steps: an earlier version's key.*"),
+        # The library's `overrides`, said as the flag the user typed.
+        ("resolution=64", r"^--set expects section.key=value, got 'resolution=64'"),
     ],
 )
 def test_train_refuses_bad_values_before_writing_anything(tmp_path, override, pattern):

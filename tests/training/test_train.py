@@ -467,6 +467,7 @@ def test_workdir_of_other_files_or_a_file_is_refused(store_dir, tmp_path):
 
 
 def test_nan_loss_from_bad_labels_names_the_case(store_dir, tmp_path):
+    from ctseg.data.manifest import PREPARE_AGAIN
     from ctseg.training.loop import _nan_cause
 
     bad = tmp_path / "prep"
@@ -474,7 +475,9 @@ def test_nan_loss_from_bad_labels_names_the_case(store_dir, tmp_path):
     case = Store.open(bad).split("train")[0].id
     label = bad / "cases" / case / "label.npy"
     np.save(label, np.full_like(np.load(label), 7))
-    assert f"case {case} holds the value 7" in _nan_cause(Store.open(bad))
+    cause = _nan_cause(Store.open(bad))
+    assert f"case {case} holds the value 7" in cause
+    assert cause.endswith(PREPARE_AGAIN)
 
 
 def test_cli_warns_when_the_store_has_no_validation_cases(monkeypatch, store_dir, tmp_path):
