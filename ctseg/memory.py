@@ -25,7 +25,8 @@ def host_memory() -> int:
 
 def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """Zeros on an `XLA_ALIGNMENT` boundary, so that `jax.device_put` to the CPU adopts them
-    without a copy (a 560×560×320 box's logits: 1.2 GB, 0.5 s to copy on 2 cores)."""
+    without a copy (a box's logits are gigabytes, a copy of them a measured wait:
+    docs/experiments/design-figures.md#aligned-arrays)."""
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
     raw = np.zeros(size + XLA_ALIGNMENT, np.uint8)  # calloc: untouched pages take no memory
     start = -raw.ctypes.data % XLA_ALIGNMENT

@@ -65,7 +65,8 @@ def _onnx_session(proto: Any) -> Any:
     # All graph optimisations, including the blocked-channel (NCHWc) convolution layout.
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     # No arena: a session's arena keeps its peak for the session's lifetime, and the
-    # stages' sessions live together, so their arenas would add up (24 GB at 512³).
+    # stages' sessions live together, so their arenas would add up (measured:
+    # docs/experiments/design-figures.md#onnx-runtime-sessions).
     options.enable_cpu_mem_arena = False
     return ort.InferenceSession(
         proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
