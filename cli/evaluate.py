@@ -39,15 +39,6 @@ def _run_with_progress(run: Callable[..., Report]) -> Report:
         return run(progress=report)
 
 
-# How `ctseg evaluate` spells the library's parameters in its messages (`check_request`).
-FLAGS = {
-    "out_dir": "--out DIR",
-    "locate": "--locate COARSE_RUN",
-    "margin_mm": "--margin",
-    "cross_validation": "--cross-validation",
-}
-
-
 def _evaluate_run(
     run_dirs: list[Path],
     data: Path,
@@ -357,8 +348,9 @@ def evaluate(
     _check_form(run_dirs, pred, ref, run_options)
     run_dirs = rundir.member_runs(run_dirs)  # folders of runs expanded
     if run_dirs:
-        # The library's one check of what is asked, in the command's words, before JAX starts.
-        check_request(run_dirs, out, locate, margin, cross_validation, names=FLAGS)
+        # The library's one check of what is asked (in the command's words: `cli/flags.py`),
+        # before JAX starts.
+        check_request(run_dirs, out, locate, margin, cross_validation)
         _check_run_form(run_dirs, data, json_path, csv_path, calibrate, force)
         options = InferenceOptions(
             checkpoint or "best",

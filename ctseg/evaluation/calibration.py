@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.evaluation.metrics import MEASURABLE_MM
 from ctseg.inference.quality.scores import (
     OK,  # the one verdict that flags nothing
@@ -427,8 +427,8 @@ def check_calibration_target(run_dir: Path, force: bool = False, ensemble: bool 
     path = thresholds_path(run_dir, ensemble)
     if path.exists() and not force:
         whose = "the ensembles it leads" if ensemble else "the run"
-        raise CtsegError(
-            f"{path} holds the quality thresholds of {whose} already: give --force to replace them"
+        raise OptionError(
+            f"{path} holds the quality thresholds of {whose} already: give `force` to replace them"
         )
 
 

@@ -50,8 +50,8 @@ def fold_runs(
     """
     if not store.folds:
         raise CtsegError(
-            f"the store at {store.path} has no cross-validation folds; assign them with "
-            f"`ctseg folds {store.path} --k 5` and train one run per fold (ctseg train --fold I)"
+            f"the store at {store.path} has no cross-validation folds; assign them (ctseg "
+            "folds, say 5) and train one run per fold (train.fold = I)"
         )
     runs = []
     for index, run_dir in enumerate(run_dirs):
@@ -61,7 +61,7 @@ def fold_runs(
         if record is None:
             raise CtsegError(
                 f"{run_dir} is not a cross-validation fold run (no {rundir.FOLD}); train one "
-                "run per fold with `ctseg train --fold I`"
+                "run per fold (train.fold = I)"
             )
         difference = rundir.fold_difference(record, store)
         if difference is not None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from ctseg.config import Config, InferenceOptions
 from ctseg.data.manifest import SPLITS
 from ctseg.data.store import CaseEntry, Store
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.evaluation.reports import Checkpoint, Json, Locator, RunHead, RunReport, Summary
 from ctseg.evaluation.skeleton import Part, Scored, check_request, evaluate
 from ctseg.progress import Progress
@@ -201,10 +201,10 @@ def _check_unseen(store: Store, run_dirs: Sequence[Path], split: str) -> None:
         record = rundir.read_fold(run_dir)
         seen = ids & set(record["train_cases"]) if record is not None else set()
         if seen:
-            raise CtsegError(
+            raise OptionError(
                 f"{run_dir} trained on {len(seen)} case(s) of the {split!r} split of "
                 f"{store.path} (e.g. {sorted(seen)[0]}); score an ensemble of fold runs on "
-                "scans none of them trained on, or with --cross-validation"
+                "scans none of them trained on, or with `cross_validation`"
             )
 
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from ctseg import compat
 from ctseg.atomic import claim_report, write_text
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.evaluation import metrics
 from ctseg.evaluation.pairing import CasePair, nifti_stem, pair_files, same_file
 from ctseg.evaluation.reports import Report, Summary, Unpaired
@@ -263,7 +263,7 @@ def evaluate_folders(
     stats file beside a prediction that cannot be read is a warning (`warn`).
     """
     if same_file(pred_dir, ref_dir):
-        raise CtsegError(f"--pred and --ref are the same folder ({pred_dir})")
+        raise OptionError(f"`pred_dir` and `ref_dir` are the same folder ({pred_dir})")
     pairs, unpaired_pred, unpaired_ref = pair_files(pred_dir, ref_dir)
     if not pairs:
         raise CtsegError(f"no prediction in {pred_dir} matches a reference in {ref_dir}")
@@ -277,7 +277,7 @@ def evaluate_folders(
         )
         raise CtsegError(
             f"{pred_dir} holds predictions of {len(models)} models ({described}); "
-            "predict every scan with one model (ctseg predict --force) or evaluate them apart"
+            "predict every scan with one model (ctseg predict, forced) or evaluate them apart"
         )
     result = evaluate_pairs(pairs, progress, recorded)
     errors = [
@@ -357,7 +357,7 @@ def claim_reports(
     """
     if json_path is not None and csv_path is not None:
         if Path(json_path).resolve() == Path(csv_path).resolve():
-            raise CtsegError("--json and --csv name the same file; give two files")
+            raise OptionError("`json_path` and `csv_path` name the same file; give two files")
     # The label maps the folders hold are inputs too (a report may go beside them).
     inputs = [*inputs, *(f for d in inputs if d.is_dir() for f in d.iterdir() if nifti_stem(f))]
     if json_path is not None:

@@ -17,7 +17,7 @@ what an `Evaluation` loads, so that the CLI can choose the devices first.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 
 from ctseg import atomic, labels, lock
+from ctseg.data.manifest import PREPARE_AGAIN
 from ctseg.data.store import CaseEntry, Store
-from ctseg.errors import CtsegError
+from ctseg.errors import CtsegError, OptionError
 from ctseg.evaluation.reports import Engine, Json, Report
 from ctseg.evaluation.scoring import evaluate_arrays, score_cases, write_reports
 from ctseg.inference.pipeline import Ready, pipelined
@@ -43,15 +44,6 @@ if TYPE_CHECKING:
 
 R = TypeVar("R", bound=Report, covariant=True)
 
-# How `check_request`'s messages name what was asked: the library's parameters. The CLI
-# passes its flags instead (`ctseg.cli.evaluate`).
-NAMES = {
-    "out_dir": "out_dir",
-    "locate": "locate=COARSE_RUN",
-    "margin_mm": "margin_mm",
-    "cross_validation": "evaluate_cross_validation",
-}
-
 
 def check_request(
     run_dirs: Sequence[Path],
@@ -59,29 +51,26 @@ def check_request(
     locate: Path | None = None,
     margin_mm: float | None = None,
     cross_validation: bool = False,
-    names: Mapping[str, str] | None = None,
 ) -> None:
-    """CtsegError, one line, before anything is claimed, loaded or started, unless the
+    """OptionError, one line, before anything is claimed, loaded or started, unless the
     request can be evaluated: a margin only with a locator, finite and not negative; a
     locator that is a run; an ensemble's or a cross-validation's `out_dir` given (they
-    belong to no one run); runs whose records can be read (`check_records`). `names`: how
-    the caller spells each option (default `NAMES`)."""
-    names = {**NAMES, **(names or {})}
+    belong to no one run); runs whose records can be read (`check_records`). Options are
+    named as the API spells them (the command line says its flags)."""
     check_margin(margin_mm, locate is not None)
     if locate is not None:
         try:
             rundir.load_config(Path(locate))
         except CtsegError as exc:
-            raise CtsegError(f"{names['locate']}: {exc}") from None
+            raise OptionError(f"`locate`: {exc}") from None
     if out_dir is None and cross_validation:
-        raise CtsegError(
-            f"{names['cross_validation']} writes its predictions and reports into "
-            f"{names['out_dir']}: give one"
+        raise OptionError(
+            "`cross_validation` writes its predictions and reports into `out_dir`: give one"
         )
     if out_dir is None and len(run_dirs) > 1:
-        raise CtsegError(
-            "an ensemble of several runs writes its predictions and reports into "
-            f"{names['out_dir']}: give one"
+        raise OptionError(
+            "an ensemble of several runs writes its predictions and reports into `out_dir`: "
+            "give one"
         )
     check_records(run_dirs, cross_validation)
 
@@ -272,7 +261,7 @@ def read_case(case: CaseEntry) -> tuple[Scan, Scan]:
     ):
         raise CtsegError(
             f"{case.image_source} is not the scan case {case.id} was prepared from (its geometry "
-            "differs from the store manifest's); re-run `ctseg preprocess --force`"
+            f"differs from the store manifest's); {PREPARE_AGAIN}"
         )
     reference = scans.read_scan(case.label_source)
     # Compared in canonical order, where the case is scored: a reference stored mirrored or

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg.cli.app import app
-from ctseg.errors import CtsegError
+from ctseg.cli.flags import said
+from ctseg.errors import CtsegError, OptionError
 from ctseg.evaluation.pairing import pair_files
 from ctseg.evaluation.scoring import evaluate_arrays, evaluate_folders, write_reports
 
@@ -272,15 +273,16 @@ def test_the_requests_checks_speak_the_callers_words(tmp_path):
     from ctseg.evaluation.skeleton import check_request
 
     runs = [tmp_path / "a", tmp_path / "b"]
-    with pytest.raises(CtsegError, match="reports into out_dir: give one"):
+    with pytest.raises(CtsegError, match="reports into `out_dir`: give one"):
         check_request(runs)
-    with pytest.raises(CtsegError, match="^evaluate_cross_validation writes .* into out_dir"):
+    with pytest.raises(CtsegError, match="^`cross_validation` writes .* into `out_dir`"):
         check_request(runs[:1], cross_validation=True)
-    with pytest.raises(CtsegError, match="^margin_mm applies only around a region: give locate="):
+    with pytest.raises(OptionError, match="^`margin_mm` applies only around a region") as raised:
         check_request(runs[:1], tmp_path, margin_mm=5.0)
-    flags = {"out_dir": "--out DIR", "margin_mm": "--margin", "locate": "--locate COARSE_RUN"}
-    with pytest.raises(CtsegError, match="^--margin applies only .*: give --locate COARSE_RUN$"):
-        check_request(runs[:1], tmp_path, margin_mm=5.0, names=flags)
-    with pytest.raises(CtsegError, match="^--locate COARSE_RUN: .*not a ctseg run"):
-        check_request(runs[:1], tmp_path, locate=tmp_path / "missing", names=flags)
+    assert said(str(raised.value)) == (
+        "--margin applies only around a region: give --locate or --roi"
+    )
+    with pytest.raises(OptionError, match="^`locate`: .*not a ctseg run") as raised:
+        check_request(runs[:1], tmp_path, locate=tmp_path / "missing")
+    assert said(str(raised.value)).startswith("--locate: ")
     check_request(runs, tmp_path)  # an ensemble with its folder: nothing to say

@@ -122,6 +122,6 @@ def test_a_bad_margin_is_one_line_before_anything_is_written(trained, tmp_path, 
     # The library's own entry checks it too (a script calling it without the CLI).
     from ctseg.evaluation.runs import evaluate_run
 
-    with pytest.raises(CtsegError, match="^margin_mm must"):  # in the library's words
+    with pytest.raises(CtsegError, match="^`margin_mm` must"):  # in the library's words
         evaluate_run(run_dir, store, out_dir=out, locate=run_dir, margin_mm=float(margin))
     assert not out.exists()
