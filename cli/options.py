@@ -109,21 +109,22 @@ def start_jax(
     `verbose`).
     """
     from ctseg.parallel import devices as dev
+    from ctseg.parallel import held_output, jax_start
 
     # The first import of JAX (the commands' modules leave it here: `ctseg --help` stays
     # fast) loads its plugins, which print on their own: "Could not find cuda drivers".
     with held(show=verbose):
         from ctseg.parallel import partition
 
-    dev.commands_hold_output()  # held below, and shown with --verbose
-    dev.restrict_backends(device)
+    held_output.commands_hold_output()  # held below, and shown with --verbose
+    jax_start.restrict_backends(device)
     cache_problem = use_compile_cache(compile_cache_dir(compile_cache))
     partition.initialize_distributed(coordinator, num_processes, process_id)
     # Each process contributes its share of the mesh's devices.
     processes = num_processes or 1
     partition.configure_cpu_devices(-(-(cpu_devices or config.num_devices) // processes))
     with held(show=verbose):
-        found = dev.visible(local=False)
+        found = jax_start.visible(local=False)
     # Here, so that every command (bench too) refuses a --device it cannot have, in one
     # line with the reason, before it starts any work.
     chosen = ChosenDevices.of(device, found)

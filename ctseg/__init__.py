@@ -18,7 +18,7 @@ def __getattr__(name: str):
     # `from ctseg import Segmenter, segment` without importing JAX with `import ctseg`:
     # the commands choose the devices before JAX starts.
     if name in ("Segmenter", "Segmentation", "segment"):
-        from ctseg.parallel.devices import held_start_output
+        from ctseg.parallel.held_output import held_start_output
 
         # Importing JAX imports the plugins installed beside it (the `targets` extra), which
         # say on stderr that this machine has no GPU: held, as the commands hold it.

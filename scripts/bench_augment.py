@@ -70,13 +70,13 @@ def train(data: Path, run_dir: Path, steps: int, extra: tuple[str, ...]) -> dict
 def start_on_16_cpu_devices() -> None:
     """JAX on 16 simulated CPU devices, what its plugins print on starting held, as the
     commands hold it."""
-    from ctseg.parallel import devices as dev
+    from ctseg.parallel import held_output, jax_start
 
-    with dev.held_start_output():  # importing JAX imports its plugins, which speak
+    with held_output.held_start_output():  # importing JAX imports its plugins, which speak
         from ctseg.parallel.partition import configure_cpu_devices
 
         configure_cpu_devices(16)
-    dev.start_quietly("cpu")
+    jax_start.start_quietly("cpu")
 
 
 def host_times(data: Path, samples: int, box: int) -> dict:

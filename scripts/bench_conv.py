@@ -26,7 +26,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from ctseg.parallel import devices
+from ctseg.parallel import jax_start
 
 
 def parse() -> argparse.Namespace:
@@ -128,7 +128,7 @@ def report(args: argparse.Namespace, variant: str, seconds: dict[str, float]) ->
 
 def main() -> None:
     args = parse()
-    devices.start_quietly(args.device)  # with ctseg's XLA options, as its commands start
+    jax_start.start_quietly(args.device)  # with ctseg's XLA options, as its commands start
     for variant in filter(None, args.variants.split(",")):  # '' times PyTorch's alone
         report(args, f"jax {variant}", jax_passes(args, variant))
     if args.torch:

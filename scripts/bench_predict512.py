@@ -543,10 +543,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == [MAKE_RUN]:
-        from ctseg.parallel import devices
+        from ctseg.parallel import jax_start
 
         # CPU-only, as the parent asked; what JAX's plugins print on starting is held.
-        devices.start_quietly("cpu")
+        jax_start.start_quietly("cpu")
         from ctseg import config as cfg
 
         run_dir, config_path, *overrides = sys.argv[2:]

@@ -60,9 +60,9 @@ def _stage_ends(engine, placed) -> list[float]:
 
 def main() -> None:
     args = parse()
-    from ctseg.parallel import devices as dev
+    from ctseg.parallel import jax_start
 
-    dev.start_quietly(args.device)
+    jax_start.start_quietly(args.device)
     import jax
     import numpy as np
 

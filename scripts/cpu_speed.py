@@ -25,7 +25,7 @@ os.environ.setdefault(
     "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads=2"
 )
 
-from ctseg.parallel.devices import held_start_output  # noqa: E402
+from ctseg.parallel.held_output import held_start_output  # noqa: E402
 
 with held_start_output():  # importing JAX imports its plugins, which speak
     import jax  # noqa: E402

@@ -38,9 +38,9 @@ def parse() -> argparse.Namespace:
 
 def profiled_step(args: argparse.Namespace) -> Path:
     """Run the profiled steps; the Perfetto trace's path."""
-    from ctseg.parallel import devices
+    from ctseg.parallel import jax_start
 
-    devices.start_quietly(args.device)  # with ctseg's XLA options, as its commands start
+    jax_start.start_quietly(args.device)  # with ctseg's XLA options, as its commands start
     import jax
     from jax.sharding import NamedSharding
 

@@ -14,7 +14,7 @@ from ctseg.errors import CtsegError, OptionError
 from ctseg.inference.network.choice import backend_name
 from ctseg.memory import host_memory
 from ctseg.parallel import devices as dev
-from ctseg.parallel import xla_options
+from ctseg.parallel import jax_start, xla_options
 from ctseg.parallel.compile_cache import COMPILE_CACHE_ENV, compile_cache_dir
 from ctseg.parallel.devices import ChosenDevices
 from ctseg.parallel.layouts import fit_layout, fit_training
@@ -263,7 +263,7 @@ def fake_jax(monkeypatch, answer):
 
     monkeypatch.setattr(jax, "local_devices", listing)
     monkeypatch.setattr(jax, "devices", listing)
-    monkeypatch.setattr(dev, "_faults", {})
+    monkeypatch.setattr(jax_start, "_faults", {})
 
 
 def cuda_plugin_fails(backend, call):
@@ -288,7 +288,7 @@ def cpu_only(refusal):
 def test_auto_says_why_the_gpu_did_not_start(monkeypatch):
     fake_jax(monkeypatch, cuda_plugin_fails)
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    found = dev.visible(local=False)
+    found = jax_start.visible(local=False)
     assert dev.choose("auto", found) == CPU
     assert dev.fallback_warning("auto", found) == (
         "CUDA backend failed to start: INTERNAL: no supported devices found for platform "
@@ -296,12 +296,12 @@ def test_auto_says_why_the_gpu_did_not_start(monkeypatch):
     )
     assert dev.fallback_warning("cpu", found) is None  # asked for: nothing to explain
     # JAX said it once; a later look in the same process still knows.
-    assert dev.visible().faults == {"cuda": found.faults["cuda"]}
+    assert jax_start.visible().faults == {"cuda": found.faults["cuda"]}
 
 
 def test_gpu_that_failed_to_start_is_one_line_with_the_reason(monkeypatch):
     fake_jax(monkeypatch, cuda_plugin_fails)
-    found = dev.visible()
+    found = jax_start.visible()
     with pytest.raises(CtsegError) as error:
         dev.choose("gpu", found)
     assert str(error.value) == (
@@ -313,7 +313,7 @@ def test_gpu_that_failed_to_start_is_one_line_with_the_reason(monkeypatch):
 def test_a_backend_not_installed_is_quiet(monkeypatch):
     # A CPU-only JAX (or JAX_PLATFORMS=cpu): no CUDA backend, no libtpu.
     fake_jax(monkeypatch, cpu_only(lambda backend: NO_GPU if backend == "gpu" else NO_LIBTPU))
-    found = dev.visible()
+    found = jax_start.visible()
     assert found == {"cpu": CPU} and found.faults == {}
     assert dev.fallback_warning("auto", found) is None
     with pytest.raises(CtsegError, match=r"^`device` gpu: JAX sees no GPU here \(platforms: cpu\)"):
@@ -327,7 +327,7 @@ def test_jax_platforms_that_starts_nothing_names_the_variable(monkeypatch):
 
     fake_jax(monkeypatch, refuses)
     monkeypatch.setenv("JAX_PLATFORMS", "gpu")
-    found = dev.visible()
+    found = jax_start.visible()
     assert found.faults == {}  # ROCm is not installed: no fault, the variable is the cause
     with pytest.raises(CtsegError) as error:
         dev.choose("auto", found)
@@ -340,7 +340,7 @@ def test_jax_platforms_that_leaves_the_gpu_out_says_so(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     fake_jax(monkeypatch, cpu_only(lambda backend: NO_GPU))
     with pytest.raises(CtsegError, match="JAX_PLATFORMS=cpu leaves it out: unset JAX_PLATFORMS"):
-        dev.choose("gpu", dev.visible())
+        dev.choose("gpu", jax_start.visible())
 
 
 def test_the_command_prints_why_it_runs_on_the_cpu_first(monkeypatch, capsys):
@@ -367,7 +367,7 @@ def test_jax_platforms_without_the_platform_is_one_line_from_the_command(tmp_pat
 
 
 def test_plan_compiles_a_mesh_larger_than_the_gpus_on_simulated_cpu_devices():
-    found = dev.Found({"gpu": gpus(1), "cpu": CPU})
+    found = jax_start.Found({"gpu": gpus(1), "cpu": CPU})
     devices, line = dev.plan_devices(dev.ChosenDevices.of("auto", found), 16)
     assert devices == CPU
     assert line == (
@@ -395,13 +395,14 @@ def test_every_command_refuses_a_gpu_that_failed_before_it_starts_work(monkeypat
 def test_auto_starts_only_the_cpu_where_no_accelerator_is_attached(monkeypatch):
     """A compile-only plugin (the targets extra) must not fail to start on every command of
     a machine without accelerators: `--device auto` starts the CPU alone there."""
-    monkeypatch.setattr(dev.sys, "platform", "linux")
-    monkeypatch.setattr(dev.glob, "glob", lambda pattern: [])
-    assert dev.no_accelerator()
-    monkeypatch.setattr(dev.glob, "glob", lambda pattern: [pattern] if "nvidia" in pattern else [])
-    assert not dev.no_accelerator()
-    monkeypatch.setattr(dev.sys, "platform", "darwin")  # no device files to read: no claim
-    assert not dev.no_accelerator()
+    monkeypatch.setattr(jax_start.sys, "platform", "linux")
+    monkeypatch.setattr(jax_start.glob, "glob", lambda pattern: [])
+    assert jax_start.no_accelerator()
+    nvidia_only = lambda pattern: [pattern] if "nvidia" in pattern else []  # noqa: E731
+    monkeypatch.setattr(jax_start.glob, "glob", nvidia_only)
+    assert not jax_start.no_accelerator()
+    monkeypatch.setattr(jax_start.sys, "platform", "darwin")  # no device files to read: no claim
+    assert not jax_start.no_accelerator()
 
 
 def test_xla_options_are_added_once_unless_the_user_chose():
@@ -453,6 +454,6 @@ def test_xla_options_are_set_only_before_jax_starts(monkeypatch, started):
     # Afterwards XLA would not read them, but JAX's cache keys would: programs compiled
     # without an option would be filed under it.
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    monkeypatch.setattr(dev, "_backends_started", lambda: started)
-    dev.restrict_backends("gpu")
+    monkeypatch.setattr(jax_start, "_backends_started", lambda: started)
+    jax_start.restrict_backends("gpu")
     assert os.environ.get("XLA_FLAGS") == (None if started else " ".join(OPTIONS))

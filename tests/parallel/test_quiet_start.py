@@ -12,7 +12,7 @@ import sys
 import pytest
 from helpers import REPO
 
-from ctseg.parallel import devices as dev
+from ctseg.parallel import held_output, jax_start
 from ctseg.targets import process
 
 
@@ -31,8 +31,8 @@ def test_the_api_starts_jax_without_a_word():
     # What `Segmenter(run)` does first: import the API, then see the devices.
     code = (
         "from ctseg import Segmenter\n"
-        "from ctseg.parallel import devices as dev\n"
-        "found = dev.visible()\n"
+        "from ctseg.parallel import jax_start\n"
+        "found = jax_start.visible()\n"
         "assert found.get('cpu'), found\n"
         "print('ok')\n"
     )
@@ -66,10 +66,10 @@ def test_a_command_starts_jax_without_a_word_of_its_plugins():
 
 def test_start_quietly_starts_only_the_cpu_where_no_accelerator_is_attached():
     code = (
-        "from ctseg.parallel import devices as dev\n"
-        "found = dev.start_quietly('auto')\n"
+        "from ctseg.parallel import jax_start\n"
+        "found = jax_start.start_quietly('auto')\n"
         "import jax\n"
-        "if dev.no_accelerator():\n"
+        "if jax_start.no_accelerator():\n"
         "    assert jax.config.jax_platforms == 'cpu' and not found.faults, found.faults\n"
         "print('ok')\n"
     )
@@ -80,8 +80,8 @@ def test_a_users_choice_of_platforms_stays():
     code = (
         "import jax\n"
         "jax.config.update('jax_platforms', 'cpu,tpu')\n"
-        "from ctseg.parallel import devices as dev\n"
-        "dev.start_quietly('auto')\n"
+        "from ctseg.parallel import jax_start\n"
+        "jax_start.start_quietly('auto')\n"
         "assert jax.config.jax_platforms == 'cpu,tpu'\n"
         "print('ok')\n"
     )
@@ -89,9 +89,9 @@ def test_a_users_choice_of_platforms_stays():
 
 
 def test_held_output_is_logged_at_debug_level(caplog, monkeypatch):
-    monkeypatch.setattr(dev, "_hold_start_output", True)  # as in a process of no command
-    with caplog.at_level(logging.DEBUG, logger="ctseg.parallel.devices"):
-        with dev.held_start_output():
+    monkeypatch.setattr(held_output, "_hold_start_output", True)  # as in a process of no command
+    with caplog.at_level(logging.DEBUG, logger="ctseg.parallel.held_output"):
+        with held_output.held_start_output():
             os.write(2, b"I0000 cudart_stub.cc:31] Could not find cuda drivers\n")
             logging.getLogger("jax._src.xla_bridge").error("Jax plugin configuration error")
     assert "Could not find cuda drivers" in caplog.text
@@ -102,19 +102,19 @@ def test_an_unknown_device_is_one_line():
     from ctseg.errors import CtsegError
 
     with pytest.raises(CtsegError, match="device must be one of auto, cpu, gpu, tpu"):
-        dev.start_quietly("npu")
+        jax_start.start_quietly("npu")
 
 
 def test_holds_from_several_threads_leave_stderr_as_it_was(monkeypatch):
     import threading
     import time
 
-    monkeypatch.setattr(dev, "_hold_start_output", True)
+    monkeypatch.setattr(held_output, "_hold_start_output", True)
     before = os.fstat(2)
 
     def hold():
         for _ in range(20):
-            with dev.held_start_output():
+            with held_output.held_start_output():
                 os.write(2, b"plugin line\n")
                 time.sleep(0.001)  # the threads' holds overlap
 

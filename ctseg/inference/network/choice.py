@@ -17,7 +17,8 @@ from ctseg.errors import OptionError
 from ctseg.inference.network.backends import BACKENDS, Backend
 from ctseg.inference.network.jax.backend import JaxBackend
 from ctseg.inference.network.onnx.backend import OnnxBackend
-from ctseg.parallel.devices import ACCELERATORS, ChosenDevices, is_accelerator, start_quietly
+from ctseg.parallel.devices import ACCELERATORS, ChosenDevices, is_accelerator
+from ctseg.parallel.jax_start import start_quietly
 
 
 def onnx_available() -> bool:
