@@ -26,7 +26,7 @@ write over the scan read, nor over a file that is not a label map ctseg wrote, u
 Devices: the GPUs or TPUs JAX sees (`device="auto"`), else the CPU, as the commands
 choose them. Where the user chose no platforms and JAX has not started, a machine
 without accelerators starts only the CPU, with what JAX's plugins print on starting held
-out of the user's terminal (`devices.start_quietly`); the library never sets up simulated
+out of the user's terminal (`jax_start.start_quietly`); the library never sets up simulated
 devices: a notebook that imported JAX first keeps its settings.
 """
 

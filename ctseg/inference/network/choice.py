@@ -65,7 +65,7 @@ def backend_named(name: str, devices: Sequence[Any] | None = None) -> Backend:
 
 def start_backend(options: InferenceOptions) -> Backend:
     """The API's start (the commands': `ctseg.cli.options.start_jax`, then `backend_for`):
-    JAX started for the device asked for (`devices.start_quietly`: the CPU alone where
+    JAX started for the device asked for (`jax_start.start_quietly`: the CPU alone where
     nothing else is asked or attached, what JAX's plugins print held), its devices chosen,
     and the backend built on them."""
     found = start_quietly(options.device)
