@@ -113,7 +113,7 @@ class Report:
 
 
 @dataclass(frozen=True)
-class Engine:
+class HowPredicted:
     """How a model predicted: tiles, backend, TTA and devices (in words)."""
 
     tiling: str
@@ -168,7 +168,7 @@ class RunHead:
     data: str
     split: str
     fold: int | None
-    engine: Engine
+    engine: HowPredicted
     locate: Locator | None = None
     ensemble: tuple[Checkpoint, ...] | None = None
 
@@ -206,7 +206,7 @@ class CrossValidationHead:
     data: str
     folds: int
     fold_seed: int
-    engine: Engine
+    engine: HowPredicted
 
     def to_json(self) -> Json:
         return {

@@ -28,7 +28,7 @@ from ctseg import atomic, labels, lock
 from ctseg.data.manifest import PREPARE_AGAIN
 from ctseg.data.store import CaseEntry, Store
 from ctseg.errors import CtsegError, OptionError
-from ctseg.evaluation.reports import Engine, Json, Report
+from ctseg.evaluation.reports import HowPredicted, Json, Report
 from ctseg.evaluation.scoring import evaluate_arrays, score_cases, write_reports
 from ctseg.inference.pipeline import Ready, pipelined
 from ctseg.inference.quality.thresholds import read_thresholds
@@ -105,7 +105,7 @@ class Scored:
     records: list[Json]
     errors: list[Json]
     steps: tuple[int, ...]
-    engine: Engine
+    engine: HowPredicted
 
 
 class Evaluation(Protocol[R]):
@@ -168,15 +168,15 @@ def score_parts(
 
         records, errors = score_run(predictor, part.store, part.cases, predictions, counted)
         steps = tuple(member.model.step for member in predictor.members)
-        scored.append(Scored(part, records, errors, steps, engine_of(predictor)))
+        scored.append(Scored(part, records, errors, steps, how_predicted(predictor)))
         done += len(part.cases)
         del predictor  # one model at a time on the devices
     return scored
 
 
-def engine_of(predictor: Predictor) -> Engine:
+def how_predicted(predictor: Predictor) -> HowPredicted:
     """How a model predicted: tiles, backend, TTA and devices."""
-    return Engine(predictor.plan, predictor.backend.name, predictor.tta, predictor.summary)
+    return HowPredicted(predictor.plan, predictor.backend.name, predictor.tta, predictor.summary)
 
 
 def score_run(

@@ -227,8 +227,8 @@ def test_the_reports_json_keeps_summary_jsons_layout():
         Checkpoint,
         CrossValidationHead,
         CrossValidationReport,
-        Engine,
         FoldEntry,
+        HowPredicted,
         Locator,
         RunHead,
         RunReport,
@@ -241,7 +241,7 @@ def test_the_reports_json_keeps_summary_jsons_layout():
     summary = Summary.of([record])
     assert list(summary.to_json()) == ["n_cases", "liver", "tumour", "grid_dice", "located"]
     assert summary.to_json()["located"] == {"region": 1, "whole_scan": 0}
-    engine = Engine("whole volume", "jax", True, "CPU")
+    engine = HowPredicted("whole volume", "jax", True, "CPU")
     members = (Checkpoint("a", 2), Checkpoint("b", 3))
     head = RunHead("a", 2, "p", "val", None, engine, Locator("l", 1, 20.0), members)
     run = RunReport([record], summary, [], run=head).to_json()

@@ -191,7 +191,7 @@ def test_a_runs_own_thresholds_change_its_verdicts(tmp_path):
 
 def _evaluated(cases):
     """What `evaluate_run` returns, for `cases` of `_case` (fast: nothing predicted)."""
-    from ctseg.evaluation.reports import Engine, RunHead, RunReport, Summary
+    from ctseg.evaluation.reports import HowPredicted, RunHead, RunReport, Summary
 
     records = []
     for case in cases:
@@ -200,7 +200,7 @@ def _evaluated(cases):
         record["detection"].update(case["detection"])
         record["quality"], record["grid_dice"] = case["quality"], {"liver": None, "tumour": None}
         records.append(record)
-    engine = Engine("whole volume", "jax", False, "CPU")
+    engine = HowPredicted("whole volume", "jax", False, "CPU")
     head = RunHead("run", 2, "store", "val", None, engine)
     return RunReport(records, Summary.of(records), [], run=head)
 
