@@ -9,7 +9,7 @@
 # had (phases: `ctseg synth --phases`). Each set is predicted by `ctseg predict` (which
 # records each scan's quality in its _stats.json) and scored by `ctseg evaluate
 # --pred/--ref` (each case's quality beside its Dice); scripts/quality_table.py pools the
-# cases, chooses the thresholds from them (`ctseg.evaluation.quality.choose_thresholds`,
+# cases, chooses the thresholds from them (`ctseg.evaluation.calibration.choose_thresholds`,
 # as `ctseg evaluate --calibrate` does), and reports per set and pooled: the AUROC of the
 # liver's and the tumours' scores, the share of good cases sent to review, and whether every
 # liver of Dice < 0.5 is flagged (docs/experiments/quality.md). Everything goes under
