@@ -123,7 +123,7 @@ def test_predict_and_evaluate_take_several_runs(trained, tmp_path):
     (runs / "b").unlink()
     (runs / "b").symlink_to(twin)
     result = runner.invoke(app, evaluate)
-    assert "needs --out" in str(result.exception) or "--out DIR" in str(result.exception)
+    assert "reports into --out: give one" in str(result.exception), result.output
     result = runner.invoke(app, [*evaluate, "--out", str(tmp_path / "e")])
     assert result.exit_code == 0, result.output
     summary = json.loads((tmp_path / "e" / "summary.json").read_text())
