@@ -28,8 +28,8 @@ def test_a_held_step_count_becomes_the_frozen_share_of_the_steps():
     assert cfg.from_dict({"train": {"held_norm_steps": 600}}).train.frozen_norm_steps == 600
 
 
-def test_a_held_share_is_the_frozen_share_renamed():
-    """`train.held_norm_share` (the demo's run directory says it) reads as
+def test_a_held_share_is_the_frozen_share_renamed(tmp_path):
+    """`train.held_norm_share` (run directories trained before the rename say it) reads as
     `train.frozen_norm_share`; the newest spelling present wins."""
     config = cfg.from_dict({"train": {"steps": 600, "held_norm_share": 0.3333}})
     assert config.train.frozen_norm_share == 0.3333 and config.train.frozen_norm_steps == 200
@@ -38,8 +38,10 @@ def test_a_held_share_is_the_frozen_share_renamed():
     raw = {"train": {"held_norm_share": 0.25}}
     assert compat.config(raw) == {"train": {"frozen_norm_share": 0.25}}
     assert raw == {"train": {"held_norm_share": 0.25}}  # the caller's dict as it was
-    # The shipped demo run's config.toml, written before the rename, still reads.
-    assert rundir.load_config(REPO / "demo" / "run").train.frozen_norm_steps == 200
+    # A run's config.toml written before the rename still reads.
+    old_run = (REPO / "configs" / "demo.toml").read_text().replace("frozen_norm", "held_norm")
+    (tmp_path / rundir.CONFIG).write_text(old_run)
+    assert rundir.load_config(tmp_path).train.frozen_norm_steps == 200
 
 
 def test_a_held_step_count_that_is_no_number_is_the_share_s_one_line():
