@@ -184,7 +184,8 @@ def _check_run_form(
 def _calibrate(run_dirs: list[Path], result: Report, data: Path, split: str, force: bool) -> None:
     """--calibrate: the thresholds chosen on the evaluated cases, written into the (first)
     run: its own, or those of the ensembles it leads."""
-    cases, ensemble, run_dir = result.cases, len(run_dirs) > 1, run_dirs[0]
+    cases = [case.to_json() for case in result.cases]  # as summary.json holds them
+    ensemble, run_dir = len(run_dirs) > 1, run_dirs[0]
     on = f"{len(cases)} case(s) of the {split!r} split of {data}, {date.today().isoformat()}"
     if ensemble:
         on = f"an ensemble of {len(run_dirs)} runs led by {run_dir.name}, {on}"

@@ -6,7 +6,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ctseg.evaluation.metrics import MEASURABLE_MM
-from ctseg.evaluation.reports import Report, Summary
+from ctseg.evaluation.reports import CaseRecord, Report, Summary
 
 
 def fmt(value: float | None, digits: int = 3) -> str:
@@ -14,7 +14,7 @@ def fmt(value: float | None, digits: int = 3) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
-def _case_table(cases: list[dict]) -> Table:
+def _case_table(cases: list[CaseRecord]) -> Table:
     table = Table(title="Per case")
     # In a narrow terminal every letter of a case's name shows, folded over lines: cut
     # short, segmentation-1 and segmentation-12 both read "segmentat…".
@@ -27,21 +27,21 @@ def _case_table(cases: list[dict]) -> Table:
         "lesions\ndet/ref",
     ):
         table.add_column(heading, justify="right", no_wrap=True)  # numbers are never cut
-    located = any("located" in case for case in cases)  # --locate: where each was predicted
+    located = any(case.located is not None for case in cases)  # --locate: where predicted
     if located:
         table.add_column("predicted")
     for case in cases:
-        detection = case["detection"]
+        liver, detection = case.metrics["liver"], case.metrics["detection"]
         row = [
-            escape(case["case"]),
-            fmt(case["liver"]["dice"]),
-            fmt(case["tumour"]["dice"]),
-            fmt(case["liver"]["assd"], 2),
-            fmt(case["liver"]["hd95"], 2),
+            escape(case.case),
+            fmt(liver["dice"]),
+            fmt(case.metrics["tumour"]["dice"]),
+            fmt(liver["assd"], 2),
+            fmt(liver["hd95"], 2),
             f"{detection['n_detected']}/{detection['n_ref']}",
         ]
         if located:
-            region = case.get("located", {}).get("region")
+            region = (case.located or {}).get("region")
             row.append("region" if region else "[yellow]whole scan[/]")
         table.add_row(*row)
     return table
@@ -89,9 +89,7 @@ def print_result(console: Console, result: Report) -> None:
             )
         )
     for error in result.errors:
-        console.print(
-            f"[bold red]case {escape(error['case'])} failed:[/] {escape(error['message'])}"
-        )
+        console.print(f"[bold red]case {escape(error.case)} failed:[/] {escape(error.message)}")
 
 
 def auroc_of(power: dict) -> str:

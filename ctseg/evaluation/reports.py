@@ -1,9 +1,9 @@
 """What an evaluation returns and writes (summary.json): its report, as types.
 
-Every evaluation's report is a `Report`: its cases (each case's record, as
+Every evaluation's report is a `Report`: its cases (each a `CaseRecord`, as
 metrics.csv's rows and summary.json's "cases" hold it), their `Summary`, the cases that
-failed and, for ``--pred/--ref``, the files left unpaired. A run's or an ensemble's
-evaluation adds its `RunHead` (`RunReport`), a cross-validation its
+failed (each a `FailedCase`) and, for ``--pred/--ref``, the files left unpaired. A run's
+or an ensemble's evaluation adds its `RunHead` (`RunReport`), a cross-validation its
 `CrossValidationHead` and one `FoldEntry` per fold run (`CrossValidationReport`).
 `to_json` gives summary.json's content, key for key, in its order.
 
@@ -21,6 +21,39 @@ from ctseg.evaluation import metrics
 
 Json = dict[str, Any]
 GRID_DICE_KEYS = ("liver", "tumour")
+
+
+@dataclass(frozen=True)
+class CaseRecord:
+    """One case's record: its metrics (`metrics.case_metrics`: the "liver", "tumour",
+    "detection" and "burden" tables), and where known the prediction's quality (as
+    `ctseg predict` judged it), with a locator where it was predicted (`located`), and a
+    run's evaluation's Dice on the training grid (`grid_dice`: liver, tumour)."""
+
+    case: str
+    metrics: Json
+    quality: Json | None = None
+    located: Json | None = None
+    grid_dice: Json | None = None
+
+    def to_json(self) -> Json:
+        """The case as summary.json's "cases" hold it, key for key, in its order."""
+        record: Json = {"case": self.case, **self.metrics}
+        for key in ("located", "quality", "grid_dice"):
+            if (value := getattr(self, key)) is not None:
+                record[key] = value
+        return record
+
+
+@dataclass(frozen=True)
+class FailedCase:
+    """A case that could not be scored, and why, in one line."""
+
+    case: str
+    message: str
+
+    def to_json(self) -> Json:
+        return {"case": self.case, "message": self.message}
 
 
 @dataclass(frozen=True)
@@ -48,21 +81,22 @@ class Summary:
     quality: Json | None = None
 
     @classmethod
-    def of(cls, records: Sequence[Json], grid_dice: bool = True) -> Summary:
+    def of(cls, records: Sequence[CaseRecord], grid_dice: bool = True) -> Summary:
         """The summary of case records (`grid_dice`: a run's, whose records carry one)."""
-        summary = metrics.summarize(list(records))
+        written = [record.to_json() for record in records]
+        summary = metrics.summarize(written)
         grid = None
         if grid_dice:
             grid = {
-                key: metrics.mean_defined([r["grid_dice"][key] for r in records])
+                key: metrics.mean_defined([(r.grid_dice or {}).get(key) for r in records])
                 for key in GRID_DICE_KEYS
             }
-        located = [r["located"] for r in records if r.get("located") is not None]
+        located = [r.located for r in records if r.located is not None]
         counts = None
         if located:
             regions = sum(entry["region"] is not None for entry in located)
             counts = LocatedCounts(regions, len(located) - regions)
-        power = quality_power.summarize(records)
+        power = quality_power.summarize(written)
         return cls(summary["n_cases"], summary["liver"], summary["tumour"], grid, counts, power)
 
     def to_json(self) -> Json:
@@ -89,12 +123,12 @@ class Unpaired:
 
 @dataclass(frozen=True)
 class Report:
-    """An evaluation's cases (records), their summary, the failed cases ({"case",
-    "message"}) and the unpaired files (empty but for ``--pred/--ref``)."""
+    """An evaluation's cases, their summary, the failed cases and the unpaired files
+    (empty but for ``--pred/--ref``)."""
 
-    cases: list[Json]
+    cases: list[CaseRecord]
     summary: Summary
-    errors: list[Json]
+    errors: list[FailedCase]
     unpaired: Unpaired = field(default_factory=Unpaired)
 
     def head(self) -> Json:
@@ -105,9 +139,9 @@ class Report:
         """summary.json's content."""
         return {
             **self.head(),
-            "cases": self.cases,
+            "cases": [case.to_json() for case in self.cases],
             "summary": self.summary.to_json(),
-            "errors": self.errors,
+            "errors": [error.to_json() for error in self.errors],
             "unpaired": self.unpaired.to_json(),
         }
 

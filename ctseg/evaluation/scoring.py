@@ -37,7 +37,7 @@ from ctseg.atomic import claim_report, write_text
 from ctseg.errors import CtsegError, OptionError
 from ctseg.evaluation import metrics
 from ctseg.evaluation.pairing import CasePair, nifti_stem, pair_files, same_file
-from ctseg.evaluation.reports import Report, Summary, Unpaired
+from ctseg.evaluation.reports import CaseRecord, FailedCase, Report, Summary, Unpaired
 from ctseg.io import scans
 from ctseg.io.orientation import voxels_difference
 from ctseg.labels import check_labels
@@ -55,18 +55,18 @@ Case = TypeVar("Case")
 
 def evaluate_arrays(
     name: str, pred_labels: np.ndarray, ref_labels: np.ndarray, spacing: Sequence[float]
-) -> dict:
-    """The case record of the JSON report for two label maps on one grid (spacing in mm)."""
+) -> CaseRecord:
+    """The case's record for two label maps on one grid (spacing in mm)."""
     if pred_labels.shape != ref_labels.shape:
         raise CtsegError(
             f"prediction shape {pred_labels.shape} differs from reference shape {ref_labels.shape}"
         )
     pred = check_labels(pred_labels, "the prediction")
     ref = check_labels(ref_labels, "the reference")
-    return {"case": name, **metrics.case_metrics(pred, ref, spacing)}
+    return CaseRecord(name, metrics.case_metrics(pred, ref, spacing))
 
 
-def evaluate_pair(pair: CasePair, judged: dict | None = None) -> dict:
+def evaluate_pair(pair: CasePair, judged: dict | None = None) -> CaseRecord:
     """Read one prediction/reference pair (`read_scan`, with its checks), check that they
     are two files of one grid, and evaluate it; `judged`: the quality `ctseg predict`
     recorded for the prediction (`Recorded`), kept in its record."""
@@ -86,9 +86,7 @@ def evaluate_pair(pair: CasePair, judged: dict | None = None) -> dict:
     if difference:
         raise CtsegError(f"the prediction's geometry is not the reference's: {difference}")
     record = evaluate_arrays(pair.case, pred.array, ref.array, ref.spacing)
-    if judged is not None:
-        record["quality"] = judged
-    return record
+    return dataclasses.replace(record, quality=judged)
 
 
 def _stats_beside(pred: Path) -> Path | None:
@@ -146,21 +144,22 @@ def read_recorded(pred: Path) -> Recorded | None:
 def score_cases(
     cases: Sequence[Case],
     name: Callable[[Case], str],
-    score: Callable[[Case], dict],
+    score: Callable[[Case], CaseRecord],
     progress: Progress | None = None,
-) -> tuple[list[dict], list[dict]]:
-    """`score` every case: (the records, {"case", "message"} of each that failed).
+) -> tuple[list[CaseRecord], list[FailedCase]]:
+    """`score` every case: (the records, each case that failed).
 
     A case's `CtsegError` fails that case alone; the others go on.
     """
-    records, errors = [], []
+    records: list[CaseRecord] = []
+    errors: list[FailedCase] = []
     for done, case in enumerate(cases):
         if progress is not None:
             progress(done, len(cases), name(case))
         try:
             records.append(score(case))
         except CtsegError as exc:
-            errors.append({"case": name(case), "message": str(exc)})
+            errors.append(FailedCase(name(case), str(exc)))
     if progress is not None:
         progress(len(cases), len(cases), "")
     return records, errors
@@ -179,7 +178,7 @@ def evaluate_pairs(
     """
     recorded = recorded or {}
 
-    def evaluate(pair: CasePair) -> dict:
+    def evaluate(pair: CasePair) -> CaseRecord:
         found = recorded.get(pair.case)
         return evaluate_pair(pair, None if found is None else found.quality)
 
@@ -203,17 +202,17 @@ def _recorded(
     return found
 
 
-def missing_predictions(unpaired_ref: Sequence[str], pred_dir: Path) -> list[dict]:
-    """A failed case ({"case", "message"}) for each reference without its prediction."""
+def missing_predictions(unpaired_ref: Sequence[str], pred_dir: Path) -> list[FailedCase]:
+    """A failed case for each reference without its prediction."""
     missing = []
     for name in unpaired_ref:
         stem = nifti_stem(Path(name)) or name
         missing.append(
-            {
-                "case": stem,
-                "message": f"no prediction in {pred_dir} for the reference {name} (looked for "
+            FailedCase(
+                stem,
+                f"no prediction in {pred_dir} for the reference {name} (looked for "
                 f"{stem}.nii.gz, {stem}_seg.nii.gz and the like)",
-            }
+            )
         )
     return missing
 
@@ -230,7 +229,7 @@ def _unusable(path: Path) -> str | None:
     return None
 
 
-def _unreadable(unpaired_pred: Sequence[str], pred_dir: Path) -> list[dict]:
+def _unreadable(unpaired_pred: Sequence[str], pred_dir: Path) -> list[FailedCase]:
     """A failed case for each unpaired prediction that cannot be read (a dangling link, a
     pipe, one without read permission): whatever it was meant to be, it was not scored."""
     failed = []
@@ -239,10 +238,7 @@ def _unreadable(unpaired_pred: Sequence[str], pred_dir: Path) -> list[dict]:
         if why := _unusable(path):
             case = nifti_stem(Path(name)) or name
             failed.append(
-                {
-                    "case": case,
-                    "message": f"the prediction {path} is {why}; it matches no reference",
-                }
+                FailedCase(case, f"the prediction {path} is {why}; it matches no reference")
             )
     return failed
 
@@ -293,21 +289,20 @@ def evaluate_folders(
 # ---------------------------------------------------------------- reports
 
 
-def case_row(case: dict) -> dict[str, Any]:
+def case_row(case: CaseRecord) -> dict[str, Any]:
     """One flat CSV row: "case", then "<section>_<metric>" for every per-case value, and
     the prediction's quality (`quality_verdict`, `quality_score`, …) where it has one."""
-    row: dict[str, Any] = {"case": case["case"]}
+    row: dict[str, Any] = {"case": case.case}
     for section in CSV_SECTIONS:
-        for key, value in case[section].items():
+        for key, value in case.metrics[section].items():
             row[f"{section}_{key}"] = value
-    judged = case.get("quality")
-    if isinstance(judged, dict):
+    if case.quality is not None:
         for key in QUALITY_COLUMNS:
-            row[f"quality_{key}"] = judged.get(key)
+            row[f"quality_{key}"] = case.quality.get(key)
     return row
 
 
-def cases_csv(cases: Sequence[dict]) -> str:
+def cases_csv(cases: Sequence[CaseRecord]) -> str:
     """The per-case table as CSV text; undefined values are empty cells."""
     rows = [case_row(case) for case in cases]
     columns = list(dict.fromkeys(column for row in rows for column in row)) or ["case"]

@@ -18,7 +18,7 @@ what an `Evaluation` loads, so that the CLI can choose the devices first.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -28,7 +28,7 @@ from ctseg import atomic, labels, lock
 from ctseg.data.manifest import PREPARE_AGAIN
 from ctseg.data.store import CaseEntry, Store
 from ctseg.errors import CtsegError, OptionError
-from ctseg.evaluation.reports import HowPredicted, Json, Report
+from ctseg.evaluation.reports import CaseRecord, FailedCase, HowPredicted, Json, Report
 from ctseg.evaluation.scoring import evaluate_arrays, score_cases, write_reports
 from ctseg.inference.pipeline import Ready, pipelined
 from ctseg.inference.quality.thresholds import read_thresholds
@@ -102,8 +102,8 @@ class Scored:
     and how its model predicted."""
 
     part: Part
-    records: list[Json]
-    errors: list[Json]
+    records: list[CaseRecord]
+    errors: list[FailedCase]
     steps: tuple[int, ...]
     engine: HowPredicted
 
@@ -185,7 +185,7 @@ def score_run(
     cases: Sequence[CaseEntry],
     predictions: Path,
     progress: Progress | None,
-) -> tuple[list[Json], list[Json]]:
+) -> tuple[list[CaseRecord], list[FailedCase]]:
     """Predict and score `cases` with one model through the scan pipeline
     (`ctseg.inference.pipeline`): a case's scan and reference read and brought to the grid
     while the case before it predicts, scored while the case after it predicts; a case's
@@ -197,7 +197,7 @@ def score_run(
     )
     results = pipelined(cases, _CaseStages(predictor, store, predictions))
 
-    def score(case: CaseEntry) -> Json:
+    def score(case: CaseEntry) -> CaseRecord:
         result = next(results)
         if isinstance(result, CtsegError):
             raise result
@@ -232,7 +232,9 @@ class _CaseStages:
             self.carried[case.id] = exc
             return None
 
-    def finish(self, case: CaseEntry, ready: Ready | None, probabilities: Any) -> Json | CtsegError:
+    def finish(
+        self, case: CaseEntry, ready: Ready | None, probabilities: Any
+    ) -> CaseRecord | CtsegError:
         reference = self.carried.pop(case.id)
         if isinstance(reference, CtsegError):
             return reference
@@ -279,7 +281,7 @@ def evaluate_case(
     scan: Scan,
     reference: Scan,
     prediction: Prediction,
-) -> Json:
+) -> CaseRecord:
     """One case's prediction of its original scan, scored there against `reference` and on
     the grid, with the prediction's quality (as `ctseg predict` records it) beside its
     metrics; the prediction written into the folder `predictions`."""
@@ -288,16 +290,19 @@ def evaluate_case(
     # Canonical order is a flip/permutation of the file's, and scan.spacing is canonical: the
     # metrics equal those computed in the file's own voxel order.
     record = evaluate_arrays(case.id, prediction.labels, reference.array, scan.spacing)
-    if prediction.located is not None:  # a locator's region, or why the whole scan
-        record["located"] = prediction.located
-    # What the training data says of it (the run's fingerprint and thresholds).
-    record["quality"] = predictor.judge(prediction, scan).to_json()
     # On the grid (the run's and the store's: the same scan, the same resampling), against
     # the store's labels. An ensemble has no one grid, nor has a prediction on a region's
     # window of it.
     on_grid = prediction.grid_labels
-    if on_grid is None:
-        record["grid_dice"] = {"liver": None, "tumour": None}
-        return record
-    record["grid_dice"] = labels.grid_dice(on_grid, np.asarray(store.label(case.id)))
-    return record
+    grid_dice = (
+        {"liver": None, "tumour": None}
+        if on_grid is None
+        else labels.grid_dice(on_grid, np.asarray(store.label(case.id)))
+    )
+    return replace(
+        record,
+        located=prediction.located,  # a locator's region, or why the whole scan
+        # What the training data says of it (the run's fingerprint and thresholds).
+        quality=predictor.judge(prediction, scan).to_json(),
+        grid_dice=grid_dice,
+    )

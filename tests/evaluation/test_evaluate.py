@@ -1,6 +1,7 @@
 """Folder evaluation: pairing, per-case errors, reports, and the `ctseg evaluate` command."""
 
 import csv
+import dataclasses
 import json
 import subprocess
 import sys
@@ -113,8 +114,8 @@ def test_bad_cases_are_recorded_and_others_evaluated(folders):
     pred, ref = folders
     progress_calls = []
     result = evaluate_folders(pred, ref, progress=lambda *args: progress_calls.append(args))
-    assert [case["case"] for case in result.cases] == ["segmentation-1", "segmentation-2"]
-    errors = {error["case"]: error["message"] for error in result.errors}
+    assert [case.case for case in result.cases] == ["segmentation-1", "segmentation-2"]
+    errors = {error.case: error.message for error in result.errors}
     assert set(errors) == {"segmentation-3", "segmentation-4", "segmentation-5"}
     assert "shape" in errors["segmentation-3"]
     assert "affine" in errors["segmentation-4"]
@@ -122,16 +123,16 @@ def test_bad_cases_are_recorded_and_others_evaluated(folders):
     assert all("\n" not in message for message in errors.values())
     assert progress_calls[0] == (0, 5, "segmentation-1") and progress_calls[-1][:2] == (5, 5)
 
-    first = result.cases[0]
+    first = result.cases[0].metrics
     assert first["liver"]["mssd"] == pytest.approx(SPACING[0])  # shifted one voxel along x
-    assert result.cases[1]["tumour"]["hd95"] is None  # no tumour on either side
+    assert result.cases[1].metrics["tumour"]["hd95"] is None  # no tumour on either side
     assert result.summary.n_cases == 2
     assert result.summary.tumour["detection_recall"] == 1.0
 
 
 def test_float_labels_are_accepted_when_whole():
     case = evaluate_arrays("c", labels().astype(np.float32), labels(), SPACING)
-    assert case["liver"]["dice"] == 1.0
+    assert case.metrics["liver"]["dice"] == 1.0
     fractional = labels().astype(np.float32)
     fractional[0, 0, 0] = 1.5
     with pytest.raises(CtsegError, match="the prediction has label values outside .*: 1.5"):
@@ -235,9 +236,11 @@ def test_the_reports_json_keeps_summary_jsons_layout():
         Summary,
     )
 
-    record = evaluate_arrays("c", labels(), labels(), SPACING)
-    record["grid_dice"] = {"liver": 1.0, "tumour": None}
-    record["located"] = {"region": [[0, 0, 0], [4, 4, 4]]}
+    record = dataclasses.replace(
+        evaluate_arrays("c", labels(), labels(), SPACING),
+        grid_dice={"liver": 1.0, "tumour": None},
+        located={"region": [[0, 0, 0], [4, 4, 4]]},
+    )
     summary = Summary.of([record])
     assert list(summary.to_json()) == ["n_cases", "liver", "tumour", "grid_dice", "located"]
     assert summary.to_json()["located"] == {"region": 1, "whole_scan": 0}
@@ -246,6 +249,9 @@ def test_the_reports_json_keeps_summary_jsons_layout():
     head = RunHead("a", 2, "p", "val", None, engine, Locator("l", 1, 20.0), members)
     run = RunReport([record], summary, [], run=head).to_json()
     assert list(run) == ["run", "cases", "summary", "errors", "unpaired"]
+    assert list(run["cases"][0]) == [
+        *("case", "liver", "tumour", "detection", "burden", "located", "grid_dice")
+    ]
     assert list(run["run"]) == [
         *("run_dir", "checkpoint_step", "data", "split", "fold"),
         *("tiling", "backend", "tta", "device", "locate", "ensemble"),

@@ -196,10 +196,13 @@ def _evaluated(cases):
     records = []
     for case in cases:
         record = evaluate_arrays(case["case"], labels(), labels(), SPACING)
-        record["liver"]["dice"], record["tumour"]["dice"] = case["liver"]["dice"], 0.8
-        record["detection"].update(case["detection"])
-        record["quality"], record["grid_dice"] = case["quality"], {"liver": None, "tumour": None}
-        records.append(record)
+        record.metrics["liver"]["dice"], record.metrics["tumour"]["dice"] = (
+            case["liver"]["dice"],
+            0.8,
+        )
+        record.metrics["detection"].update(case["detection"])
+        no_grid = {"liver": None, "tumour": None}
+        records.append(dataclasses.replace(record, quality=case["quality"], grid_dice=no_grid))
     engine = HowPredicted("whole volume", "jax", False, "CPU")
     head = RunHead("run", 2, "store", "val", None, engine)
     return RunReport(records, Summary.of(records), [], run=head)
@@ -227,7 +230,8 @@ def test_evaluate_calibrate_writes_refuses_without_force_and_replaces_with_it(
     path = thresholds.thresholds_path(run_dir)
     written = thresholds.Thresholds.read(path)
     assert written.n_cases == 27 and "'val' split" in written.calibrated_on
-    again = power.choose_thresholds(_evaluated(cohort).cases, written.calibrated_on)
+    cases = [case.to_json() for case in _evaluated(cohort).cases]
+    again = power.choose_thresholds(cases, written.calibrated_on)
     assert written == again.thresholds
     output = " ".join(result.output.split())
     assert "quality thresholds chosen on 27 case(s)" in output and "intensity" in output

@@ -106,11 +106,11 @@ def test_pred_ref_reports_carry_the_quality_ctseg_predict_recorded(tmp_path):
     save(ref / "case2.nii.gz", labels())
     save(pred / "case2_seg.nii.gz", labels())  # predicted before verdicts: no stats file
     result = evaluate_folders(pred, ref)
-    qualities = [case.get("quality") for case in result.cases]
+    qualities = [case.quality for case in result.cases]
     assert [q and q["verdict"] for q in qualities] == ["ok", "review", None]
     summary = result.summary.quality
     assert summary["n_cases"] == 2 and summary["verdicts"] == {"ok": 1, "review": 1}
-    assert result.cases[1]["liver"]["dice"] < power.LIVER_BAD_BELOW
+    assert result.cases[1].metrics["liver"]["dice"] < power.LIVER_BAD_BELOW
     assert summary["liver"]["auroc"] == 1.0  # the shifted liver scores higher
     write_reports(result, tmp_path / "summary.json", tmp_path / "metrics.csv")
     header, *rows = (tmp_path / "metrics.csv").read_text().splitlines()
