@@ -41,7 +41,6 @@ from ctseg import atomic
 from ctseg.errors import CtsegError, OptionError
 from ctseg.inference import requests
 from ctseg.inference.inputs import ScanOutcome, output_name, output_paths
-from ctseg.inference.network.jax.plans import is_out_of_memory
 from ctseg.inference.outputs_record import OwnOutputs
 from ctseg.inference.pipeline import Ready, pipelined
 from ctseg.inference.predictor import (
@@ -134,12 +133,12 @@ class _FileStages:
     def read(self, item: tuple[int, Path]) -> Ready | None:
         index, source = item
         outcome = self.outcomes[index] = ScanOutcome(source, output_name(source))
-        return _guarded(outcome, _READING, self._read, outcome)
+        return self._guarded(outcome, _READING, self._read, outcome)
 
     def infer(self, item: tuple[int, Path], ready: Ready) -> Any:
         outcome = self.outcomes[item[0]]
         progress = _stage_progress(self.progress, outcome.name)
-        return _guarded(
+        return self._guarded(
             outcome,
             _INFERENCE,
             self.predictor.infer,
@@ -154,8 +153,26 @@ class _FileStages:
     ) -> ScanOutcome:
         outcome = self.outcomes.pop(item[0])
         if ready is not None and probabilities is not None:
-            _guarded(outcome, _WRITING, self._write, outcome, ready, probabilities)
+            self._guarded(outcome, _WRITING, self._write, outcome, ready, probabilities)
         return outcome
+
+    def _guarded(self, outcome: ScanOutcome, doing: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)`, or None with the scan's one-line error on `outcome`: whatever `fn`
+        raises (a library's bug on a strange file too) fails this scan, never the batch."""
+        try:
+            return fn(*args)
+        except CtsegError as exc:
+            outcome.error = str(exc)
+        except Exception as exc:
+            out_of_memory = self.predictor.backend.out_of_memory(exc)
+            if out_of_memory and doing == _INFERENCE:
+                outcome.error = f"{doing} ran out of memory; try a smaller tile size"
+            elif out_of_memory:
+                outcome.error = f"{doing} ran out of memory ({type(exc).__name__})"
+            else:
+                cause = one_line(exc) if str(exc).strip() else "no message"
+                outcome.error = f"{doing} failed on {outcome.source}: {type(exc).__name__}: {cause}"
+        return None
 
     def _read(self, outcome: ScanOutcome) -> Ready | None:
         predictor, source, force = self.predictor, outcome.source, self.force
@@ -218,25 +235,6 @@ def _stage_progress(progress: FileProgress | None, name: str) -> StageProgress |
 # What `_guarded` was doing when a scan failed, said in its error; only the network's
 # inference is tiled, so only there do smaller tiles help against running out of memory.
 _READING, _INFERENCE, _WRITING = "reading", "inference", "post-processing and writing"
-
-
-def _guarded(outcome: ScanOutcome, doing: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)`, or None with the scan's one-line error on `outcome`: whatever `fn`
-    raises (a library's bug on a strange file too) fails this scan, never the batch."""
-    try:
-        return fn(*args)
-    except CtsegError as exc:
-        outcome.error = str(exc)
-    except Exception as exc:
-        out_of_memory = isinstance(exc, MemoryError) or is_out_of_memory(exc)
-        if out_of_memory and doing == _INFERENCE:
-            outcome.error = f"{doing} ran out of memory; try a smaller tile size"
-        elif out_of_memory:
-            outcome.error = f"{doing} ran out of memory ({type(exc).__name__})"
-        else:
-            cause = one_line(exc) if str(exc).strip() else "no message"
-            outcome.error = f"{doing} failed on {outcome.source}: {type(exc).__name__}: {cause}"
-    return None
 
 
 def _write_images(

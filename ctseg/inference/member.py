@@ -24,7 +24,6 @@ from ctseg.inference.network import tiling
 from ctseg.inference.network.backends import Backend
 from ctseg.inference.network.boxes import Windows
 from ctseg.inference.network.engine import Engine, class_probabilities
-from ctseg.inference.network.jax.plans import is_out_of_memory
 from ctseg.inference.network.tiling import Span
 from ctseg.inference.scan import to_grid
 from ctseg.inference.scan.region import GridWindow, Region, window_of
@@ -164,7 +163,7 @@ class Member:
         try:
             return self._probabilities(self.engine_for(box), unit, tta, progress, need)
         except Exception as exc:
-            if not is_out_of_memory(exc):
+            if not self.backend.out_of_memory(exc):
                 raise
         before = self.engine.description
         key = (box, self.boxes.windows_for(box))
@@ -174,7 +173,7 @@ class Member:
         try:
             return self._probabilities(self.engine, unit, tta, progress, need)
         except Exception as again:
-            if not is_out_of_memory(again):
+            if not self.backend.out_of_memory(again):
                 raise
             raise CtsegError(
                 f"out of memory on {dev.describe(self.engine.devices)}, also with "

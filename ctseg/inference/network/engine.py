@@ -26,7 +26,6 @@ from ctseg.errors import CtsegError
 from ctseg.inference.network import probability_ops, tiling
 from ctseg.inference.network.backends import Backend
 from ctseg.inference.network.boxes import Windows
-from ctseg.inference.network.jax.plans import COMPILED_SHARE
 from ctseg.inference.network.tiling import Span, Stage
 from ctseg.progress import TileProgress
 from ctseg.run.trained import TrainedModel
@@ -146,7 +145,7 @@ class Engine:
     def smaller(self) -> Engine:
         """An automatic plan for half the memory this plan's programs need (after an
         out-of-memory on the accelerator)."""
-        memory = int(self.needed / 2 / COMPILED_SHARE)
+        memory = self.backend.memory_for(self.needed // 2)
         return Engine(self.model, self.backend, AUTO, memory, self.shape)
 
 

@@ -182,6 +182,10 @@ class OnnxBackend(Backend):
     def free_memory(self) -> int:
         return host_memory()
 
+    def memory_for(self, needed: int) -> int:
+        # Nothing measured (`OnnxPlan.needed` is 0): the plan for the smallest tiles.
+        return int(needed / tile_memory.MEMORY_SHARE)
+
     def plan(
         self, model: TrainedModel, shape: Shape, stages: list[Stage] | None, memory: int
     ) -> OnnxPlan:
