@@ -13,7 +13,7 @@ from rich.markup import escape
 from ctseg.cli.app import app
 from ctseg.cli.evaluate_report import auroc_of, fmt, print_result
 from ctseg.cli.options import CompileCacheOption, DeviceChoice, start_inference, warn
-from ctseg.cli.predict import BackendOption, TtaOption
+from ctseg.cli.predict_options import BackendOption, TtaOption
 from ctseg.cli.progress import counting
 from ctseg.config import InferenceOptions
 from ctseg.errors import CtsegError
