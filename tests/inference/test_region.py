@@ -10,6 +10,7 @@ from helpers import fixed_windows_everywhere, random_model
 
 from ctseg import config as cfg
 from ctseg.config import InferenceOptions
+from ctseg.inference.network.choice import backend_named
 from ctseg.inference.network.jax.backend import JaxBackend
 from ctseg.inference.predictor import Predictor
 from ctseg.inference.scan import postprocess
@@ -61,8 +62,11 @@ def test_inside_the_region_the_labels_are_the_whole_scan_s(
     if windows:
         fixed_windows_everywhere(monkeypatch)
         backend = "jax"
+    if backend == "onnx":
+        pytest.importorskip("onnxruntime")
     options = InferenceOptions(tile=tile, backend=backend)
-    predictor = Predictor(model, JaxBackend(jax.devices()[:devices]), options)
+    predictor = Predictor(model, backend_named(backend, jax.devices()[:devices]), options)
+    assert predictor.backend.name == backend
     whole = predictor.predict(scan).labels
     assert (predictor.members[0].boxes.canvas is not None) == windows  # the whole scan's in one
     mask = np.zeros(SHAPE, np.uint8)
