@@ -1,5 +1,6 @@
-"""The host's memory: what is available, buffers JAX on the CPU takes without a copy, and
-byte counts as people read them (one formatter for every command)."""
+"""The host's memory: what is available, buffers JAX on the CPU takes without a copy, what
+running out of memory raises, and byte counts as people read them (one formatter for every
+command)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     raw = np.zeros(size + XLA_ALIGNMENT, np.uint8)  # calloc: untouched pages take no memory
     start = -raw.ctypes.data % XLA_ALIGNMENT
     return raw[start : start + size].view(dtype).reshape(shape)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` says memory ran out: the host's (`MemoryError`), or a device's as XLA
+    reports it (status RESOURCE_EXHAUSTED; the host CPU's too). Every backend runs XLA
+    programs beside its network (to the grid, the class probabilities, the way back), so
+    this is one test for all of them."""
+    return isinstance(exc, MemoryError) or "RESOURCE_EXHAUSTED" in str(exc)
 
 
 def human_bytes(count: float) -> str:

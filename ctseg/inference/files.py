@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ctseg import atomic
+from ctseg import atomic, memory
 from ctseg.errors import CtsegError, OptionError
 from ctseg.inference import requests
 from ctseg.inference.inputs import ScanOutcome, output_name, output_paths
@@ -133,12 +133,12 @@ class _FileStages:
     def read(self, item: tuple[int, Path]) -> Ready | None:
         index, source = item
         outcome = self.outcomes[index] = ScanOutcome(source, output_name(source))
-        return self._guarded(outcome, _READING, self._read, outcome)
+        return _guarded(outcome, _READING, self._read, outcome)
 
     def infer(self, item: tuple[int, Path], ready: Ready) -> Any:
         outcome = self.outcomes[item[0]]
         progress = _stage_progress(self.progress, outcome.name)
-        return self._guarded(
+        return _guarded(
             outcome,
             _INFERENCE,
             self.predictor.infer,
@@ -153,26 +153,8 @@ class _FileStages:
     ) -> ScanOutcome:
         outcome = self.outcomes.pop(item[0])
         if ready is not None and probabilities is not None:
-            self._guarded(outcome, _WRITING, self._write, outcome, ready, probabilities)
+            _guarded(outcome, _WRITING, self._write, outcome, ready, probabilities)
         return outcome
-
-    def _guarded(self, outcome: ScanOutcome, doing: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)`, or None with the scan's one-line error on `outcome`: whatever `fn`
-        raises (a library's bug on a strange file too) fails this scan, never the batch."""
-        try:
-            return fn(*args)
-        except CtsegError as exc:
-            outcome.error = str(exc)
-        except Exception as exc:
-            out_of_memory = self.predictor.backend.out_of_memory(exc)
-            if out_of_memory and doing == _INFERENCE:
-                outcome.error = f"{doing} ran out of memory; try a smaller tile size"
-            elif out_of_memory:
-                outcome.error = f"{doing} ran out of memory ({type(exc).__name__})"
-            else:
-                cause = one_line(exc) if str(exc).strip() else "no message"
-                outcome.error = f"{doing} failed on {outcome.source}: {type(exc).__name__}: {cause}"
-        return None
 
     def _read(self, outcome: ScanOutcome) -> Ready | None:
         predictor, source, force = self.predictor, outcome.source, self.force
@@ -235,6 +217,25 @@ def _stage_progress(progress: FileProgress | None, name: str) -> StageProgress |
 # What `_guarded` was doing when a scan failed, said in its error; only the network's
 # inference is tiled, so only there do smaller tiles help against running out of memory.
 _READING, _INFERENCE, _WRITING = "reading", "inference", "post-processing and writing"
+
+
+def _guarded(outcome: ScanOutcome, doing: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, or None with the scan's one-line error on `outcome`: whatever `fn`
+    raises (a library's bug on a strange file too) fails this scan, never the batch."""
+    try:
+        return fn(*args)
+    except CtsegError as exc:
+        outcome.error = str(exc)
+    except Exception as exc:
+        out_of_memory = memory.out_of_memory(exc)
+        if out_of_memory and doing == _INFERENCE:
+            outcome.error = f"{doing} ran out of memory; try a smaller tile size"
+        elif out_of_memory:
+            outcome.error = f"{doing} ran out of memory ({type(exc).__name__})"
+        else:
+            cause = one_line(exc) if str(exc).strip() else "no message"
+            outcome.error = f"{doing} failed on {outcome.source}: {type(exc).__name__}: {cause}"
+    return None
 
 
 def _write_images(

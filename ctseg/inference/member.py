@@ -28,6 +28,7 @@ from ctseg.inference.network.tiling import Span
 from ctseg.inference.scan import to_grid
 from ctseg.inference.scan.region import GridWindow, Region, window_of
 from ctseg.io.scans import Scan
+from ctseg.memory import out_of_memory
 from ctseg.model import unet
 from ctseg.parallel import devices as dev
 from ctseg.progress import TileProgress
@@ -163,7 +164,7 @@ class Member:
         try:
             return self._probabilities(self.engine_for(box), unit, tta, progress, need)
         except Exception as exc:
-            if not self.backend.out_of_memory(exc):
+            if not out_of_memory(exc):
                 raise
         before = self.engine.description
         key = (box, self.boxes.windows_for(box))
@@ -173,7 +174,7 @@ class Member:
         try:
             return self._probabilities(self.engine, unit, tta, progress, need)
         except Exception as again:
-            if not self.backend.out_of_memory(again):
+            if not out_of_memory(again):
                 raise
             raise CtsegError(
                 f"out of memory on {dev.describe(self.engine.devices)}, also with "

@@ -5,7 +5,6 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 from dicom_series import RT_DOSE, write_dicom_slice, write_pydicom_series
 from typer.testing import CliRunner
@@ -14,7 +13,6 @@ import ctseg.cli.main  # noqa: F401  (registers the commands)
 from ctseg.cli import library_output
 from ctseg.cli.app import app
 from ctseg.inference import files
-from ctseg.inference.network.onnx.backend import OnnxBackend
 
 runner = CliRunner()
 MR_IMAGE = "1.2.840.10008.5.1.4.1.1.4"
@@ -87,10 +85,8 @@ def test_only_inference_out_of_memory_advises_a_smaller_tile():
     def exhausted():
         raise MemoryError("Unable to allocate 86.0 GiB for an array")
 
-    # A scan's stages as far as guarding needs them: the backend that tells memory failures.
-    stages = SimpleNamespace(predictor=SimpleNamespace(backend=OnnxBackend()))
     for doing in (files._READING, files._INFERENCE, files._WRITING):
         outcome = files.ScanOutcome(Path("scan.nii.gz"), "scan")
-        assert files._FileStages._guarded(stages, outcome, doing, exhausted) is None
+        assert files._guarded(outcome, doing, exhausted) is None
         assert outcome.error.startswith(f"{doing} ran out of memory")
         assert ("smaller tile" in outcome.error) == (doing == files._INFERENCE)

@@ -339,12 +339,20 @@ def test_evaluate_and_predict_out_of_files_are_one_error_line(trained, tmp_path)
         assert isinstance(result.exception, CtsegError) and message in str(result.exception), args
 
 
-@pytest.mark.parametrize("failures", [1, 2])
+# What running out of memory raises: XLA's allocation failure (an accelerator's, or the host
+# CPU's where the probabilities run under either backend), the host's for numpy.
+OUT_OF_MEMORY = {
+    "xla": jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1 B"),
+    "host": MemoryError("Unable to allocate 86.0 GiB for an array"),
+}
+
+
+@pytest.mark.parametrize(("raised", "failures"), [("xla", 1), ("xla", 2), ("host", 1)])
 def test_an_out_of_memory_scan_is_retried_with_smaller_tiles_or_fails_alone(
-    trained, tmp_path, monkeypatch, failures
+    trained, tmp_path, monkeypatch, raised, failures
 ):
-    """The second of three scans runs out of accelerator memory: once, it is retried with
-    smaller tiles and says so; twice, its row fails and the other two are written."""
+    """The second of three scans runs out of memory: once, it is retried with smaller
+    tiles and says so; twice, its row fails and the other two are written."""
     from ctseg.inference import member as pipeline
     from ctseg.inference.files import predict_files
 
@@ -357,7 +365,7 @@ def test_an_out_of_memory_scan_is_retried_with_smaller_tiles_or_fails_alone(
     def probabilities(*args, **kwargs):
         calls.append(predictor.engine.description)
         if 2 <= len(calls) <= 1 + failures:
-            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1 B")
+            raise OUT_OF_MEMORY[raised]
         return real(*args, **kwargs)
 
     monkeypatch.setattr(pipeline, "class_probabilities", probabilities)

@@ -90,7 +90,3 @@ class Backend(ABC):
         """The free memory (bytes per device) whose automatic plan needs about `needed`
         bytes: a plan takes a share of the memory it is given (a scan that ran out of
         memory is tried again on the plan for half of what it needed)."""
-
-    def out_of_memory(self, exc: BaseException) -> bool:
-        """Whether `exc` says the memory ran out: the host's, or the backend's devices'."""
-        return isinstance(exc, MemoryError)

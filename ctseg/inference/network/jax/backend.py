@@ -23,7 +23,7 @@ from ctseg.data.grids import Shape
 from ctseg.inference.network.backends import Backend
 from ctseg.inference.network.boxes import Boxes
 from ctseg.inference.network.jax.boxes import Windowed
-from ctseg.inference.network.jax.plans import COMPILED_SHARE, JaxPlan, is_out_of_memory
+from ctseg.inference.network.jax.plans import COMPILED_SHARE, JaxPlan
 from ctseg.inference.network.jax.window_programs import MAX_WINDOW_BATCH
 from ctseg.inference.network.tiling import Stage
 from ctseg.parallel import devices as dev
@@ -64,9 +64,6 @@ class JaxBackend(Backend):
 
     def memory_for(self, needed: int) -> int:
         return int(needed / COMPILED_SHARE)
-
-    def out_of_memory(self, exc: BaseException) -> bool:
-        return super().out_of_memory(exc) or is_out_of_memory(exc)
 
     def plan(
         self, model: TrainedModel, shape: Shape, stages: list[Stage] | None, memory: int

@@ -77,11 +77,6 @@ from ctseg.run.trained import TrainedModel
 COMPILED_SHARE = 0.85
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    """An accelerator's allocation failure, as XLA reports it."""
-    return isinstance(exc, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(exc)
-
-
 def _stage_program(
     graphdef: nnx.GraphDef, stage: Stage, config: Config, mesh: Mesh, params: Any, stats: Any
 ) -> jax.stages.Compiled:
