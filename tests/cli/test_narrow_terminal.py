@@ -4,15 +4,16 @@ the commands as `ctseg --help` lists them."""
 from rich.console import Console
 
 from ctseg.cli.evaluate_report import _case_table
+from ctseg.evaluation.reports import CaseRecord
 
 
-def _case(name: str) -> dict:
-    return {
-        "case": name,
+def _case(name: str) -> CaseRecord:
+    metrics = {
         "liver": {"dice": 0.911, "assd": 3.73, "hd95": 19.88},
         "tumour": {"dice": 0.888},
         "detection": {"n_detected": 12, "n_ref": 15},
     }
+    return CaseRecord(name, metrics)
 
 
 def test_evaluate_folds_the_names_and_never_cuts_the_numbers():

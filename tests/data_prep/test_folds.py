@@ -381,14 +381,14 @@ def test_cross_validation_predicts_every_case_with_the_run_that_did_not_train_on
     for fold, run_dir in enumerate(runs):
         single = evaluate_run(run_dir, fold_store, "val", tmp_path / f"eval{fold}")
         assert single.run.fold == fold
-        assert [c["case"] for c in single.cases] == report["runs"][fold]["cases"]
+        assert [c.case for c in single.cases] == report["runs"][fold]["cases"]
         assert single.summary.to_json() == report["runs"][fold]["summary"]
-        merged += single.cases
+        merged += [c.to_json() for c in single.cases]
     assert report["cases"] == merged
 
     # One evaluation per folder: the same again is fine, a single run's is refused.
     again = evaluate_cross_validation(runs, fold_store, out)
-    assert again.cases == report["cases"]
+    assert [c.to_json() for c in again.cases] == report["cases"]
     assert again.to_json() == json.loads((out / "summary.json").read_text())  # what it wrote
     with pytest.raises(CtsegError, match="holds the cross-validation of 3 fold runs"):
         evaluate_run(runs[0], fold_store, "val", out)
